@@ -1,0 +1,135 @@
+"""The engine interface: what the HTTP layer needs from a generation backend.
+
+Two engines implement it: ``TransformersEngine`` (CPU / small GPU, the embedded default and the
+test engine) and ``VLLMEngine`` (vLLM ``AsyncLLM`` on GPUs). The app never imports either
+directly; ``rollout_server.engine.load_engine`` picks one by name, importing it lazily.
+
+Concurrency contract: ``generate`` may be called concurrently from the event loop and must not
+block it. ``load_weights`` is only called by the app while generation is paused (no request in
+flight), so engines need no locking of their own around weight loads.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout_server.protocol import (
+        FinishReason,
+        NcclInitRequest,
+        NcclUpdateRequest,
+        SamplingParams,
+    )
+
+
+class EngineError(Exception):
+    """A fault of the engine (5xx), as opposed to a bad request."""
+
+
+class UnsupportedError(EngineError):
+    """The engine does not support this operation (e.g. NCCL sync on the CPU engine)."""
+
+
+class WeightsError(ValueError):
+    """A weight update was refused (unknown name, wrong shape/dtype, unreadable data).
+
+    Raised before anything is applied: the old weights keep serving."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str
+    engine: str
+    dtype: str
+    device: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    weight_transports: list[str] = field(default_factory=lambda: ["http", "file"])
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token, under the sampling distribution
+    text: str
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    shape: tuple[int, ...]
+
+
+class Engine(abc.ABC):
+    """A generation backend. Subclasses set ``name`` and implement the abstract methods."""
+
+    name: str = "base"
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Load the model. Called once before the server reports ready."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the model and any worker processes."""
+
+    @abc.abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    @abc.abstractmethod
+    def tokenize_prompt(
+        self,
+        prompt: list[int] | str | list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of a prompt: ids unchanged, text encoded, chat messages templated."""
+
+    @abc.abstractmethod
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    @abc.abstractmethod
+    async def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams
+    ) -> list[list[SampleOutput]]:
+        """``n`` samples for each prompt, as ``[prompt][sample]``."""
+
+    @abc.abstractmethod
+    def weight_metadata(self) -> dict[str, TensorMeta]:
+        """Name -> dtype/shape of every tensor a weight update may carry (for validation)."""
+
+    @abc.abstractmethod
+    async def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy already-validated tensors into the model. Called with generation paused."""
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop cached KV for prompts (stale after a weight update). No-op by default."""
+
+    @abc.abstractmethod
+    async def sleep(self, level: int) -> None: ...
+
+    @abc.abstractmethod
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def is_sleeping(self) -> bool: ...
+
+    async def init_weight_group(self, request: NcclInitRequest) -> None:
+        raise UnsupportedError(f"the {self.name} engine does not support NCCL weight sync")
+
+    async def receive_nccl_update(self, request: NcclUpdateRequest) -> float | None:
+        """Receive the announced buckets over NCCL, then load them all (or none).
+
+        Returns a checksum of the loaded tensors when ``request.checksum`` is set."""
+        raise UnsupportedError(f"the {self.name} engine does not support NCCL weight sync")

@@ -1,0 +1,201 @@
+"""The wire contract of the rollout server: typed pydantic models shared by server and client.
+
+Everything that crosses the HTTP boundary is defined here and nowhere else. Importing this module
+must stay cheap: no torch, no vLLM, no engine code (the learner imports it on every rank).
+
+Token ids are the source of truth: a prompt given as text or chat messages is tokenized once by the
+server, and its ids are returned so the learner never re-tokenizes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessage(BaseModel):
+    """One chat message. Extra keys (``tool_calls``, ``name``, ``tool_call_id``) pass through to
+    the chat template unchanged."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = ""
+
+
+PromptInput = Annotated[
+    list[int] | str | list[ChatMessage],
+    Field(description="token ids, raw text, or a list of chat messages"),
+]
+
+
+class SamplingParams(_Model):
+    """Sampling parameters, with vLLM's meaning. ``top_k`` <= 0 and ``min_p`` = 0 disable them."""
+
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 or 0 disables top-k")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    max_tokens: int = Field(256, ge=1, description="completion tokens per sample")
+    stop: list[str] = Field(default_factory=list, description="stop strings (not included)")
+    stop_token_ids: list[int] = Field(default_factory=list, description="extra stop token ids")
+    ignore_eos: bool = False
+    seed: int | None = Field(
+        None, description="same seed + same weights + same request = same output"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stop_as_list(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("stop"), str):
+            data = {**data, "stop": [data["stop"]]}
+        return data
+
+
+class GenerateRequest(SamplingParams):
+    """``POST /generate``: ``n`` samples for each prompt of a batch."""
+
+    prompts: list[PromptInput] = Field(min_length=1)
+    n: int = Field(1, ge=1, description="samples per prompt")
+    add_generation_prompt: bool = Field(True, description="for chat prompts")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="tool schemas passed to the chat template (chat prompts only)"
+    )
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams.model_validate(
+            self.model_dump(include=set(SamplingParams.model_fields))
+        )
+
+
+class Sample(_Model):
+    token_ids: list[int]
+    logprobs: list[float] = Field(
+        description="log-prob of each sampled token under the sampling distribution"
+    )
+    text: str
+    finish_reason: FinishReason
+    weight_version: int
+
+
+class PromptResult(_Model):
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+
+
+class GenerateResponse(_Model):
+    results: list[PromptResult]
+    weight_version: int = Field(description="version of the weights that produced every sample")
+    server: str | None = Field(None, description="filled in by the client: which server answered")
+
+
+class Limits(_Model):
+    """Input limits the server enforces; a violation is a 4xx that names the limit."""
+
+    max_n: int = Field(64, ge=1)
+    max_tokens: int = Field(4096, ge=1)
+    max_prompt_len: int = Field(8192, ge=1, description="prompt tokens")
+    max_batch_size: int = Field(512, ge=1, description="prompts per request")
+    max_body_mb: int = Field(4096, ge=1, description="request body size, MB (weight buckets)")
+
+
+class InfoResponse(_Model):
+    model: str
+    engine: str
+    dtype: str
+    device: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    weight_version: int
+    sleeping: bool
+    sleep_level: int
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    limits: Limits
+    weight_transports: list[str]
+
+
+class SleepRequest(_Model):
+    level: Literal[1, 2] = Field(
+        1, description="1: weights to CPU, KV cache dropped; 2: both dropped (re-sync weights)"
+    )
+
+
+class WakeUpRequest(_Model):
+    tags: list[Literal["weights", "kv_cache"]] | None = None
+
+
+class SleepStatus(_Model):
+    is_sleeping: bool
+    level: int = 0
+
+
+class TensorSpec(_Model):
+    name: str
+    dtype: str = Field(description="torch dtype name without the prefix, e.g. 'bfloat16'")
+    shape: list[int]
+
+
+class WeightFileRequest(_Model):
+    """``POST /weights/load_file``: a safetensors file, or a directory of them, on a disk the
+    server can read (shared volume)."""
+
+    path: str
+    version: int | None = Field(None, description="version to set; default current + 1")
+
+
+class WeightUpdateBegin(_Model):
+    """Announce an HTTP update sent in several buckets; nothing is applied until commit."""
+
+    num_buckets: int = Field(ge=1)
+    version: int | None = None
+
+
+class WeightUpdateId(_Model):
+    update_id: str
+
+
+class NcclInitRequest(_Model):
+    """Join the weight-sync process group: the learner is rank 0, server workers follow."""
+
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)
+    timeout_s: float = Field(300.0, gt=0)
+
+
+class NcclUpdateRequest(_Model):
+    """One announce for a whole NCCL update: every tensor and the bucket layout. Bucket ``b``
+    is a flat buffer of ``dtype`` holding the listed tensors back to back, in order."""
+
+    tensors: list[TensorSpec]
+    buckets: list[list[int]] = Field(description="indices into tensors, per bucket")
+    bucket_dtypes: list[str]
+    version: int | None = None
+    checksum: bool = Field(False, description="return a float64 checksum of the loaded weights")
+
+
+class WeightUpdateResponse(_Model):
+    weight_version: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    checksum: float | None = None
+
+
+class ErrorResponse(_Model):
+    detail: str
+
+
+class HealthResponse(_Model):
+    status: Literal["ok"] = "ok"
