@@ -113,7 +113,7 @@ class Engine(abc.ABC):
     async def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy already-validated tensors into the model. Called with generation paused."""
 
-    async def reset_prefix_cache(self) -> None:
+    async def reset_prefix_cache(self) -> None:  # noqa: B027
         """Drop cached KV for prompts (stale after a weight update). No-op by default."""
 
     @abc.abstractmethod
