@@ -155,14 +155,20 @@ class WeightFileRequest(_Model):
 
 
 class WeightUpdateBegin(_Model):
-    """Announce an HTTP update sent in several buckets; nothing is applied until commit."""
+    """Open an HTTP update sent in several buckets; nothing is applied until commit.
 
-    num_buckets: int = Field(ge=1)
+    The bucket count may be unknown here (the learner streams buckets out of a ZeRO-3 gather);
+    the commit names it, and the server refuses the commit if any bucket is missing."""
+
     version: int | None = None
 
 
 class WeightUpdateId(_Model):
     update_id: str
+
+
+class WeightUpdateCommit(WeightUpdateId):
+    num_buckets: int = Field(ge=1, description="buckets 0..num_buckets-1 must all be staged")
 
 
 class NcclInitRequest(_Model):

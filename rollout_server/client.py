@@ -1,0 +1,379 @@
+"""Typed async client for one or more rollout servers.
+
+The learner talks to servers only through this class. It speaks the models of
+``rollout_server.protocol`` and turns every failure into an exception that names the server,
+the call and the reason.
+
+Retries: only calls that are safe to repeat are retried (health/info/generate, uploading a
+staged bucket). A weight *commit* is never retried blindly: if its answer is lost, the server may
+or may not have applied it, so the error says to check ``/info``'s ``weight_version``.
+
+Importing this module imports neither torch nor any engine; ``update_weights`` imports
+safetensors/torch lazily.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from rollout_server.protocol import (
+    GenerateRequest,
+    GenerateResponse,
+    InfoResponse,
+    SleepRequest,
+    SleepStatus,
+    WakeUpRequest,
+    WeightFileRequest,
+    WeightUpdateBegin,
+    WeightUpdateCommit,
+    WeightUpdateId,
+    WeightUpdateResponse,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+class RolloutError(Exception):
+    """A rollout-server call failed. ``server`` says which one."""
+
+    def __init__(self, server: str, message: str) -> None:
+        super().__init__(f"rollout server {server}: {message}")
+        self.server = server
+
+
+class RolloutHTTPError(RolloutError):
+    """The server answered with an error status; ``detail`` is its explanation."""
+
+    def __init__(self, server: str, method: str, path: str, status: int, detail: str) -> None:
+        super().__init__(server, f"{method} {path} -> HTTP {status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+class RolloutUnavailableError(RolloutError):
+    """The server could not be reached (or stayed unavailable) after the allowed retries."""
+
+
+class WeightSyncError(RolloutError):
+    """A weight update failed; the message says whether the old weights are still serving."""
+
+
+def _shards(count: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal [start, end) ranges of ``count`` items over ``parts`` servers."""
+    parts = max(1, min(parts, count))
+    base, extra = divmod(count, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+class RolloutClient:
+    """Async client for a fleet of rollout servers (one batch is spread over all of them)."""
+
+    def __init__(
+        self,
+        base_urls: str | Sequence[str],
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+    ) -> None:
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise ValueError(
+                "RolloutClient needs at least one server URL (e.g. http://127.0.0.1:8000)"
+            )
+        self.servers = [u.rstrip("/") for u in urls]
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # -- transport -------------------------------------------------------------------------
+
+    async def _call(
+        self,
+        server: str,
+        method: str,
+        path: str,
+        *,
+        body: BaseModel | None = None,
+        content: bytes | None = None,
+        params: dict[str, Any] | None = None,
+        retry: bool = True,
+    ) -> httpx.Response:
+        attempts = 1 + (self.max_retries if retry else 0)
+        last: str = "no attempt made"
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                resp = await self._http.request(
+                    method,
+                    server + path,
+                    json=body.model_dump(mode="json") if body is not None else None,
+                    content=content,
+                    params=params,
+                    headers={"Content-Type": "application/octet-stream"} if content else None,
+                )
+            except httpx.TimeoutException as e:
+                last = f"{method} {path} timed out ({type(e).__name__})"
+            except httpx.TransportError as e:
+                last = f"{method} {path} failed to connect: {type(e).__name__}: {e}"
+            else:
+                if resp.status_code < 400:
+                    return resp
+                detail = _detail(resp)
+                if resp.status_code not in RETRY_STATUSES or attempt == attempts - 1:
+                    raise RolloutHTTPError(server, method, path, resp.status_code, detail)
+                last = f"{method} {path} -> HTTP {resp.status_code}: {detail}"
+            logger.warning(
+                "rollout server %s: %s (attempt %d/%d)", server, last, attempt + 1, attempts
+            )
+        raise RolloutUnavailableError(server, f"{last} (after {attempts} attempt(s))")
+
+    async def _json(self, server: str, method: str, path: str, model: type[M], **kw: Any) -> M:
+        resp = await self._call(server, method, path, **kw)
+        return model.model_validate(resp.json())
+
+    async def _all(self, coro_fn: Any) -> list[Any]:
+        return list(await asyncio.gather(*(coro_fn(s) for s in self.servers)))
+
+    # -- status ----------------------------------------------------------------------------
+
+    async def health(self) -> list[bool]:
+        async def one(s: str) -> bool:
+            try:
+                await self._call(s, "GET", "/health", retry=False)
+                return True
+            except RolloutError:
+                return False
+
+        return await self._all(one)
+
+    async def ready(self) -> list[bool]:
+        async def one(s: str) -> bool:
+            try:
+                await self._call(s, "GET", "/ready", retry=False)
+                return True
+            except RolloutError:
+                return False
+
+        return await self._all(one)
+
+    async def wait_ready(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
+        """Wait until every server answers ``/ready``; raise naming the ones that did not."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = await self.ready()
+            if all(states):
+                return
+            if time.monotonic() > deadline:
+                down = [s for s, ok in zip(self.servers, states, strict=True) if not ok]
+                raise RolloutUnavailableError(
+                    ", ".join(down),
+                    f"not ready after {timeout_s:.0f} s (is it running? see its log)",
+                )
+            await asyncio.sleep(poll_s)
+
+    async def info(self) -> list[InfoResponse]:
+        return await self._all(lambda s: self._json(s, "GET", "/info", InfoResponse))
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        """Generate for a batch, spread in contiguous shards over all servers, results in order."""
+        shards = _shards(len(request.prompts), len(self.servers))
+
+        async def one(server: str, start: int, end: int) -> GenerateResponse:
+            sub = request.model_copy(update={"prompts": request.prompts[start:end]})
+            out = await self._json(server, "POST", "/generate", GenerateResponse, body=sub)
+            if len(out.results) != end - start:
+                raise RolloutError(
+                    server, f"returned {len(out.results)} results for {end - start} prompts"
+                )
+            return out
+
+        parts = await asyncio.gather(
+            *(one(s, a, b) for s, (a, b) in zip(self.servers, shards, strict=False))
+        )
+        results = [r for p in parts for r in p.results]
+        return GenerateResponse(
+            results=results,
+            weight_version=min(p.weight_version for p in parts),
+            server=",".join(s for s, _ in zip(self.servers, shards, strict=False)),
+        )
+
+    # -- sleep -----------------------------------------------------------------------------
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._all(
+            lambda s: self._call(s, "POST", "/sleep", body=SleepRequest(level=level), retry=False)
+        )
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        body = WakeUpRequest.model_validate({"tags": tags})
+        await self._all(lambda s: self._call(s, "POST", "/wake_up", body=body, retry=False))
+
+    async def is_sleeping(self) -> list[SleepStatus]:
+        return await self._all(lambda s: self._json(s, "GET", "/is_sleeping", SleepStatus))
+
+    # -- weights ---------------------------------------------------------------------------
+
+    async def load_weights_file(
+        self, path: str, version: int | None = None
+    ) -> list[WeightUpdateResponse]:
+        """Every server loads a safetensors file (or directory) from a shared disk."""
+        body = WeightFileRequest(path=path, version=version)
+
+        async def one(s: str) -> WeightUpdateResponse:
+            try:
+                return await self._json(
+                    s, "POST", "/weights/load_file", WeightUpdateResponse, body=body, retry=False
+                )
+            except RolloutError as e:
+                raise WeightSyncError(
+                    s, f"file update refused, old weights still serve: {e}"
+                ) from e
+
+        return await self._all(one)
+
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int | None = None,
+        bucket_bytes: int = 256 * 2**20,
+    ) -> list[WeightUpdateResponse]:
+        """Send weights to every server over HTTP in safetensors buckets, then commit atomically.
+
+        Tensors are consumed lazily (a ZeRO-3 gather can feed this bucket by bucket); each bucket is
+        serialised once and uploaded to all servers concurrently. Any failure aborts the update on
+        every server, which keeps serving its old weights."""
+        from safetensors.torch import save as st_save
+
+        staged: dict[str, str] = {}
+        num_buckets = 0
+        try:
+            begin = WeightUpdateBegin(version=version)
+            ids = await self._all(
+                lambda s: self._json(
+                    s, "POST", "/weights/begin", WeightUpdateId, body=begin, retry=False
+                )
+            )
+            staged = {s: i.update_id for s, i in zip(self.servers, ids, strict=True)}
+            for index, bucket in enumerate(_bucketize(named_tensors, bucket_bytes)):
+                payload = st_save(dict(bucket))
+                del bucket
+                await asyncio.gather(
+                    *(
+                        self._call(
+                            s,
+                            "POST",
+                            "/weights/bucket",
+                            content=payload,
+                            params={"update_id": staged[s], "index": index},
+                        )
+                        for s in self.servers
+                    )
+                )
+                num_buckets = index + 1
+        except BaseException as e:
+            await self._abort(staged)
+            if isinstance(e, RolloutError):
+                raise WeightSyncError(
+                    e.server, f"update aborted, old weights still serve: {e}"
+                ) from e
+            raise
+        if num_buckets == 0:
+            await self._abort(staged)
+            raise ValueError("update_weights got no tensors")
+
+        async def commit(s: str) -> WeightUpdateResponse:
+            try:
+                return await self._json(
+                    s,
+                    "POST",
+                    "/weights/commit",
+                    WeightUpdateResponse,
+                    body=WeightUpdateCommit(update_id=staged[s], num_buckets=num_buckets),
+                    retry=False,
+                )
+            except RolloutUnavailableError as e:
+                raise WeightSyncError(
+                    s, f"commit sent but no answer ({e}); check GET /info weight_version"
+                ) from e
+            except RolloutError as e:
+                raise WeightSyncError(s, f"commit refused, old weights still serve: {e}") from e
+
+        return await self._all(commit)
+
+    async def _abort(self, staged: dict[str, str]) -> None:
+        for s, uid in staged.items():
+            try:
+                await self._call(
+                    s, "POST", "/weights/abort", body=WeightUpdateId(update_id=uid), retry=False
+                )
+            except RolloutError as e:  # the server drops stale staged updates itself
+                logger.warning("could not abort update %s on %s: %s", uid, s, e)
+
+
+def _bucketize(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors (copied to CPU one at a time) into buckets of about ``bucket_bytes``."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named_tensors:
+        t = t.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _detail(resp: httpx.Response) -> str:
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text[:500] or resp.reason_phrase
+    if isinstance(data, dict) and "detail" in data:
+        d = data["detail"]
+        return d if isinstance(d, str) else str(d)[:1000]
+    return str(data)[:500]
