@@ -1,0 +1,69 @@
+"""``python -m learner`` / ``accelerate launch -m learner``: train, or plot a run.
+
+    python -m learner --config learner/configs/demo.toml [--run-dir DIR] [--resume] [--set k=v ...]
+    python -m learner plot RUN_DIR [--out FILE]
+
+torch and transformers are imported only after the arguments parse, so ``--help`` is instant and
+a bad config fails before any model loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m learner",
+        description="GRPO learner. Without rollout.servers in the config it starts its own "
+        "rollout server. Subcommand: `plot RUN_DIR` draws a run's curves.",
+    )
+    p.add_argument("--config", required=True, help="TOML config (see learner/configs/)")
+    p.add_argument("--run-dir", help="overrides run.run_dir")
+    p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one field, e.g. --set optim.lr=1e-5 (TOML value syntax); repeatable",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if argv and argv[0] == "plot":
+        p = argparse.ArgumentParser(prog="python -m learner plot")
+        p.add_argument("run_dir")
+        p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)")
+        args = p.parse_args(argv[1:])
+        from learner.plot import plot_run
+
+        print(plot_run(args.run_dir, args.out))
+        return 0
+
+    args = _train_parser().parse_args(argv)
+    from learner.config import ConfigError, load_config
+
+    overrides = list(args.overrides)
+    if args.run_dir:
+        overrides.append(f"run.run_dir={args.run_dir!r}".replace("'", '"'))
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    from learner.trainer import train
+
+    last = train(cfg, resume=args.resume)
+    if last:
+        summary = ", ".join(f"{k}={last[k]:.4g}" for k in ("reward/mean", "loss") if k in last)
+        print(f"done: {cfg.run.steps} steps in {cfg.run.run_dir} ({summary})")
+    return 0

@@ -1,0 +1,198 @@
+"""Learner configuration: pydantic models loaded from TOML, with single-field CLI overrides.
+
+Defaults live here, in code; a TOML file only says what differs. Unknown keys are errors (a typo
+must not silently fall back to a default), and every error names the field and how to fix it.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    name_or_path: str = Field(
+        "tiny",
+        description="hub id or local path; 'tiny' builds a random-weight tiny Qwen3 in the run dir",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    tiny: dict[str, int] = Field(
+        default_factory=dict, description="overrides for the tiny model (hidden_size, layers…)"
+    )
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+
+
+class DataConfig(_Section):
+    path: str = Field(description="a .jsonl file, or a directory saved by datasets.save_to_disk")
+    prompt_column: str = "prompt"
+    shuffle: bool = True
+    seed: int = 0
+
+
+class EmbeddedServerConfig(_Section):
+    engine: Literal["transformers"] = "transformers"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    startup_timeout_s: float = Field(120.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list, description="more rollout-server flags")
+
+
+class RolloutConfig(_Section):
+    servers: list[str] = Field(
+        default_factory=list,
+        description="rollout server URLs; empty = start an embedded server as a subprocess",
+    )
+    api_key: str | None = Field(None, description="or set ROLLOUT_API_KEY")
+    timeout_s: float = Field(600.0, gt=0)
+    max_retries: int = Field(3, ge=0)
+    ready_timeout_s: float = Field(300.0, gt=0)
+    sync: Literal["http", "file", "nccl"] = "http"
+    sync_dir: str | None = Field(None, description="shared directory for sync = 'file'")
+    bucket_mb: int = Field(256, ge=1)
+    embedded: EmbeddedServerConfig = Field(default_factory=EmbeddedServerConfig)
+
+    @model_validator(mode="after")
+    def _file_sync_needs_dir(self) -> RolloutConfig:
+        if self.sync == "file" and not self.sync_dir:
+            raise ValueError("rollout.sync = 'file' needs rollout.sync_dir (a shared directory)")
+        return self
+
+
+class SamplingConfig(_Section):
+    num_generations: int = Field(8, ge=2, description="G: completions per prompt (>= 2)")
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = Field(default_factory=list)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class RewardConfig(_Section):
+    name: str = Field(description="a registered reward (python -m rewards list)")
+    weight: float = 1.0
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class ScoringConfig(_Section):
+    timeout_s: float = Field(60.0, gt=0)
+    policy: Literal["raise", "none", "zero"] = "raise"
+
+
+class GRPOConfig(_Section):
+    prompts_per_step: int = Field(8, ge=1, description="prompts per optimizer step (all ranks)")
+    num_iterations: int = Field(1, ge=1, description="optimizer passes over each batch")
+    micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward")
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    eps_low: float = Field(0.2, ge=0)
+    eps_high: float = Field(0.28, ge=0)
+    beta: float = Field(0.0, ge=0, description="KL coefficient (k3) to a frozen reference")
+    tis_cap: float | None = Field(2.0, description="truncated IS cap; none disables")
+    entropy_coef: float = 0.0
+    logprob_chunk_size: int = Field(1024, ge=1)
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    max_grad_norm: float = Field(1.0, gt=0)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+
+
+class RunConfig(_Section):
+    steps: int = Field(100, ge=1)
+    seed: int = 0
+    run_dir: str = "runs/grpo"
+    checkpoint_every: int = Field(10, ge=1)
+    keep_checkpoints: int = Field(2, ge=1)
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+class LearnerConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    rewards: list[RewardConfig] = Field(min_length=1)
+    scoring: ScoringConfig = Field(default_factory=ScoringConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the field and the fix."""
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid learner config ({source}):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field — check its spelling and section (see learner/config.py)"
+        elif e["type"] == "missing":
+            msg = "required field is missing — add it to the config"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def _parse_value(raw: str) -> Any:
+    """A CLI override's value, read as a TOML value where it is one, else as a plain string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply ``section.field=value`` (value in TOML syntax; bare words are strings)."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like section.field=value")
+    key, raw = override.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {p!r} is not a section")
+    node[parts[-1]] = _parse_value(raw.strip())
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> LearnerConfig:
+    data: dict[str, Any] = {}
+    source = "overrides"
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from e
+        source = str(path)
+    for o in overrides or []:
+        apply_override(data, o)
+    if isinstance(path, Path):  # relative data paths are relative to the config file
+        d = data.get("data")
+        if isinstance(d, dict) and isinstance(d.get("path"), str):
+            rel = path.parent / d["path"]
+            if not Path(d["path"]).is_absolute() and rel.exists():
+                d["path"] = str(rel.resolve())
+    try:
+        return LearnerConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None

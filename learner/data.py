@@ -1,0 +1,105 @@
+"""Prompt data: JSONL files or local Hugging Face ``datasets`` directories.
+
+The stream is a pure function of (seed, position): epoch ``e`` visits the rows in the order of a
+permutation seeded with ``seed + e``. A checkpoint stores only ``position`` (rows consumed), so a
+resumed run sees exactly the same prompts in the same order as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+
+class DataError(ValueError):
+    """The dataset cannot be read or lacks what the config asks for."""
+
+
+def load_rows(path: str | Path, prompt_column: str) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data.path {path} does not exist")
+    if path.is_dir():
+        try:
+            import datasets
+        except ImportError as e:  # pragma: no cover - datasets is a dev dependency
+            raise DataError(f"{path} is a directory: install `datasets` to read it") from e
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise DataError(f"{path} holds splits {list(ds)}; expected a 'train' split")
+            ds = ds["train"]
+        rows = [dict(r) for r in ds]
+    else:
+        rows = []
+        with path.open() as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno} is not valid JSON: {e}") from e
+                if not isinstance(row, dict):
+                    raise DataError(
+                        f"{path}:{lineno} must be a JSON object, got {type(row).__name__}"
+                    )
+                rows.append(row)
+    if not rows:
+        raise DataError(f"{path} holds no rows")
+    for i, row in enumerate(rows):
+        prompt = row.get(prompt_column)
+        if prompt is None:
+            raise DataError(
+                f"{path} row {i} has no {prompt_column!r} column (columns: {sorted(row)}); "
+                "set data.prompt_column"
+            )
+        if not isinstance(prompt, str | list):
+            raise DataError(
+                f"{path} row {i}: {prompt_column!r} must be text or a list of chat messages"
+            )
+    return rows
+
+
+class PromptStream:
+    """An endless, seeded, resumable stream of rows over epochs."""
+
+    def __init__(self, rows: list[dict[str, Any]], *, seed: int, shuffle: bool) -> None:
+        self.rows = rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self.position = 0
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    @property
+    def epoch(self) -> int:
+        return self.position // len(self.rows)
+
+    def _order_for(self, epoch: int) -> list[int]:
+        if epoch != self._order_epoch:
+            order = list(range(len(self.rows)))
+            if self.shuffle:
+                random.Random(self.seed + epoch).shuffle(order)
+            self._order, self._order_epoch = order, epoch
+        return self._order
+
+    def take(self, count: int) -> list[dict[str, Any]]:
+        out = []
+        for _ in range(count):
+            epoch, index = divmod(self.position, len(self.rows))
+            out.append(self.rows[self._order_for(epoch)[index]])
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise DataError(
+                f"checkpoint was made with data.seed={state['seed']}, config has {self.seed}"
+            )
+        self.position = int(state["position"])

@@ -1,0 +1,105 @@
+"""One step's rollouts: generate G completions per prompt, score them, compute advantages.
+
+Runs on every rank for that rank's share of the prompts (so nothing is generated twice); the
+advantages need the whole group, which always lives on one rank.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from learner.advantages import group_advantages
+from learner.batch import Rollout
+from learner.config import LearnerConfig
+from rewards.scoring import RewardRunner
+from rollout_server.client import RolloutClient
+from rollout_server.protocol import GenerateRequest
+
+
+@dataclass
+class StepRollouts:
+    rollouts: list[Rollout]
+    rewards: torch.Tensor  # [B*G] total (weighted) reward
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def generate_request(cfg: LearnerConfig, prompts: list[Any]) -> GenerateRequest:
+    s = cfg.sampling
+    return GenerateRequest(
+        prompts=prompts,
+        n=s.num_generations,
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        stop=s.stop,
+        chat_template_kwargs=s.chat_template_kwargs,
+    )
+
+
+async def collect(
+    cfg: LearnerConfig,
+    client: RolloutClient,
+    scorer: RewardRunner,
+    rows: list[dict[str, Any]],
+) -> StepRollouts:
+    """Generate, score and attach group-relative advantages for ``rows`` (this rank's prompts)."""
+    g = cfg.sampling.num_generations
+    prompt_col = cfg.data.prompt_column
+    t0 = time.perf_counter()
+    resp = await client.generate(generate_request(cfg, [r[prompt_col] for r in rows]))
+    t_gen = time.perf_counter() - t0
+
+    rollouts: list[Rollout] = []
+    prompts, completions, finish = [], [], []
+    columns: dict[str, list[Any]] = {k: [] for k in rows[0] if k != prompt_col}
+    for row, result in zip(rows, resp.results, strict=True):
+        if len(result.samples) != g:
+            raise RuntimeError(f"server returned {len(result.samples)} samples, asked for {g}")
+        for s in result.samples:
+            rollouts.append(
+                Rollout(
+                    prompt_ids=result.prompt_token_ids,
+                    completion_ids=s.token_ids,
+                    sampling_logprobs=s.logprobs,
+                    completion_mask=[1] * len(s.token_ids),
+                    weight_version=s.weight_version,
+                )
+            )
+            prompts.append(row[prompt_col])
+            completions.append(s.text)
+            finish.append(s.finish_reason)
+            for k in columns:
+                columns[k].append(row.get(k))
+
+    t0 = time.perf_counter()
+    scored = await scorer.score(prompts, completions, columns)
+    t_score = time.perf_counter() - t0
+    rewards = torch.tensor(scored.total, dtype=torch.float32)  # [B*G]
+    advantages, zero_groups = group_advantages(rewards, g, scale=cfg.grpo.scale_rewards)
+    for r, a in zip(rollouts, advantages.tolist(), strict=True):
+        r.advantage = a
+
+    lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32)
+    n_tokens = float(lengths.sum())
+    metrics = {
+        **scored.metrics,
+        "advantage/abs_mean": float(advantages.abs().mean()),
+        "advantage/std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
+        "groups/zero_advantage": float(zero_groups),
+        "completion/len_mean": float(lengths.mean()),
+        "completion/len_max": float(lengths.max()),
+        "completion/truncated_frac": sum(f == "length" for f in finish) / len(finish),
+        "time/generate": t_gen,
+        "time/score": t_score,
+        "tokens/generated": n_tokens,
+        "throughput/gen_tokens_per_s": n_tokens / max(t_gen, 1e-9),
+        "weight_version/min": float(min(r.weight_version for r in rollouts)),
+    }
+    return StepRollouts(rollouts, rewards, metrics)

@@ -1,0 +1,337 @@
+"""The GRPO loop: setup, train, cleanup.
+
+One step: this rank's prompts -> ``/generate`` (G samples each) -> rewards -> group-relative
+advantages -> chunked GRPO loss over micro-batches -> optimizer step -> weight sync (main process)
+-> next step. Runs as ``python -m learner`` (one process) or under ``accelerate launch`` (DDP on
+CPU/GPU, DeepSpeed ZeRO-2/3 on GPU); each rank generates and trains on its own prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import os
+import threading
+import time
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+from learner.batch import Rollout, collate, micro_batches
+from learner.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
+from learner.config import LearnerConfig
+from learner.data import PromptStream, load_rows
+from learner.embedded import embedded_server
+from learner.loss import LossConfig, LossInputs, grpo_loss
+from learner.metrics import MetricsLogger
+from learner.policy import PolicyLogprobs
+from learner.rollouts import collect
+from learner.sync import sync_weights
+from rewards.scoring import RewardRunner, RewardSpec
+from rollout_server.client import RolloutClient
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EventLoopThread:
+    """A private asyncio loop in a daemon thread: the sync training code submits HTTP work to it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+
+def _model_path(cfg: LearnerConfig, run_dir: Path, accelerator: Accelerator) -> str:
+    if cfg.model.name_or_path != "tiny":
+        return cfg.model.name_or_path
+    path = run_dir / "model"
+    if accelerator.is_main_process and not (path / "config.json").exists():
+        from rollout_server.tiny import save_tiny_model
+
+        save_tiny_model(path, seed=cfg.run.seed, **cfg.model.tiny)
+    accelerator.wait_for_everyone()
+    return str(path)
+
+
+@contextlib.contextmanager
+def _servers(
+    cfg: LearnerConfig, model: str, run_dir: Path, acc: Accelerator
+) -> Iterator[list[str]]:
+    if cfg.rollout.servers:
+        yield cfg.rollout.servers
+        return
+    urls: list[Any] = [None]
+    with contextlib.ExitStack() as stack:
+        if acc.is_main_process:
+            e = cfg.rollout.embedded
+            urls[0] = stack.enter_context(
+                embedded_server(
+                    model,
+                    log_path=run_dir / "rollout_server.log",
+                    engine=e.engine,
+                    dtype=e.dtype,
+                    startup_timeout_s=e.startup_timeout_s,
+                    extra_args=e.extra_args,
+                )
+            )
+        broadcast_object_list(urls, from_process=0)
+        yield [urls[0]]
+        acc.wait_for_everyone()  # nobody may still be generating when the server stops
+
+
+def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
+    """Run GRPO as configured; returns the last step's metrics."""
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    run_dir = Path(cfg.run.run_dir)
+    world = accelerator.num_processes
+    if cfg.grpo.prompts_per_step % world:
+        raise ValueError(
+            f"grpo.prompts_per_step = {cfg.grpo.prompts_per_step} must be divisible by the "
+            f"number of processes ({world})"
+        )
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    set_seed(cfg.run.seed)
+
+    model_path = _model_path(cfg, run_dir, accelerator)
+    dtype = getattr(torch, cfg.model.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.grpo.beta > 0 else None
+    policy = PolicyLogprobs(
+        model, temperature=cfg.sampling.temperature, chunk_size=cfg.grpo.logprob_chunk_size
+    )
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay
+    )
+    scheduler = get_scheduler(
+        o.schedule, optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=cfg.run.steps
+    )
+    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+    ref_policy = (
+        PolicyLogprobs(ref, temperature=cfg.sampling.temperature).to(accelerator.device)
+        if ref is not None
+        else None
+    )
+
+    stream = PromptStream(
+        load_rows(cfg.data.path, cfg.data.prompt_column),
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle,
+    )
+    state = TrainerState()
+    accelerator.register_for_checkpointing(stream, state)
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if ckpt is not None:
+        accelerator.load_state(str(ckpt))
+        logger.info("resumed from %s at step %d", ckpt, state.step)
+    elif resume:
+        logger.warning("--resume: no checkpoint in %s, starting from step 0", run_dir)
+
+    scorer = RewardRunner(
+        [RewardSpec(name=r.name, weight=r.weight, kwargs=r.kwargs) for r in cfg.rewards],
+        timeout_s=cfg.scoring.timeout_s,
+        policy=cfg.scoring.policy,
+    )
+    loss_cfg = LossConfig(
+        loss_type=cfg.grpo.loss_type,
+        eps_low=cfg.grpo.eps_low,
+        eps_high=cfg.grpo.eps_high,
+        beta=cfg.grpo.beta,
+        tis_cap=cfg.grpo.tis_cap,
+        max_completion_length=cfg.sampling.max_tokens,
+        entropy_coef=cfg.grpo.entropy_coef,
+    )
+    loop = EventLoopThread()
+    metrics_log = (
+        MetricsLogger(
+            run_dir,
+            total_steps=cfg.run.steps,
+            start_step=state.step,
+            tensorboard=cfg.run.tensorboard,
+            progress_bar=cfg.run.progress_bar,
+        )
+        if accelerator.is_main_process
+        else None
+    )
+    last: dict[str, float] = {}
+    try:
+        with _servers(cfg, model_path, run_dir, accelerator) as urls:
+            client = RolloutClient(
+                urls,
+                api_key=cfg.rollout.api_key or os.environ.get("ROLLOUT_API_KEY"),
+                timeout_s=cfg.rollout.timeout_s,
+                max_retries=cfg.rollout.max_retries,
+            )
+            loop.run(client.wait_ready(cfg.rollout.ready_timeout_s))
+            if ckpt is not None:  # the servers must serve the checkpoint's weights, not the base
+                _sync(cfg, accelerator, loop, client, policy, run_dir, state)
+            per_rank = cfg.grpo.prompts_per_step // world
+            while state.step < cfg.run.steps:
+                t_step = time.perf_counter()
+                rows = stream.take(cfg.grpo.prompts_per_step)
+                mine = rows[
+                    accelerator.process_index * per_rank : (accelerator.process_index + 1)
+                    * per_rank
+                ]
+                step_rollouts = loop.run(collect(cfg, client, scorer, mine))
+                t0 = time.perf_counter()
+                train_metrics = _train_on(
+                    cfg,
+                    accelerator,
+                    policy,
+                    ref_policy,
+                    optimizer,
+                    loss_cfg,
+                    step_rollouts.rollouts,
+                    pad_id,
+                )
+                scheduler.step()
+                t_train = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                _sync(cfg, accelerator, loop, client, policy, run_dir, state)
+                t_sync = time.perf_counter() - t0
+                state.step += 1
+                local = {
+                    **step_rollouts.metrics,
+                    **train_metrics,
+                    "reward/mean": float(step_rollouts.rewards.mean()),
+                    "reward/std": float(step_rollouts.rewards.std()),
+                    "time/train": t_train,
+                    "time/sync": t_sync,
+                    "time/step": time.perf_counter() - t_step,
+                    "lr": scheduler.get_last_lr()[0],
+                    "weight_version": float(state.weight_version),
+                }
+                last = _reduce_metrics(accelerator, local)
+                if metrics_log is not None:
+                    metrics_log.log(state.step, last)
+                if state.step % cfg.run.checkpoint_every == 0 or state.step == cfg.run.steps:
+                    save_checkpoint(accelerator, run_dir, state.step, cfg.run.keep_checkpoints)
+            loop.run(client.aclose())
+    finally:
+        loop.close()
+        if metrics_log is not None:
+            metrics_log.close()
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        final = run_dir / "final"
+        accelerator.unwrap_model(policy).model.save_pretrained(final, safe_serialization=True)
+        tokenizer.save_pretrained(final)
+    accelerator.end_training()
+    return last
+
+
+def _sync(cfg, accelerator, loop, client, policy, run_dir, state) -> None:  # type: ignore[no-untyped-def]
+    accelerator.wait_for_everyone()
+    version = [state.weight_version]
+    if accelerator.is_main_process:
+        hf_model = accelerator.unwrap_model(policy).model
+        with torch.no_grad():
+            answers = loop.run(sync_weights(cfg.rollout, client, hf_model, run_dir))
+        version = [min(a.weight_version for a in answers)]
+    broadcast_object_list(version, from_process=0)
+    state.weight_version = int(version[0])
+    accelerator.wait_for_everyone()  # no rank generates before every server has the new weights
+
+
+def _train_on(
+    cfg: LearnerConfig,
+    accelerator: Accelerator,
+    policy: torch.nn.Module,
+    ref_policy: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    loss_cfg: LossConfig,
+    rollouts: list[Rollout],
+    pad_id: int,
+) -> dict[str, float]:
+    dev = accelerator.device
+    batches = [
+        collate(mb, pad_id).to(dev) for mb in micro_batches(rollouts, cfg.grpo.micro_batch_size)
+    ]
+    # The loss normaliser is global: every token of the step on every rank (DAPO / BNPO).
+    local_tokens = torch.tensor(float(sum(b.num_loss_tokens for b in batches)), device=dev)
+    global_tokens = float(accelerator.reduce(local_tokens, reduction="sum"))
+    global_seqs = float(len(rollouts) * accelerator.num_processes)
+
+    with torch.no_grad():
+        olds: list[torch.Tensor | None] = [None] * len(batches)
+        refs: list[torch.Tensor | None] = [None] * len(batches)
+        for i, b in enumerate(batches):
+            if cfg.grpo.num_iterations > 1:
+                olds[i] = policy(b.input_ids, b.attention_mask, b.loss_mask)[0]
+            if ref_policy is not None:
+                refs[i] = ref_policy(b.input_ids, b.attention_mask, b.loss_mask)[0]
+
+    sums: dict[str, float] = {}
+    grad_norm = torch.tensor(0.0)
+    total_loss = 0.0
+    need_entropy = True
+    for _ in range(cfg.grpo.num_iterations):
+        for i, b in enumerate(batches):
+            ctx = accelerator.no_sync(policy) if i < len(batches) - 1 else contextlib.nullcontext()
+            with ctx:
+                logprobs, entropy = policy(
+                    b.input_ids, b.attention_mask, b.loss_mask, with_entropy=need_entropy
+                )
+                old = olds[i] if olds[i] is not None else logprobs.detach()
+                inputs = LossInputs(
+                    logprobs=logprobs,
+                    old_logprobs=old,
+                    advantages=b.advantages,
+                    mask=b.loss_mask,
+                    sampling_logprobs=b.sampling_logprobs if loss_cfg.tis_cap else None,
+                    ref_logprobs=refs[i],
+                    entropy=entropy,
+                    global_num_tokens=global_tokens,
+                    global_num_sequences=global_seqs,
+                )
+                loss, m = grpo_loss(inputs, loss_cfg)
+                # DDP averages gradients over ranks; the loss is already globally normalised.
+                accelerator.backward(loss * accelerator.num_processes)
+            total_loss += float(loss.detach())
+            weight = float(b.num_loss_tokens)
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * weight
+        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.optim.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    local_w = max(1.0, float(sum(b.num_loss_tokens for b in batches))) * cfg.grpo.num_iterations
+    out = {k: v / local_w for k, v in sums.items()}
+    out["loss"] = total_loss * accelerator.num_processes / cfg.grpo.num_iterations
+    out["grad_norm"] = float(grad_norm)
+    out["tokens/trained"] = global_tokens
+    return out
+
+
+def _reduce_metrics(accelerator: Accelerator, metrics: dict[str, float]) -> dict[str, float]:
+    """Mean of each metric over ranks (sums would double count; every rank has equal work)."""
+    if accelerator.num_processes == 1:
+        return metrics
+    keys = sorted(metrics)
+    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=accelerator.device)
+    t = accelerator.reduce(t, reduction="mean")
+    return dict(zip(keys, t.tolist(), strict=True))
