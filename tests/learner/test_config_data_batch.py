@@ -1,0 +1,151 @@
+"""Config parsing, the data stream and batch alignment (pure parts of the learner)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from learner.batch import Rollout, collate, micro_batches
+from learner.config import ConfigError, load_config
+from learner.data import DataError, PromptStream, load_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((ROOT / "learner" / "configs").glob("*.toml"))
+
+
+def test_configs_are_shipped():
+    assert SHIPPED, "learner/configs/ holds no configs"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_parses(path):
+    cfg = load_config(path)
+    assert cfg.rewards
+    if not Path(cfg.data.path).is_absolute():
+        return
+    assert Path(cfg.data.path).exists(), f"{path.name}: data.path {cfg.data.path} missing"
+
+
+def test_override_parses_toml_values_and_strings():
+    cfg = load_config(
+        SHIPPED[0],
+        [
+            "optim.lr=0.5",
+            "run.run_dir=elsewhere",
+            'rollout.servers=["http://a:1"]',
+            "grpo.beta=0.1",
+        ],
+    )
+    assert cfg.optim.lr == 0.5
+    assert cfg.run.run_dir == "elsewhere"
+    assert cfg.rollout.servers == ["http://a:1"]
+    assert cfg.grpo.beta == 0.1
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("grpo.loss_typ=dapo", "grpo.loss_typ: unknown field"),
+        ("grpo.loss_type=ppo", "grpo.loss_type"),
+        ("sampling.num_generations=1", "sampling.num_generations"),
+        ("rollout.sync=file", "rollout.sync_dir"),
+        ("optim.lr=-1", "optim.lr"),
+        ("nonsense", "section.field=value"),
+    ],
+)
+def test_bad_config_names_the_field(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(SHIPPED[0], [override])
+    assert fragment in str(e.value)
+
+
+def test_missing_required_section(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[grpo]\nbeta = 0.0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert "data: required field is missing" in str(e.value)
+    assert "rewards: required field is missing" in str(e.value)
+
+
+def test_data_jsonl_errors_name_the_problem(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"question": "x"}\n')
+    with pytest.raises(DataError, match="no 'prompt' column"):
+        load_rows(p, "prompt")
+    p.write_text("{not json\n")
+    with pytest.raises(DataError, match=":1 is not valid JSON"):
+        load_rows(p, "prompt")
+    with pytest.raises(DataError, match="does not exist"):
+        load_rows(tmp_path / "missing.jsonl", "prompt")
+
+
+def test_data_reads_datasets_directory(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(
+        [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    ).save_to_disk(str(tmp_path / "ds"))
+    rows = load_rows(tmp_path / "ds", "prompt")
+    assert rows == [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+
+
+def test_stream_is_seeded_epochal_and_resumable():
+    rows = [{"prompt": str(i)} for i in range(5)]
+    a = PromptStream(rows, seed=3, shuffle=True)
+    seen = [r["prompt"] for r in a.take(10)]
+    assert sorted(seen[:5]) == sorted(seen[5:]) == [str(i) for i in range(5)]  # two full epochs
+    assert seen[:5] != seen[5:]  # reshuffled per epoch (fixed for seed 3)
+    b = PromptStream(rows, seed=3, shuffle=True)
+    b.take(7)
+    c = PromptStream(rows, seed=3, shuffle=True)
+    c.load_state_dict(b.state_dict())
+    assert [r["prompt"] for r in c.take(3)] == seen[7:10]
+    with pytest.raises(DataError, match=r"data\.seed"):
+        PromptStream(rows, seed=4, shuffle=True).load_state_dict(b.state_dict())
+
+
+def test_collate_aligns_targets_by_hand():
+    # prompt [5, 6] + completion [7, 8, 9] with tool token 8 masked out.
+    r = Rollout([5, 6], [7, 8, 9], [-0.1, 0.0, -0.3], [1, 0, 1], advantage=1.5)
+    s = Rollout([5], [4], [-0.2], [1], advantage=-1.0)
+    b = collate([r, s], pad_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 4, 0, 0, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    # target t predicts input t+1: 7 is predicted at t=1, 8 at t=2 (masked), 9 at t=3
+    assert b.loss_mask.tolist() == [[0, 1, 0, 1], [1, 0, 0, 0]]
+    assert torch.allclose(b.sampling_logprobs, torch.tensor([[0, -0.1, 0, -0.3], [-0.2, 0, 0, 0]]))
+    assert b.advantages.tolist() == [1.5, -1.0]
+    assert b.num_loss_tokens == 3
+    assert collate([r], pad_id=0, pad_to_multiple_of=8).input_ids.shape == (1, 8)
+
+
+def test_collate_rejects_ragged_rollout():
+    with pytest.raises(ValueError, match="differ in length"):
+        collate([Rollout([1], [2, 3], [0.0], [1, 1])], pad_id=0)
+
+
+def test_micro_batches_cover_everything_once():
+    rs = [Rollout([1], [2] * n, [0.0] * n, [1] * n) for n in (3, 1, 4, 1, 5)]
+    mbs = micro_batches(rs, 2)
+    assert [len(m) for m in mbs] == [2, 2, 1]
+    assert sorted(len(r.completion_ids) for m in mbs for r in m) == [1, 1, 3, 4, 5]
+
+
+def test_demo_reward_by_hand():
+    from learner.demo_task import charset_reward
+
+    assert charset_reward(
+        [None] * 4, ["aeb", "", "zz", "x"], ["aeiou", "aeiou", "aeiou", None]
+    ) == [
+        pytest.approx(2 / 3),
+        0.0,
+        0.0,
+        None,
+    ]
+    rows = [
+        json.loads(line) for line in (ROOT / "learner/data/demo.jsonl").read_text().splitlines()
+    ]
+    assert len(rows) == 64 and all(r["allowed"] == "aeiou" for r in rows)
