@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import logging
 import os
 import threading
 import time
+import zlib
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -198,6 +200,8 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     * per_rank
                 ]
                 step_rollouts = loop.run(collect(cfg, client, scorer, mine))
+                step_rollouts.metrics["data/position"] = float(stream.position)
+                step_rollouts.metrics["data/fingerprint"] = float(rows_fingerprint(rows))
                 t0 = time.perf_counter()
                 train_metrics = _train_on(
                     cfg,
@@ -236,7 +240,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         loop.close()
         if metrics_log is not None:
             metrics_log.close()
-    accelerator.wait_for_everyone()
+    _check_ranks_agree(accelerator, policy, run_dir)
     if accelerator.is_main_process:
         final = run_dir / "final"
         accelerator.unwrap_model(policy).model.save_pretrained(final, safe_serialization=True)
@@ -325,6 +329,24 @@ def _train_on(
     out["grad_norm"] = float(grad_norm)
     out["tokens/trained"] = global_tokens
     return out
+
+
+def rows_fingerprint(rows: list[dict[str, Any]]) -> int:
+    """A stable 31-bit hash of a step's prompts, logged so runs can prove the same data order."""
+    return zlib.crc32(json.dumps(rows, sort_keys=True).encode()) & 0x7FFFFFFF
+
+
+def _check_ranks_agree(accelerator: Accelerator, policy: torch.nn.Module, run_dir: Path) -> None:
+    """Every rank must end with identical weights; write the checksums and fail loudly if not."""
+    with torch.no_grad():
+        params = accelerator.unwrap_model(policy).parameters()
+        local = sum(float(p.double().abs().sum()) for p in params)
+    sums = accelerator.gather(torch.tensor([local], dtype=torch.float64, device=accelerator.device))
+    values = sums.tolist()
+    if accelerator.is_main_process:
+        (run_dir / "rank_checksums.json").write_text(json.dumps(values))
+    if max(values) != min(values):
+        raise RuntimeError(f"ranks ended with different weights (checksums {values})")
 
 
 def _reduce_metrics(accelerator: Accelerator, metrics: dict[str, float]) -> dict[str, float]:

@@ -1,0 +1,209 @@
+"""End-to-end learner runs: real subprocesses, a real embedded rollout server, real HTTP.
+
+These are the acceptance runs of the learner: the demo learns, a SIGKILLed run resumes with the
+same data order and leaves no orphan server, an unreachable server fails fast and clearly, and a
+2-process ``accelerate launch`` ends with identical weights on both ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from learner.config import load_config
+from learner.data import PromptStream, load_rows
+from learner.metrics import read_metrics
+from learner.trainer import rows_fingerprint
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "learner" / "configs" / "demo.toml"
+
+
+def _learner(run_dir: Path, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "learner",
+        "--config",
+        str(DEMO),
+        "--run-dir",
+        str(run_dir),
+        *args,
+    ]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line mentions ``text`` (e.g. an embedded server serving run_dir/model)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd:
+                pids.append(int(d.name))
+    return pids
+
+
+def _wait_gone(text: str, timeout_s: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := _processes_mentioning(text)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.mark.slow
+def test_demo_learns_within_five_minutes(tmp_path):
+    run_dir = tmp_path / "demo"
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        _learner(run_dir, "--set", "run.progress_bar=false"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    seconds = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert seconds < 300, f"demo took {seconds:.0f} s (limit 300)"
+    records = read_metrics(run_dir)
+    assert len(records) == load_config(DEMO).run.steps
+    rewards = [r["reward/mean"] for r in records]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(f"demo: {seconds:.0f} s, reward first5={first:.3f} last5={last:.3f}")
+    assert last >= 0.5, rewards
+    assert last >= 3 * first, rewards
+    plot = subprocess.run(
+        [sys.executable, "-m", "learner", "plot", str(run_dir)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plot.returncode == 0, plot.stderr
+    assert (run_dir / "curves.png").stat().st_size > 10_000
+    assert (run_dir / "final" / "config.json").exists()
+    assert not _wait_gone(str(run_dir / "model")), (
+        "the embedded rollout server outlived the learner"
+    )
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_continues_same_data_order(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [
+        "--set",
+        "run.steps=8",
+        "--set",
+        "run.checkpoint_every=3",
+        "--set",
+        "run.progress_bar=false",
+    ]
+    proc = subprocess.Popen(
+        _learner(run_dir, *args), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    ckpt = run_dir / "checkpoints" / "step_000003"
+    deadline = time.monotonic() + 240
+    while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert ckpt.exists(), "no checkpoint at step 3"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len(read_metrics(run_dir))
+    assert 3 <= killed_at < 8
+    # PR_SET_PDEATHSIG: the embedded server dies with the learner, even on SIGKILL.
+    assert not _wait_gone(str(run_dir / "model")), "orphan rollout server after SIGKILL"
+
+    done = subprocess.run(
+        _learner(run_dir, "--resume", *args),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 9))
+
+    cfg = load_config(DEMO)
+    stream = PromptStream(
+        load_rows(cfg.data.path, cfg.data.prompt_column),
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle,
+    )
+    expected = [rows_fingerprint(stream.take(cfg.grpo.prompts_per_step)) for _ in range(8)]
+    assert [int(r["data/fingerprint"]) for r in records] == expected
+
+
+def test_unreachable_server_fails_fast_and_clearly(tmp_path):
+    from learner.embedded import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        _learner(
+            tmp_path / "run",
+            "--set",
+            f'rollout.servers=["{url}"]',
+            "--set",
+            "rollout.ready_timeout_s=3",
+            "--set",
+            "rollout.max_retries=1",
+        ),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 120
+    assert url in proc.stderr and "not ready after 3 s" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_accelerate_two_processes_end_with_identical_weights(tmp_path):
+    run_dir = tmp_path / "ddp"
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "learner",
+        "--config",
+        str(DEMO),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "run.steps=3",
+        "--set",
+        "run.progress_bar=false",
+    ]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sums = json.loads((run_dir / "rank_checksums.json").read_text())
+    assert len(sums) == 2 and sums[0] == sums[1]
+    records = read_metrics(run_dir)
+    assert len(records) == 3
+    assert records[-1]["weight_version"] == 3
