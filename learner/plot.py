@@ -11,7 +11,7 @@ PANELS = [
     ("loss", ["loss"], "loss"),
     ("kl / entropy", ["kl", "entropy"], None),
     ("completion length", ["completion/len_mean"], "tokens"),
-    ("clip fraction", ["clip/fraction"], None),
+    ("clip fraction", ["clip_region", "clip_low", "clip_high"], None),
     ("seconds per phase", ["time/generate", "time/score", "time/train", "time/sync"], "s"),
 ]
 

@@ -225,6 +225,8 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     "reward/mean": float(step_rollouts.rewards.mean()),
                     "reward/std": float(step_rollouts.rewards.std()),
                     "time/train": t_train,
+                    "throughput/train_tokens_per_s": train_metrics["tokens/trained"]
+                    / max(t_train, 1e-9),
                     "time/sync": t_sync,
                     "time/step": time.perf_counter() - t_step,
                     "lr": scheduler.get_last_lr()[0],
@@ -279,7 +281,6 @@ def _train_on(
     # The loss normaliser is global: every token of the step on every rank (DAPO / BNPO).
     local_tokens = torch.tensor(float(sum(b.num_loss_tokens for b in batches)), device=dev)
     global_tokens = float(accelerator.reduce(local_tokens, reduction="sum"))
-    global_seqs = float(len(rollouts) * accelerator.num_processes)
 
     with torch.no_grad():
         olds: list[torch.Tensor | None] = [None] * len(batches)
@@ -310,22 +311,23 @@ def _train_on(
                     sampling_logprobs=b.sampling_logprobs if loss_cfg.tis_cap else None,
                     ref_logprobs=refs[i],
                     entropy=entropy,
-                    global_num_tokens=global_tokens,
-                    global_num_sequences=global_seqs,
+                    num_items_in_batch=global_tokens,
+                    dp_world_size=accelerator.num_processes,
+                    num_micro_batches=len(batches),
                 )
                 loss, m = grpo_loss(inputs, loss_cfg)
-                # DDP averages gradients over ranks; the loss is already globally normalised.
-                accelerator.backward(loss * accelerator.num_processes)
+                accelerator.backward(loss)
             total_loss += float(loss.detach())
             weight = float(b.num_loss_tokens)
             for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * weight
+                if k != "num_tokens":
+                    sums[k] = sums.get(k, 0.0) + float(v) * weight
         grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.optim.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     local_w = max(1.0, float(sum(b.num_loss_tokens for b in batches))) * cfg.grpo.num_iterations
     out = {k: v / local_w for k, v in sums.items()}
-    out["loss"] = total_loss * accelerator.num_processes / cfg.grpo.num_iterations
+    out["loss"] = total_loss / cfg.grpo.num_iterations
     out["grad_norm"] = float(grad_norm)
     out["tokens/trained"] = global_tokens
     return out
