@@ -1,0 +1,245 @@
+"""The multi-turn episode runner: generate, call tools, append their output, generate again.
+
+It works on token ids and takes the generation as a function (``GenerateFn``), so it needs no
+server: the learner passes one that calls the rollout server, tests pass a scripted one. Per
+episode it returns the ids after the prompt with a mask that is 1 exactly on the tokens the model
+sampled (their log-probs alongside) and 0 on everything the template or a tool wrote, so tool
+output never enters the loss; and the episode reward, reduced from the tool rewards.
+
+Episode loop: the model's turn is parsed for ``<tool_call>`` blocks (``rewards.toolcalls``); each
+call goes to the environment until one returns ``finished`` (no tool is called after that); the
+tool messages are appended and the model generates again, up to ``max_turns`` generations. A turn
+without tool calls ends the episode; if the environment has a terminal tool, that message is its
+final answer and goes to the terminal tool to be graded.
+
+Faults: an environment that raises (in setup, a tool, the prompt) ends its episode with ``error``
+set, and the rest of the batch goes on. A failing ``generate`` is not the environment's fault:
+it is raised once every episode of the batch has ended. ``teardown`` always runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rewards.builtin._text import strip_reasoning
+from rewards.chat import ChatFormat
+from rewards.env import Environment, call_maybe_async
+from rewards.toolcalls import MalformedCall, parse_tool_calls
+
+RewardReduce = Literal["last", "sum", "mean"]
+StopReason = Literal["finished", "no_tool_call", "max_turns", "max_tokens", "error"]
+
+
+@dataclass
+class Generation:
+    """One sampled assistant turn: its token ids and their log-probs under the sampler."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str = "stop"
+
+
+GenerateFn = Callable[[list[int]], Awaitable[Generation]]
+EnvFactory = type[Environment] | Callable[[dict[str, Any]], Environment | Awaitable[Environment]]
+
+
+@dataclass
+class EpisodeResult:
+    """``completion_ids``: everything after ``prompt_ids`` (assistant and tool tokens);
+    ``completion_mask``: 1 where the model sampled the token; ``completion_logprobs``: the
+    sampler's log-probs there, 0.0 elsewhere. ``reward`` is 0.0 when no step was graded
+    (every entry of ``step_rewards`` None) or the episode failed (``error`` set)."""
+
+    prompt_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    completion_mask: list[int] = field(default_factory=list)
+    completion_logprobs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    step_rewards: list[float | None] = field(default_factory=list)
+    num_turns: int = 0
+    finished: bool = False
+    stop_reason: StopReason = "max_turns"
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+    def _extend(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
+        self.completion_ids += ids
+        self.completion_mask += [int(sampled)] * len(ids)
+        self.completion_logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+class GenerationFailed(RuntimeError):
+    """``generate`` raised or returned something inconsistent; not the environment's fault."""
+
+
+def reduce_rewards(step_rewards: list[float | None], how: RewardReduce) -> float:
+    """The episode reward: the last non-None step reward, or their sum or mean (0.0 if none)."""
+    graded = [r for r in step_rewards if r is not None]
+    if not graded:
+        return 0.0
+    if how == "last":
+        return graded[-1]
+    if how == "sum":
+        return float(sum(graded))
+    if how == "mean":
+        return float(sum(graded) / len(graded))
+    raise ValueError(f"reward_reduce={how!r}; use 'last', 'sum' or 'mean'")
+
+
+async def _make_env(factory: EnvFactory, task: dict[str, Any]) -> Environment:
+    env = factory(task)
+    return await env if inspect.isawaitable(env) else env
+
+
+async def _generate(generate: GenerateFn, ids: list[int]) -> Generation:
+    try:
+        gen = await generate(ids)
+    except Exception as e:
+        raise GenerationFailed(f"generate failed: {type(e).__name__}: {e}") from e
+    if len(gen.logprobs) != len(gen.token_ids) or not gen.token_ids:
+        raise GenerationFailed(
+            f"generate returned {len(gen.token_ids)} token ids and {len(gen.logprobs)} log-probs; "
+            f"it must return at least one token and one log-prob per token"
+        )
+    return gen
+
+
+async def _play(
+    env: Environment,
+    res: EpisodeResult,
+    generate: GenerateFn,
+    chat: ChatFormat,
+    max_turns: int,
+    max_tokens: int | None,
+) -> None:
+    await env.setup()
+    prompt = await call_maybe_async(env.get_prompt)
+    res.messages = (
+        [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    )
+    specs = await env.get_tools()
+    tools = [s.to_openai() for s in specs if not s.terminal] or None
+    has_terminal = any(s.terminal for s in specs)
+    res.prompt_ids = chat.prompt_ids(res.messages, tools)
+    call_ids = itertools.count()
+    for turn in range(max_turns):
+        gen = await _generate(generate, res.prompt_ids + res.completion_ids)
+        res._extend(list(gen.token_ids), True, list(gen.logprobs))
+        res.num_turns += 1
+        parsed = parse_tool_calls(gen.text)
+        assistant: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        res.messages.append(assistant)
+        if not parsed.calls:
+            res.stop_reason = "no_tool_call"
+            if has_terminal:
+                result = await env.call_terminal(strip_reasoning(parsed.content).strip())
+                res.step_rewards.append(result.reward)
+                res.finished = result.finished
+                res.stop_reason = "finished" if result.finished else "no_tool_call"
+                res.messages.append({"role": "tool", "content": result.text, "terminal": True})
+            return
+        assistant["tool_calls"] = []
+        tool_messages = []
+        for call in parsed.calls:
+            call_id = f"call_{next(call_ids)}"
+            if isinstance(call, MalformedCall):
+                text, reward = f"Error: {call.reason}", None
+            else:
+                assistant["tool_calls"].append(call.to_openai(call_id))
+                result = await env.call_tool(call.name, call.arguments)
+                text, reward, res.finished = result.text, result.reward, result.finished
+            res.step_rewards.append(reward)
+            tool_messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            if res.finished:
+                break
+        res.messages += tool_messages
+        if res.finished:
+            res.stop_reason = "finished"
+            return
+        if turn == max_turns - 1:
+            res.stop_reason = "max_turns"
+            return
+        res._extend(chat.close_turn_ids(res.completion_ids), False)
+        res._extend(chat.tool_message_ids(tool_messages), False)
+        if max_tokens is not None and len(res.completion_ids) >= max_tokens:
+            res.stop_reason = "max_tokens"
+            return
+
+
+async def run_episode(
+    env_factory: EnvFactory,
+    task: dict[str, Any],
+    generate: GenerateFn,
+    chat: ChatFormat,
+    *,
+    max_turns: int,
+    reward_reduce: RewardReduce = "last",
+    max_tokens: int | None = None,
+) -> EpisodeResult:
+    """One episode; see ``run_episodes``."""
+    res = EpisodeResult()
+    env: Environment | None = None
+    try:
+        env = await _make_env(env_factory, task)
+        await _play(env, res, generate, chat, max_turns, max_tokens)
+    except GenerationFailed:
+        raise
+    except Exception as e:
+        res.error = f"{type(e).__name__}: {e}"
+        res.stop_reason = "error"
+    finally:
+        if env is not None:
+            try:
+                await env.teardown()
+            except Exception as e:
+                res.error = res.error or f"teardown failed: {type(e).__name__}: {e}"
+    res.reward = 0.0 if res.error else reduce_rewards(res.step_rewards, reward_reduce)
+    return res
+
+
+async def run_episodes(
+    env_factory_or_cls: EnvFactory,
+    tasks: list[dict[str, Any]],
+    generate: GenerateFn,
+    chat: ChatFormat,
+    *,
+    max_turns: int,
+    reward_reduce: RewardReduce = "last",
+    max_tokens: int | None = None,
+    max_concurrency: int | None = None,
+) -> list[EpisodeResult]:
+    """Run one episode per task, concurrently (at most ``max_concurrency`` at once).
+
+    ``env_factory_or_cls``: an ``Environment`` subclass or a callable that builds one from a
+    task. ``max_turns``: generations per episode. ``max_tokens``: stop once the completion (tool
+    tokens included) is this long. Results are in task order.
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns={max_turns}; an episode needs at least one turn")
+    if reward_reduce not in ("last", "sum", "mean"):
+        raise ValueError(f"reward_reduce={reward_reduce!r}; use 'last', 'sum' or 'mean'")
+    sem = asyncio.Semaphore(max_concurrency or len(tasks) or 1)
+
+    async def one(task: dict[str, Any]) -> EpisodeResult:
+        async with sem:
+            return await run_episode(
+                env_factory_or_cls,
+                task,
+                generate,
+                chat,
+                max_turns=max_turns,
+                reward_reduce=reward_reduce,
+                max_tokens=max_tokens,
+            )
+
+    outcomes = await asyncio.gather(*(one(t) for t in tasks), return_exceptions=True)
+    for out in outcomes:
+        if isinstance(out, BaseException):
+            raise out
+    return outcomes  # type: ignore[return-value]
