@@ -1,0 +1,189 @@
+"""The GRPO policy loss as a pure function of typed, per-token inputs.
+
+Per token (ratio r = exp(logp - logp_old), advantage A of the token's completion):
+
+    pg    = -min(r·A, clip(r, 1 - eps_low, 1 + eps_high)·A)        (PPO clipped surrogate)
+    pg   *= min(exp(logp_old - logp_sampling), tis_cap)            (truncated IS, optional)
+    loss  = pg + beta·KL_k3(ref ‖ θ) - entropy_coef·entropy
+    KL_k3 = exp(ref - logp) - (ref - logp) - 1                     (Schulman's k3 estimator)
+
+The IS weight corrects for the rollout engine (vLLM, bf16 kernels, maybe stale weights)
+sampling from a slightly different distribution than the learner's `logp_old`; truncating it
+keeps the variance bounded. It multiplies the policy-gradient term only, as in TRL.
+
+How the per-token losses are reduced (definitions from TRL's GRPOTrainer):
+
+    grpo    : mean over each sequence's tokens, then mean over sequences (long completions
+              weigh less per token: the length bias Dr. GRPO points out)
+    bnpo    : token sum / tokens in this micro-batch
+    dr_grpo : token sum / (B · max_completion_length)   (a constant: no length bias)
+    dapo    : token sum / tokens in the whole optimizer step (all micro-batches, all ranks)
+
+Gradient accumulation and data parallelism. The optimizer step's gradient is the sum over
+micro-batches of each micro-batch loss's gradient, averaged over data-parallel ranks (DDP and
+DeepSpeed average). So:
+
+- dapo: pass `num_items_in_batch` = the number of loss tokens (mask sum) of the *whole step*,
+  summed over every micro-batch and every rank, and `dp_world_size`. The loss is
+  `token_sum · dp_world_size / num_items_in_batch`; summed over micro-batches and averaged over
+  ranks that is exactly `Σ_all tokens / num_items_in_batch`: every token of the step weighs the
+  same however the tokens fall into micro-batches. Do NOT divide it again by the number of
+  accumulation steps (nor let `accelerator.backward` do so). Without `num_items_in_batch` the
+  local token count is used, divided by `num_micro_batches` (i.e. bnpo).
+- grpo, bnpo, dr_grpo: the local value is divided by `num_micro_batches` (as TRL divides by its
+  gradient accumulation steps), so the step averages the micro-batch losses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from learner.logprobs import chunked_nll  # re-exported: the SFT warm-start loss
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+@dataclass
+class LossConfig:
+    """Hyper-parameters of the GRPO loss (defaults: DAPO's asymmetric clip, no KL)."""
+
+    loss_type: LossType = "dapo"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    beta: float = 0.0  # KL coefficient (k3 estimator); 0 needs no reference model
+    tis_cap: float | None = 2.0  # truncated importance-sampling cap; None disables the weight
+    max_completion_length: int | None = None  # dr_grpo's constant normaliser
+    entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if not (0 <= self.eps_low < 1) or self.eps_high < 0:
+            raise ValueError(
+                f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={self.eps_low}, "
+                f"eps_high={self.eps_high}"
+            )
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0 or None (disabled), got {self.tis_cap}")
+        if self.loss_type == "dr_grpo" and not self.max_completion_length:
+            raise ValueError(
+                "loss_type='dr_grpo' normalises by B * max_completion_length: set "
+                "max_completion_length to the sampling max_tokens"
+            )
+
+
+@dataclass
+class LossInputs:
+    """Per-token tensors of one micro-batch. B completions, T completion positions."""
+
+    logprobs: Tensor  # [B, T] current policy, requires grad
+    old_logprobs: Tensor  # [B, T] policy at the start of the step (= logprobs.detach() if μ=1)
+    advantages: Tensor  # [B]
+    mask: Tensor  # [B, T] 1 for tokens in the loss (completion, not tool output, not padding)
+    sampling_logprobs: Tensor | None = None  # [B, T] from the rollout server
+    ref_logprobs: Tensor | None = None  # [B, T] reference policy, needed when beta > 0
+    entropy: Tensor | None = None  # [B, T] needed when entropy_coef != 0; else only a metric
+    num_items_in_batch: float | Tensor | None = None  # dapo: loss tokens of the whole step
+    dp_world_size: int = 1  # data-parallel ranks that average gradients (dapo scaling)
+    num_micro_batches: int = 1  # gradient-accumulation micro-batches in the step
+
+
+def _masked_mean(x: Tensor, mask: Tensor, count: Tensor) -> Tensor:
+    return (x * mask).sum() / count
+
+
+def grpo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """Scalar loss of one micro-batch and detached metrics (token means over the mask).
+
+    Metrics: clip_low / clip_high / clip_region (fraction of tokens whose ratio is clipped on
+    the side that stops the gradient), ratio_mean, and when the inputs exist kl, entropy,
+    is_weight; num_tokens is the mask sum.
+    """
+    logp = inputs.logprobs  # [B, T]
+    if logp.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got {tuple(logp.shape)}")
+    for name in ("old_logprobs", "mask", "sampling_logprobs", "ref_logprobs", "entropy"):
+        t = getattr(inputs, name)
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logp.shape)}")
+    if inputs.advantages.shape != (logp.shape[0],):
+        raise ValueError(
+            f"advantages must be [B]={logp.shape[0]}, got {tuple(inputs.advantages.shape)}"
+        )
+    if cfg.beta != 0.0 and inputs.ref_logprobs is None:
+        raise ValueError("cfg.beta > 0 needs inputs.ref_logprobs (reference model log-probs)")
+    if cfg.entropy_coef != 0.0 and inputs.entropy is None:
+        raise ValueError("cfg.entropy_coef != 0 needs inputs.entropy (token_logprobs entropy)")
+
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    logp = logp.to(dtype)
+    mask = inputs.mask.to(dtype)  # [B, T]
+    adv = inputs.advantages.detach().to(dtype)[:, None]  # [B, 1]
+    old = inputs.old_logprobs.detach().to(dtype)  # [B, T]
+
+    ratio = torch.exp(logp - old)  # [B, T]
+    clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)  # [B, T]
+
+    metrics: dict[str, Tensor] = {}
+    count = mask.sum().clamp(min=1.0)
+    if inputs.sampling_logprobs is not None and cfg.tis_cap is not None:
+        is_w = torch.exp(old - inputs.sampling_logprobs.detach().to(dtype))  # [B, T]
+        is_w = torch.clamp(is_w, max=cfg.tis_cap)
+        per_token = per_token * is_w
+        metrics["is_weight"] = _masked_mean(is_w, mask, count)
+    if inputs.ref_logprobs is not None:
+        d = inputs.ref_logprobs.detach().to(dtype) - logp  # [B, T]
+        kl = torch.exp(d) - d - 1.0
+        if cfg.beta != 0.0:
+            per_token = per_token + cfg.beta * kl
+        metrics["kl"] = _masked_mean(kl.detach(), mask, count)
+    if inputs.entropy is not None:
+        ent = inputs.entropy.to(dtype)
+        if cfg.entropy_coef != 0.0:
+            per_token = per_token - cfg.entropy_coef * ent
+        metrics["entropy"] = _masked_mean(ent.detach(), mask, count)
+
+    loss = _reduce(per_token, mask, inputs, cfg)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        low = ((r < 1.0 - cfg.eps_low) & (adv < 0)).to(dtype)
+        high = ((r > 1.0 + cfg.eps_high) & (adv > 0)).to(dtype)
+        metrics["clip_low"] = _masked_mean(low, mask, count)
+        metrics["clip_high"] = _masked_mean(high, mask, count)
+        metrics["clip_region"] = _masked_mean(torch.maximum(low, high), mask, count)
+        metrics["ratio_mean"] = _masked_mean(r, mask, count)
+        metrics["num_tokens"] = mask.sum()
+    return loss, metrics
+
+
+def _reduce(per_token: Tensor, mask: Tensor, inputs: LossInputs, cfg: LossConfig) -> Tensor:
+    token_sum = (per_token * mask).sum()
+    micro = inputs.num_micro_batches
+    if micro < 1 or inputs.dp_world_size < 1:
+        raise ValueError("num_micro_batches and dp_world_size must be >= 1")
+    if cfg.loss_type == "grpo":
+        per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
+        return per_seq.mean() / micro
+    if cfg.loss_type == "bnpo":
+        return token_sum / mask.sum().clamp(min=1.0) / micro
+    if cfg.loss_type == "dr_grpo":
+        return token_sum / (per_token.shape[0] * cfg.max_completion_length) / micro
+    # dapo
+    if inputs.num_items_in_batch is None:
+        return token_sum / mask.sum().clamp(min=1.0) / micro
+    n_items = torch.as_tensor(inputs.num_items_in_batch, dtype=per_token.dtype)
+    if float(n_items) <= 0:
+        raise ValueError(f"num_items_in_batch must be > 0, got {float(n_items)}")
+    return token_sum * inputs.dp_world_size / n_items.to(per_token.device)
+
+
+__all__ = ["LOSS_TYPES", "LossConfig", "LossInputs", "chunked_nll", "grpo_loss"]
