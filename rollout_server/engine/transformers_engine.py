@@ -1,0 +1,321 @@
+"""``TransformersEngine``: a real Hugging Face causal LM on CPU (or a small GPU).
+
+The embedded default and the engine the tests run: it samples with our own KV-cached decode loop
+(``decode.py``) rather than ``model.generate``, because we need the log-prob of each sampled
+token under the final sampling distribution (after temperature, top-k, top-p and min-p).
+
+Concurrency: ``generate`` splits a request into rows (prompt x sample) and queues them; one
+batcher task drains the queue into batches that a single worker thread decodes, so concurrent
+requests share forward passes and the event loop never blocks. Weight loads and sleep/wake run
+on the same worker thread, after the app has paused generation.
+
+Sleep on this engine is honest about the hardware: level 1 moves the weights to CPU (a no-op for
+a CPU model, which simply reports itself asleep) and there is no persistent KV cache to drop;
+level 2 frees the parameter storage, and wake-up reallocates it zero-filled, so the weights must
+be synced again before generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import random
+import threading
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rollout_server.engine.base import Engine, EngineError, EngineInfo, SampleOutput, TensorMeta
+from rollout_server.engine.decode import Row, decode_rows
+
+if TYPE_CHECKING:
+    from rollout_server.protocol import SamplingParams
+    from rollout_server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+class _Job:
+    """One ``generate`` call: its rows finish independently, the future resolves with all."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.future: asyncio.Future[list[SampleOutput]] = asyncio.get_running_loop().create_future()
+        self.outputs: list[SampleOutput | None] = [None] * num_rows
+        self.remaining = num_rows
+
+    def put(self, index: int, output: SampleOutput) -> None:
+        self.outputs[index] = output
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():
+            self.future.set_result([o for o in self.outputs if o is not None])
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
+@dataclass
+class _Queued:
+    row: Row
+    job: _Job
+    index: int
+
+
+class TransformersEngine(Engine):
+    name = "transformers"
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="transformers-engine")
+        self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not thread-safe
+        self._rng = random.Random(settings.seed)
+        self._queue: deque[_Queued] = deque()
+        self._wakeup = asyncio.Event()
+        self._batcher: asyncio.Task[None] | None = None
+        self._asleep: set[str] = set()
+        self._sleep_level = 0
+        self.model: Any = None
+        self.tokenizer: Any = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._run(self._load)
+        self._wakeup = asyncio.Event()
+        self._batcher = asyncio.create_task(self._batch_loop(), name="transformers-batcher")
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        s = self.settings
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            s.model, trust_remote_code=s.trust_remote_code
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            s.model, trust_remote_code=s.trust_remote_code, **_dtype_kwarg(self.dtype)
+        )
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        config = model.config.get_text_config()
+        self.vocab_size = int(config.vocab_size)
+        self.max_model_len = s.max_model_len or int(config.max_position_embeddings)
+        self.eos_token_ids = _eos_ids(model, self.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.eos_token_ids[0] if self.eos_token_ids else 0
+        self._metadata = {
+            name: TensorMeta(dtype_name(t.dtype), tuple(t.shape))
+            for name, t in model.state_dict().items()
+        }
+        self._param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+
+    async def close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.cancel()
+            await asyncio.gather(self._batcher, return_exceptions=True)
+        while self._queue:
+            self._queue.popleft().job.fail(EngineError("the engine was shut down"))
+        self._executor.shutdown(wait=True)
+        self.model = None
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            model=self.settings.name,
+            engine=self.name,
+            dtype=dtype_name(self.dtype),
+            device=str(self.device),
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+            weight_transports=["http", "file"],
+        )
+
+    # --- tokens ----------------------------------------------------------------------------
+
+    def tokenize_prompt(
+        self,
+        prompt: list[int] | str | list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        if isinstance(prompt, str):
+            with self._tokenizer_lock:
+                return list(self.tokenizer(prompt)["input_ids"])
+        if prompt and isinstance(prompt[0], dict):
+            with self._tokenizer_lock:
+                text = self.tokenizer.apply_chat_template(
+                    prompt,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
+                    **(chat_template_kwargs or {}),
+                )
+                return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def decode(self, token_ids: list[int]) -> str:
+        # The model's vocab may be larger than the tokenizer's (padding rows): skip those ids.
+        known = [t for t in token_ids if t < len(self.tokenizer)]
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(known, skip_special_tokens=True)
+
+    # --- generation ------------------------------------------------------------------------
+
+    async def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams
+    ) -> list[list[SampleOutput]]:
+        if self._asleep:
+            raise EngineError("the engine is asleep; POST /wake_up first")
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+        )
+        rows = []
+        for prompt in prompts:
+            base = params.seed if params.seed is not None else None
+            for i in range(n):
+                seed = base + i if base is not None else self._rng.getrandbits(63)
+                budget = min(params.max_tokens, self.max_model_len - len(prompt))
+                rows.append(Row(prompt, params, seed, max(budget, 1), stop_ids))
+        job = _Job(len(rows))
+        self._queue.extend(_Queued(row, job, i) for i, row in enumerate(rows))
+        self._wakeup.set()
+        outputs = await job.future
+        return [outputs[k * n : (k + 1) * n] for k in range(len(prompts))]
+
+    async def _batch_loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queue:
+                batch = self._take_batch()
+                if not batch:
+                    continue
+                try:
+                    outputs = await self._run(self._decode, [q.row for q in batch])
+                except Exception as exc:  # a fault of the engine: fail those requests, go on
+                    log.exception("generation failed")
+                    error = EngineError(f"generation failed: {type(exc).__name__}: {exc}")
+                    for q in batch:
+                        q.job.fail(error)
+                else:
+                    for q, out in zip(batch, outputs, strict=True):
+                        q.job.put(q.index, out)
+
+    def _take_batch(self) -> list[_Queued]:
+        """FIFO rows up to ``max_num_seqs`` rows and ``max_batch_tokens`` padded prompt tokens."""
+        batch: list[_Queued] = []
+        width = 0
+        while self._queue:
+            q = self._queue[0]
+            if q.job.future.done():  # cancelled by its caller
+                self._queue.popleft()
+                continue
+            new_width = max(width, len(q.row.prompt))
+            too_many = len(batch) >= self.settings.max_num_seqs
+            too_long = (len(batch) + 1) * new_width > self.settings.max_batch_tokens
+            if batch and (too_many or too_long):
+                break
+            batch.append(self._queue.popleft())
+            width = new_width
+        return batch
+
+    def _decode(self, rows: list[Row]) -> list[SampleOutput]:
+        return decode_rows(self.model, rows, pad_id=self.pad_id, detokenize=self.decode)
+
+    # --- weights ---------------------------------------------------------------------------
+
+    def weight_metadata(self) -> dict[str, TensorMeta]:
+        return self._metadata
+
+    async def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        await self._run(self._copy_weights, list(tensors))
+
+    def _copy_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in tensors:
+                if name in self._param_names:
+                    target = self.model.get_parameter(name).data
+                else:
+                    target = self.model.get_buffer(name)
+                target.copy_(tensor)
+
+    # --- sleep -----------------------------------------------------------------------------
+
+    async def sleep(self, level: int) -> None:
+        await self._run(self._sleep, level)
+
+    def _sleep(self, level: int) -> None:
+        if level == 2:
+            for p in self.model.parameters():  # tied weights are one Parameter: freed once
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        elif self.device.type != "cpu":
+            self.model.to("cpu")
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._sleep_level = max(self._sleep_level, level)
+        self._asleep = {"weights", "kv_cache"}
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._run(self._wake_up, tags)
+
+    def _wake_up(self, tags: list[str] | None) -> None:
+        tags = list(tags or ["weights", "kv_cache"])
+        if "weights" in tags and "weights" in self._asleep:
+            if self._sleep_level == 2:
+                for name, p in self.model.named_parameters():
+                    shape = self._metadata[name].shape
+                    p.data = torch.zeros(shape, dtype=p.dtype, device=self.device)
+            else:
+                self.model.to(self.device)
+        self._asleep -= set(tags)
+        if not self._asleep:
+            self._sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+
+def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """transformers renamed ``torch_dtype`` to ``dtype`` in 4.56."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: list[int] = []
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, model.config.get_text_config().eos_token_id, tokenizer.eos_token_id):
+        for token in value if isinstance(value, list) else [value]:
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return ids

@@ -1,0 +1,101 @@
+"""HTTP errors of the serving layer and the handlers that turn every failure into JSON.
+
+Every error body is ``{"detail": "<one readable sentence>"}`` with a real status code: 4xx for
+the caller's mistakes (naming the field and the limit), 503 while loading or asleep (with
+``Retry-After``), 501 for what the engine cannot do, 500 only for faults of the server.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rollout_server.engine.base import EngineError, UnsupportedError, WeightsError
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    status_code = 500
+
+    def __init__(self, detail: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.headers = headers
+
+
+class BadRequest(ServiceError):
+    status_code = 400
+
+
+class NotFound(ServiceError):
+    status_code = 404
+
+
+class Conflict(ServiceError):
+    status_code = 409
+
+
+class PayloadTooLarge(ServiceError):
+    status_code = 413
+
+
+class Unavailable(ServiceError):
+    status_code = 503
+
+    def __init__(self, detail: str, *, retry_after_s: int = 5) -> None:
+        super().__init__(detail, headers={"Retry-After": str(retry_after_s)})
+
+
+def format_validation_errors(errors: list[dict]) -> str:
+    """``body.temperature: Input should be greater than or equal to 0`` and so on, one line."""
+    parts = []
+    for err in errors:
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}" if loc else err.get("msg", "invalid"))
+    return "; ".join(parts) or "invalid request"
+
+
+def _json(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service(_: Request, exc: ServiceError) -> JSONResponse:
+        return _json(exc.status_code, exc.detail, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _json(422, format_validation_errors(list(exc.errors())))
+
+    @app.exception_handler(ValidationError)
+    async def _validation(_: Request, exc: ValidationError) -> JSONResponse:
+        return _json(422, format_validation_errors(list(exc.errors())))
+
+    @app.exception_handler(WeightsError)
+    async def _weights(_: Request, exc: WeightsError) -> JSONResponse:
+        return _json(400, f"weight update refused, the previous weights keep serving: {exc}")
+
+    @app.exception_handler(UnsupportedError)
+    async def _unsupported(_: Request, exc: UnsupportedError) -> JSONResponse:
+        return _json(501, str(exc))
+
+    @app.exception_handler(EngineError)
+    async def _engine(_: Request, exc: EngineError) -> JSONResponse:
+        log.error("engine error: %s", exc)
+        return _json(500, f"engine error: {exc}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _json(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return _json(500, f"internal server error: {type(exc).__name__}: {exc}")

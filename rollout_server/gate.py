@@ -1,0 +1,78 @@
+"""The pause gate between generation and weight loads (an asyncio readers-writer lock).
+
+Generations are readers: any number run at once. A weight load (or sleep/wake) is a writer: it
+waits for the generations in flight to finish, and from the moment it starts waiting no new
+generation starts — they queue behind it rather than fail — so an update cannot be starved by a
+steady stream of requests and no sample ever mixes two weight versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+
+class PauseGate:
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+        self._readers_waiting = 0
+
+    @property
+    def readers(self) -> int:
+        """Generations in flight."""
+        return self._readers
+
+    @property
+    def waiting(self) -> int:
+        """Generations queued behind a weight load or sleep."""
+        return self._readers_waiting
+
+    @property
+    def paused(self) -> bool:
+        return self._writing or self._writers_waiting > 0
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._readers_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self.paused)
+            finally:
+                self._readers_waiting -= 1
+            self._readers += 1
+        try:
+            yield
+        finally:
+            # Shielded: a cancelled request must still give its slot back, or writers hang.
+            await asyncio.shield(self._release_read())
+
+    async def _release_read(self) -> None:
+        async with self._cond:
+            self._readers -= 1
+            self._cond.notify_all()
+
+    @asynccontextmanager
+    async def write(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._writers_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._writing and self._readers == 0)
+            except BaseException:
+                self._writers_waiting -= 1
+                self._cond.notify_all()  # a cancelled writer must not keep readers queued
+                raise
+            self._writers_waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            await asyncio.shield(self._release_write())
+
+    async def _release_write(self) -> None:
+        async with self._cond:
+            self._writing = False
+            self._cond.notify_all()

@@ -1,0 +1,1 @@
+"""Thin routers, one per feature: parse the request, call ``RolloutService``, return a model."""

@@ -1,0 +1,129 @@
+"""Weight updates: one safetensors blob, staged buckets, a file path, or NCCL (admin routes).
+
+Every update is validated whole before the pause; the version moves only once all of it
+loaded; a refused update answers 4xx naming the problem while the old weights keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Query, Request
+
+from rollout_server.errors import PayloadTooLarge
+from rollout_server.protocol import (
+    ErrorResponse,
+    NcclInitRequest,
+    NcclUpdateRequest,
+    WeightFileRequest,
+    WeightUpdateBegin,
+    WeightUpdateId,
+    WeightUpdateResponse,
+)
+from rollout_server.routes.deps import ServiceDep
+from rollout_server.service import RolloutService
+from rollout_server.weights import parse_safetensors, read_safetensors_path
+
+router = APIRouter(prefix="/weights", tags=["weights"])
+
+_BLOB = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+_ERRORS = {
+    400: {"model": ErrorResponse, "description": "unknown name, wrong dtype/shape, bad payload"},
+    409: {"model": ErrorResponse, "description": "stale version, weights asleep, bucket order"},
+    413: {"model": ErrorResponse, "description": "body larger than max_body_mb"},
+}
+
+
+async def _read_body(request: Request, service: RolloutService) -> bytes:
+    """The raw body, refused with 413 past the limit (checked while streaming)."""
+    limit = service.limits.max_body_mb * 2**20
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(
+            f"body of {declared} bytes exceeds max_body_mb={service.limits.max_body_mb}"
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"body exceeds max_body_mb={service.limits.max_body_mb}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@router.post("/update", response_model=WeightUpdateResponse, responses=_ERRORS, openapi_extra=_BLOB)
+async def update(
+    request: Request,
+    service: ServiceDep,
+    version: int | None = Query(None, description="version to set; default current + 1"),
+) -> WeightUpdateResponse:
+    """A whole update in one safetensors body (``Content-Type: application/octet-stream``)."""
+    service.check_update_version(version)
+    blob = await _read_body(request, service)
+    tensors = await asyncio.to_thread(parse_safetensors, blob)
+    return await service.apply_weights(tensors, version, transport="http")
+
+
+@router.post("/begin", response_model=WeightUpdateId, responses=_ERRORS)
+async def begin(request: WeightUpdateBegin, service: ServiceDep) -> WeightUpdateId:
+    """Open a multi-bucket update (supersedes any open one); nothing is applied until commit."""
+    service.check_update_version(request.version)
+    return WeightUpdateId(update_id=service.stager.begin(request.num_buckets, request.version))
+
+
+@router.post("/bucket", responses=_ERRORS, openapi_extra=_BLOB)
+async def bucket(
+    request: Request,
+    service: ServiceDep,
+    update_id: str = Query(...),
+    index: int = Query(..., ge=0),
+) -> dict[str, int]:
+    """One bucket (a safetensors body), validated on arrival and staged on CPU."""
+    service.stager.get(update_id)
+    blob = await _read_body(request, service)
+    tensors = await asyncio.to_thread(parse_safetensors, blob, what=f"bucket {index}")
+    service.stager.add_bucket(update_id, index, tensors, service.engine.weight_metadata())
+    return {"index": index, "num_tensors": len(tensors)}
+
+
+@router.post("/commit", response_model=WeightUpdateResponse, responses=_ERRORS)
+async def commit(request: WeightUpdateId, service: ServiceDep) -> WeightUpdateResponse:
+    """Apply every staged bucket under the pause, then bump the version."""
+    staged = service.stager.take_complete(request.update_id)
+    return await service.apply_weights(staged.tensors(), staged.version, transport="http")
+
+
+@router.post("/abort", responses={404: {"model": ErrorResponse}})
+async def abort(request: WeightUpdateId, service: ServiceDep) -> dict[str, str]:
+    service.stager.abort(request.update_id)
+    return {"aborted": request.update_id}
+
+
+@router.post("/load_file", response_model=WeightUpdateResponse, responses=_ERRORS)
+async def load_file(request: WeightFileRequest, service: ServiceDep) -> WeightUpdateResponse:
+    """Load a .safetensors file, or every one in a directory, from a disk the server sees."""
+    service.check_update_version(request.version)
+    tensors = await asyncio.to_thread(read_safetensors_path, request.path)
+    return await service.apply_weights(tensors, request.version, transport="file")
+
+
+@router.post("/nccl/init", responses={501: {"model": ErrorResponse}})
+async def nccl_init(request: NcclInitRequest, service: ServiceDep) -> dict[str, bool]:
+    """Join the learner's weight-sync process group (engines with NCCL support only)."""
+    await service.init_weight_group(request)
+    return {"ok": True}
+
+
+@router.post(
+    "/nccl/update",
+    response_model=WeightUpdateResponse,
+    responses=_ERRORS | {501: {"model": ErrorResponse}},
+)
+async def nccl_update(request: NcclUpdateRequest, service: ServiceDep) -> WeightUpdateResponse:
+    """Announce a whole update, then receive its buckets over NCCL and load them all."""
+    return await service.nccl_update(request)

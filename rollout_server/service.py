@@ -1,0 +1,333 @@
+"""The serving logic behind the thin routers: request checks, the pause gate, versions, sleep.
+
+``RolloutService`` owns the state that must be consistent across endpoints: the weight version,
+whether the engine is loaded, asleep, or holding discarded weights, and the gate that keeps
+weight loads and generations apart. Engines stay stateless about all of this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Literal
+
+from rollout_server.engine.base import Engine, WeightsError
+from rollout_server.errors import BadRequest, Conflict, Unavailable
+from rollout_server.gate import PauseGate
+from rollout_server.metrics import Metrics
+from rollout_server.protocol import (
+    GenerateRequest,
+    GenerateResponse,
+    InfoResponse,
+    PromptResult,
+    Sample,
+    SleepStatus,
+    WeightUpdateResponse,
+)
+from rollout_server.weights import WeightStager, validate_tensors
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout_server.protocol import NcclInitRequest, NcclUpdateRequest
+    from rollout_server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
+             "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}  # fmt: skip
+
+
+class RolloutService:
+    def __init__(self, settings: ServerSettings, engine: Engine, metrics: Metrics) -> None:
+        self.settings = settings
+        self.limits = settings.limits
+        self.engine = engine
+        self.metrics = metrics
+        self.gate = PauseGate()
+        self.stager = WeightStager()
+        self.version = 0
+        self.state: Literal["loading", "ready", "failed", "closed"] = "loading"
+        self.load_error: str | None = None
+        self.sleep_level = 0
+        self.asleep: set[str] = set()  # "weights", "kv_cache"
+        self.weights_discarded = False
+        metrics.waiting.set_function(lambda: self.gate.waiting)
+        metrics.in_flight.set_function(lambda: self.gate.readers)
+        metrics.weight_version.set(0)
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
+        try:
+            await self.engine.start()
+        except Exception as exc:
+            self.state, self.load_error = "failed", f"{type(exc).__name__}: {exc}"
+            log.exception("the engine failed to start")
+            if on_failure is not None:
+                on_failure(exc)
+            return
+        self.state = "ready"
+        log.info("engine %s ready: %s", self.engine.name, self.settings.name)
+
+    async def close(self) -> None:
+        if self.state == "ready":
+            await self.engine.close()
+        self.state = "closed"
+
+    def require_loaded(self) -> None:
+        if self.state == "loading":
+            raise Unavailable("the model is still loading; retry when GET /ready answers 200")
+        if self.state != "ready":
+            raise Unavailable(f"the engine is not running ({self.load_error or self.state})")
+
+    def require_ready(self) -> None:
+        """Loaded, awake, and holding real weights: what generation needs."""
+        self.require_loaded()
+        if self.asleep or self.engine.is_sleeping():
+            raise Unavailable(
+                f"the server is asleep (level {self.sleep_level}); POST /wake_up first",
+                retry_after_s=30,
+            )
+        if self.weights_discarded:
+            raise Unavailable(
+                "weights were discarded by sleep level 2; sync weights first "
+                "(POST /weights/update, /weights/load_file or an NCCL update)",
+                retry_after_s=30,
+            )
+
+    def info(self) -> InfoResponse:
+        self.require_loaded()
+        e = self.engine.info()
+        return InfoResponse(
+            model=e.model,
+            engine=e.engine,
+            dtype=e.dtype,
+            device=e.device,
+            max_model_len=e.max_model_len,
+            vocab_size=e.vocab_size,
+            eos_token_ids=e.eos_token_ids,
+            weight_version=self.version,
+            sleeping=bool(self.asleep),
+            sleep_level=self.sleep_level,
+            tensor_parallel_size=e.tensor_parallel_size,
+            data_parallel_size=e.data_parallel_size,
+            limits=self.limits,
+            weight_transports=e.weight_transports,
+        )
+
+    # --- generation ------------------------------------------------------------------------
+
+    def check_limits(self, req: GenerateRequest) -> None:
+        lim = self.limits
+        for field, value, limit, flag in (
+            ("prompts", len(req.prompts), lim.max_batch_size, "--max-batch-size"),
+            ("n", req.n, lim.max_n, "--max-n"),
+            ("max_tokens", req.max_tokens, lim.max_tokens, "--max-tokens"),
+        ):
+            if value > limit:
+                what = f"{value} prompts" if field == "prompts" else f"{field}={value}"
+                raise BadRequest(
+                    f"{what} exceeds the server limit of {limit} (lower it, or restart the "
+                    f"server with a larger {flag})"
+                )
+
+    def _tokenize(self, req: GenerateRequest) -> list[list[int]]:
+        """Token ids of every prompt, each checked against the limits and the vocabulary."""
+        info = self.engine.info()
+        out = []
+        for i, prompt in enumerate(req.prompts):
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                prompt = [m.model_dump() for m in prompt]
+            try:
+                ids = self.engine.tokenize_prompt(
+                    prompt,
+                    add_generation_prompt=req.add_generation_prompt,
+                    chat_template_kwargs=req.chat_template_kwargs,
+                    tools=req.tools,
+                )
+            except Exception as exc:  # template errors, bad message structure
+                raise BadRequest(
+                    f"prompts[{i}] could not be tokenized: {type(exc).__name__}: {exc}"
+                ) from exc
+            out.append(self._check_prompt(i, ids, info.vocab_size, info.max_model_len))
+        for t in req.stop_token_ids:
+            if not 0 <= t < info.vocab_size:
+                raise BadRequest(f"stop_token_ids: {t} is not a token id (vocab {info.vocab_size})")
+        return out
+
+    def _check_prompt(self, i: int, ids: list[int], vocab: int, max_model_len: int) -> list[int]:
+        if not ids:
+            raise BadRequest(f"prompts[{i}] is empty (no tokens); send at least one token")
+        limit = min(self.limits.max_prompt_len, max_model_len - 1)
+        if len(ids) > limit:
+            which = (
+                "max_prompt_len"
+                if limit == self.limits.max_prompt_len
+                else "max_model_len - 1 (room for one completion token)"
+            )
+            raise BadRequest(
+                f"prompts[{i}] has {len(ids)} tokens, more than the limit {which} = {limit}"
+            )
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(
+                f"prompts[{i}] contains token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+            )
+        return ids
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        self.require_loaded()
+        self.check_limits(req)
+        prompt_ids = await asyncio.to_thread(self._tokenize, req)
+        params = req.sampling()
+        async with self.gate.read():
+            self.require_ready()
+            version = self.version
+            start = time.perf_counter()
+            outputs = await self.engine.generate(prompt_ids, req.n, params)
+        results = [
+            PromptResult(
+                prompt_token_ids=ids,
+                samples=[
+                    Sample(
+                        token_ids=o.token_ids,
+                        logprobs=o.logprobs,
+                        text=o.text,
+                        finish_reason=o.finish_reason,
+                        weight_version=version,
+                    )
+                    for o in outs
+                ],
+            )
+            for ids, outs in zip(prompt_ids, outputs, strict=True)
+        ]
+        self._record_generation(results, time.perf_counter() - start)
+        return GenerateResponse(results=results, weight_version=version)
+
+    def _record_generation(self, results: list[PromptResult], seconds: float) -> None:
+        m = self.metrics
+        generated = sum(len(s.token_ids) for r in results for s in r.samples)
+        m.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in results))
+        m.generation_tokens.inc(generated)
+        for r in results:
+            for s in r.samples:
+                m.samples.labels(s.finish_reason).inc()
+        if seconds > 0:
+            m.tokens_per_second.set(generated / seconds)
+
+    # --- weights ---------------------------------------------------------------------------
+
+    def _next_version(self, version: int | None) -> int:
+        if version is None:
+            return self.version + 1
+        if version <= self.version:
+            raise Conflict(
+                f"version={version} is not newer than the current weight version {self.version}; "
+                f"send a larger version or omit it to use {self.version + 1}"
+            )
+        return version
+
+    def _require_weights_awake(self) -> None:
+        self.require_loaded()
+        if "weights" in self.asleep:
+            raise Conflict(
+                "the weights are asleep; POST /wake_up (or /wake_up with tags ['weights']) "
+                "before updating them"
+            )
+
+    def check_update_version(self, version: int | None) -> None:
+        """Early refusal (at begin/announce) of a version that could never be committed."""
+        self._require_weights_awake()
+        self._next_version(version)
+
+    def validate(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        return validate_tensors(tensors, self.engine.weight_metadata())
+
+    async def apply_weights(
+        self, tensors: Mapping[str, torch.Tensor], version: int | None, transport: str
+    ) -> WeightUpdateResponse:
+        """Validate, then load under the pause; the version moves only if all of it loaded."""
+        try:
+            self._require_weights_awake()
+            num_bytes = await asyncio.to_thread(self.validate, tensors)
+            async with self.gate.write():
+                self._require_weights_awake()
+                new_version = self._next_version(version)
+                start = time.perf_counter()
+                await self.engine.load_weights(tensors.items())
+                await self.engine.reset_prefix_cache()
+                seconds = time.perf_counter() - start
+                self._set_version(new_version)
+        except (WeightsError, Conflict, Unavailable):
+            self.metrics.weight_updates.labels(transport, "refused").inc()
+            raise
+        return self._record_update(transport, len(tensors), num_bytes, seconds, None)
+
+    def _set_version(self, version: int) -> None:
+        self.version = version
+        self.weights_discarded = False
+        self.metrics.weight_version.set(version)
+
+    def _record_update(self, transport, num_tensors, num_bytes, seconds, checksum):
+        m = self.metrics
+        m.weight_updates.labels(transport, "ok").inc()
+        m.weight_update_seconds.observe(seconds)
+        m.weight_update_bytes.inc(num_bytes)
+        log.info("weights v%d loaded over %s: %d tensors, %.1f MB in %.2fs",
+                 self.version, transport, num_tensors, num_bytes / 1e6, seconds)  # fmt: skip
+        return WeightUpdateResponse(
+            weight_version=self.version,
+            num_tensors=num_tensors,
+            num_bytes=num_bytes,
+            seconds=seconds,
+            checksum=checksum,
+        )
+
+    async def init_weight_group(self, request: NcclInitRequest) -> None:
+        self.require_loaded()
+        await self.engine.init_weight_group(request)
+
+    async def nccl_update(self, request: NcclUpdateRequest) -> WeightUpdateResponse:
+        from rollout_server.weights import validate_nccl_announce
+
+        self._require_weights_awake()
+        num_bytes = validate_nccl_announce(request, self.engine.weight_metadata(), _ITEMSIZE)
+        self._next_version(request.version)
+        async with self.gate.write():
+            self._require_weights_awake()
+            new_version = self._next_version(request.version)
+            start = time.perf_counter()
+            checksum = await self.engine.receive_nccl_update(request)
+            await self.engine.reset_prefix_cache()
+            seconds = time.perf_counter() - start
+            self._set_version(new_version)
+        return self._record_update("nccl", len(request.tensors), num_bytes, seconds, checksum)
+
+    # --- sleep -----------------------------------------------------------------------------
+
+    def sleep_status(self) -> SleepStatus:
+        return SleepStatus(is_sleeping=bool(self.asleep), level=self.sleep_level)
+
+    async def sleep(self, level: int) -> SleepStatus:
+        self.require_loaded()
+        async with self.gate.write():  # in-flight generations finish first
+            await self.engine.sleep(level)
+            self.sleep_level = max(self.sleep_level, level)
+            self.asleep = {"weights", "kv_cache"}
+            if level == 2:
+                self.weights_discarded = True
+            self.metrics.sleep_level.set(self.sleep_level)
+        return self.sleep_status()
+
+    async def wake_up(self, tags: list[str] | None) -> SleepStatus:
+        self.require_loaded()
+        async with self.gate.write():
+            await self.engine.wake_up(tags)
+            self.asleep -= set(tags or ["weights", "kv_cache"])
+            if not self.asleep:
+                self.sleep_level = 0
+            self.metrics.sleep_level.set(self.sleep_level)
+        return self.sleep_status()

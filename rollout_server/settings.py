@@ -1,0 +1,84 @@
+"""Server settings: one pydantic model that the CLI fills from flags and tests build directly.
+
+Cheap to import (no torch): the CLI parses and validates before any heavy import.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollout_server.protocol import Limits
+
+API_KEY_ENV = "ROLLOUT_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname other than localhost: assume it is reachable from outside
+
+
+class ServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="a local model directory or a Hugging Face hub id")
+    served_model_name: str | None = Field(
+        None, description="name reported by /info and /v1/models (default: `model`)"
+    )
+    engine: Literal["transformers", "vllm"] = "transformers"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU, bfloat16 on GPU"
+    )
+    device: str = Field("auto", description="auto: cuda when available, else cpu")
+    seed: int = Field(0, description="seeds the draws for requests that give no seed")
+    limits: Limits = Field(default_factory=Limits)
+    api_key: str | None = Field(
+        default_factory=lambda: os.environ.get(API_KEY_ENV) or None,
+        repr=False,
+        description=f"required as `Authorization: Bearer` on every endpoint (env {API_KEY_ENV})",
+    )
+    disable_admin_endpoints: bool = Field(
+        False, description="serve generation only: no weight, sleep or NCCL routes"
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="prompt + completion tokens (default: the model's)"
+    )
+    trust_remote_code: bool = False
+    # Batching of the transformers engine: rows (prompt x sample) decoded together.
+    max_num_seqs: int = Field(256, ge=1, description="sequences decoded in one batch")
+    max_batch_tokens: int = Field(
+        32768, ge=1, description="padded prompt tokens prefilled in one batch"
+    )
+    # vLLM engine options (ignored by the transformers engine).
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    tensor_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1)
+    enable_sleep_mode: bool = Field(
+        True, description="vLLM: reserve memory so /sleep can offload (transformers: always)"
+    )
+    enable_prefix_caching: bool = True
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _admin_needs_auth_off_loopback(self) -> ServerSettings:
+        if not is_loopback(self.host) and not self.api_key and not self.disable_admin_endpoints:
+            raise ValueError(
+                f"refusing to serve the weight and sleep endpoints without an API key on the "
+                f"non-loopback address {self.host!r}: set --api-key (or env {API_KEY_ENV}), bind "
+                f"to 127.0.0.1, or pass --disable-admin-endpoints"
+            )
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model

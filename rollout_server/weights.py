@@ -1,0 +1,217 @@
+"""Weight updates before they touch the model: parse safetensors, validate, stage buckets.
+
+An update is validated whole — every name known, every dtype and shape exactly the model's —
+before anything is copied, so a bad update is refused while the old weights keep serving.
+Dtypes must match exactly (no silent casts): the sender knows the model's dtype from
+``/info`` and casting there is cheap; casting here would hide a mixed-up checkpoint.
+
+Multi-bucket HTTP updates are staged on CPU bucket by bucket (each validated on arrival) and
+applied only at commit. One update is open at a time: a new ``begin`` supersedes an older one,
+so a learner that crashed mid-update cannot wedge the server.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rollout_server.engine.base import TensorMeta, WeightsError
+from rollout_server.errors import BadRequest, Conflict, NotFound
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout_server.protocol import NcclUpdateRequest
+
+log = logging.getLogger(__name__)
+_MAX_LISTED = 5
+
+
+def parse_safetensors(blob: bytes, *, what: str = "the request body") -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors blob; a truncated or garbled one is a ``WeightsError``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    if not blob:
+        raise WeightsError(f"{what} is empty; send a safetensors blob")
+    try:
+        return load(blob)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise WeightsError(f"{what} is not a valid safetensors blob ({exc})") from exc
+
+
+def read_safetensors_path(path: str) -> dict[str, torch.Tensor]:
+    """Tensors of a .safetensors file, or of every .safetensors file in a directory."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not p.exists():
+        raise WeightsError(f"cannot read {path}: no such file or directory on the server")
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    if not files:
+        raise WeightsError(f"no .safetensors files in the directory {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            loaded = load_file(f)
+        except (OSError, SafetensorError, ValueError, RuntimeError) as exc:
+            raise WeightsError(f"cannot read {f}: {exc}") from exc
+        for name in loaded.keys() & tensors.keys():
+            raise WeightsError(f"tensor {name!r} appears in more than one file under {path}")
+        tensors.update(loaded)
+    return tensors
+
+
+def _dtype_name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _unknown(name: str, metadata: Mapping[str, TensorMeta]) -> str:
+    close = difflib.get_close_matches(name, list(metadata), n=1)
+    return f"unknown tensor {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
+def _check(name: str, dtype: str, shape: tuple[int, ...], meta: TensorMeta | None, md) -> str:
+    if meta is None:
+        return _unknown(name, md)
+    if dtype != meta.dtype:
+        return f"tensor {name!r} has dtype {dtype}, the model's is {meta.dtype} (cast it before sending)"
+    if shape != tuple(meta.shape):
+        return f"tensor {name!r} has shape {list(shape)}, the model's is {list(meta.shape)}"
+    return ""
+
+
+def _raise_problems(problems: list[str]) -> None:
+    if problems:
+        more = len(problems) - _MAX_LISTED
+        suffix = f"; and {more} more problems" if more > 0 else ""
+        raise WeightsError("; ".join(problems[:_MAX_LISTED]) + suffix)
+
+
+def validate_tensors(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, TensorMeta]
+) -> int:
+    """Raise ``WeightsError`` naming every bad tensor; return the update's size in bytes."""
+    if not tensors:
+        raise WeightsError("the update carries no tensors")
+    problems = []
+    for name, t in tensors.items():
+        problem = _check(name, _dtype_name(t.dtype), tuple(t.shape), metadata.get(name), metadata)
+        if problem:
+            problems.append(problem)
+    _raise_problems(problems)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def validate_nccl_announce(
+    request: NcclUpdateRequest, metadata: Mapping[str, TensorMeta], itemsize: Mapping[str, int]
+) -> int:
+    """Check an NCCL announce (names, dtypes, shapes, bucket layout); return its bytes."""
+    specs = request.tensors
+    if not specs:
+        raise WeightsError("the update carries no tensors")
+    problems = [
+        p
+        for s in specs
+        if (p := _check(s.name, s.dtype, tuple(s.shape), metadata.get(s.name), metadata))
+    ]
+    if len(request.bucket_dtypes) != len(request.buckets):
+        problems.append(
+            f"bucket_dtypes has {len(request.bucket_dtypes)} entries for {len(request.buckets)} buckets"
+        )
+    placed = sorted(i for bucket in request.buckets for i in bucket)
+    if placed != list(range(len(specs))):
+        problems.append("buckets must list every tensor index exactly once")
+    for b, (bucket, dtype) in enumerate(zip(request.buckets, request.bucket_dtypes, strict=False)):
+        for i in bucket:
+            if 0 <= i < len(specs) and specs[i].dtype != dtype:
+                problems.append(
+                    f"tensor {specs[i].name!r} ({specs[i].dtype}) is in bucket {b} of {dtype}"
+                )
+    _raise_problems(problems)
+    total = 0
+    for s in specs:
+        numel = 1
+        for d in s.shape:
+            numel *= d
+        total += numel * itemsize.get(s.dtype, 0)
+    return total
+
+
+@dataclass
+class StagedUpdate:
+    update_id: str
+    num_buckets: int
+    version: int | None
+    buckets: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    owner: dict[str, int] = field(default_factory=dict)  # tensor name -> bucket index
+    num_bytes: int = 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: t for bucket in self.buckets.values() for name, t in bucket.items()}
+
+
+class WeightStager:
+    """Holds the one open multi-bucket update until it is committed or aborted."""
+
+    def __init__(self) -> None:
+        self._open: StagedUpdate | None = None
+
+    def begin(self, num_buckets: int, version: int | None) -> str:
+        if self._open is not None:
+            log.warning("weight update %s superseded by a new one", self._open.update_id)
+        self._open = StagedUpdate(uuid.uuid4().hex, num_buckets, version)
+        return self._open.update_id
+
+    def get(self, update_id: str) -> StagedUpdate:
+        if self._open is None or self._open.update_id != update_id:
+            raise NotFound(
+                f"no open weight update {update_id!r} (it was committed, aborted, or superseded "
+                f"by a newer POST /weights/begin); start again with /weights/begin"
+            )
+        return self._open
+
+    def add_bucket(
+        self,
+        update_id: str,
+        index: int,
+        tensors: dict[str, torch.Tensor],
+        metadata: Mapping[str, TensorMeta],
+    ) -> None:
+        update = self.get(update_id)
+        if not 0 <= index < update.num_buckets:
+            raise BadRequest(f"index={index} is out of range for {update.num_buckets} buckets")
+        if index in update.buckets:
+            raise Conflict(f"bucket {index} of update {update_id} was already received")
+        num_bytes = validate_tensors(tensors, metadata)
+        for name in tensors:
+            if name in update.owner:
+                raise WeightsError(
+                    f"tensor {name!r} was already sent in bucket {update.owner[name]}"
+                )
+        update.buckets[index] = tensors
+        update.owner.update(dict.fromkeys(tensors, index))
+        update.num_bytes += num_bytes
+
+    def take_complete(self, update_id: str) -> StagedUpdate:
+        """Close the update for commit; every bucket must have arrived."""
+        update = self.get(update_id)
+        missing = sorted(set(range(update.num_buckets)) - update.buckets.keys())
+        if missing:
+            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+            raise Conflict(
+                f"update {update_id} is missing buckets [{shown}] of {update.num_buckets}; "
+                f"send them before committing"
+            )
+        self._open = None
+        return update
+
+    def abort(self, update_id: str) -> None:
+        self.get(update_id)
+        self._open = None

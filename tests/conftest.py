@@ -1,0 +1,82 @@
+"""Shared test helpers: a tiny random-weight model, and a real uvicorn rollout server on a free
+loopback port in a background thread.
+
+    def test_x(start_server, tiny_model_dir):
+        with start_server(ServerSettings(model=str(tiny_model_dir))) as server:
+            httpx.get(f"{server.url}/health")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@dataclass
+class RunningServer:
+    url: str  # http://127.0.0.1:<port>
+    app: Any  # the FastAPI app (app.state.service is the RolloutService)
+    settings: Any  # ServerSettings
+
+    @property
+    def service(self) -> Any:
+        return self.app.state.service
+
+
+@contextlib.contextmanager
+def run_server(
+    settings: Any, engine: Any = None, *, ready_timeout_s: float = 120.0, wait_ready: bool = True
+) -> Iterator[RunningServer]:
+    """Serve ``build_app(settings, engine)`` with uvicorn on 127.0.0.1 (an OS-chosen port) until
+    the block exits; waits for the engine to load unless ``wait_ready`` is False."""
+    import uvicorn
+
+    from rollout_server.app import build_app
+
+    app = build_app(settings, engine)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        service = app.state.service
+        while not server.started or (wait_ready and service.state == "loading"):
+            if not thread.is_alive():
+                raise RuntimeError("the uvicorn server thread exited during startup")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not ready after {ready_timeout_s}s")
+            time.sleep(0.02)
+        if wait_ready and service.state != "ready":
+            raise RuntimeError(f"engine failed to start: {service.load_error}")
+        yield RunningServer(f"http://127.0.0.1:{port}", app, settings)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def start_server() -> Callable[..., contextlib.AbstractContextManager[RunningServer]]:
+    """``with start_server(settings, engine=None) as server:`` a real server on loopback."""
+    return run_server
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Qwen3 (hidden 64, 2 layers, byte-level tokenizer), built once."""
+    from rollout_server.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), seed=0)
