@@ -1,0 +1,398 @@
+"""The production engine: vLLM's ``AsyncLLM`` on dedicated GPUs.
+
+Everything vLLM-specific lives here and in ``vllm_worker`` (the worker extension that receives
+weights); vLLM is imported only when this engine starts. The service layer owns versions, the
+pause gate and the sleep bookkeeping; this class translates requests and calls into vLLM.
+
+Choices that matter for RL:
+
+- Log-probs are vLLM's ``processed_logprobs`` (after penalties, temperature, top-k/top-p), i.e.
+  under the distribution the token was sampled from, which the learner's importance-sampling
+  correction needs. Only the sampled token's log-prob is requested (``logprobs=0``).
+- ``weight_metadata`` describes the tensors a *learner* sends: the Hugging Face checkpoint names
+  and full shapes (built on the meta device from the model's config). vLLM's own parameters are
+  fused (``qkv_proj``) and sharded over tensor-parallel ranks, so they cannot validate an update;
+  ``model.load_weights`` maps checkpoint names onto them.
+- Weight loads (NCCL, HTTP, file) run with generation paused by the service. vLLM's own
+  ``pause_generation`` is also called when requests are still in the engine (a safety net; it
+  costs ~20 ms, so it is skipped when nothing is in flight, which is the normal case).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import inspect
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from rollout_server.engine.base import (
+    Engine,
+    EngineError,
+    EngineInfo,
+    SampleOutput,
+    TensorMeta,
+    UnsupportedError,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout_server.protocol import NcclInitRequest, NcclUpdateRequest, SamplingParams
+    from rollout_server.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "rollout_server.engine.vllm_worker.WeightSyncWorkerExtension"
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def engine_kwargs(settings: ServerSettings) -> dict[str, Any]:
+    """``AsyncEngineArgs``/``LLM`` keyword arguments for these settings (pure; the benchmark
+    builds its offline ``LLM`` from the same dict so both sides run the same configuration)."""
+    kwargs: dict[str, Any] = {
+        "model": settings.model,
+        "dtype": "bfloat16" if settings.dtype == "auto" else settings.dtype,
+        "seed": settings.seed,
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "data_parallel_size": settings.data_parallel_size,
+        "enable_sleep_mode": settings.enable_sleep_mode,
+        "enable_prefix_caching": settings.enable_prefix_caching,
+        "trust_remote_code": settings.trust_remote_code,
+        "worker_extension_cls": WORKER_EXTENSION,
+        "logprobs_mode": "processed_logprobs",
+    }
+    if settings.max_model_len is not None:
+        kwargs["max_model_len"] = settings.max_model_len
+    if settings.served_model_name:
+        kwargs["served_model_name"] = settings.served_model_name
+    kwargs.update(getattr(settings, "vllm_engine_args", None) or {})
+    return kwargs
+
+
+def supported_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Drop (with a warning) the arguments this vLLM release does not know, e.g.
+    ``logprobs_mode`` before vLLM 0.10."""
+    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else None
+    if names is None:
+        return kwargs
+    dropped = sorted(set(kwargs) - names)
+    if dropped:
+        log.warning("this vLLM does not support %s; running without them", dropped)
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
+def sampling_kwargs(params: SamplingParams, n: int) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` keyword arguments for one request of ``n`` samples (pure)."""
+    return {
+        "n": n,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
+        "max_tokens": params.max_tokens,
+        "stop": list(params.stop) or None,
+        "stop_token_ids": list(params.stop_token_ids) or None,
+        "ignore_eos": params.ignore_eos,
+        "seed": params.seed,
+        "logprobs": 0,  # the sampled token's log-prob only
+        "skip_special_tokens": True,
+    }
+
+
+def to_sample(completion: Any) -> SampleOutput:
+    """One vLLM ``CompletionOutput`` as a ``SampleOutput``: ids, the sampled tokens' log-probs."""
+    token_ids = [int(t) for t in completion.token_ids]
+    positions = completion.logprobs or []
+    if len(positions) != len(token_ids):
+        raise EngineError(
+            f"vLLM returned {len(positions)} log-prob positions for {len(token_ids)} tokens"
+        )
+    logprobs = [float(pos[tok].logprob) for tok, pos in zip(token_ids, positions, strict=True)]
+    reason = _FINISH.get(str(completion.finish_reason), "abort")
+    return SampleOutput(token_ids, logprobs, completion.text, reason)  # type: ignore[arg-type]
+
+
+def hf_weight_metadata(
+    model: str, dtype: str, trust_remote_code: bool = False
+) -> dict[str, TensorMeta]:
+    """Checkpoint names and full shapes of the model's parameters (tied aliases included),
+    from its config on the meta device: no weights are read, nothing is allocated."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return {
+        name: TensorMeta(dtype, tuple(p.shape))
+        for name, p in meta.named_parameters(remove_duplicate=False)
+    }
+
+
+class VLLMEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self._llm: Any = None
+        self._tokenizer: Any = None
+        self._info: EngineInfo | None = None
+        self._metadata: dict[str, TensorMeta] = {}
+        self._asleep: set[str] = set()
+        self._in_flight = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise EngineError(
+                f"the vllm engine needs vLLM ({exc}); install it with `pip install -e .[vllm]` "
+                "or run with --engine transformers"
+            ) from exc
+        s = self.settings
+        args = AsyncEngineArgs(**supported_kwargs(AsyncEngineArgs, engine_kwargs(s)))
+        # Built in the event loop, as vLLM's own server does (it binds its output tasks to the
+        # running loop); the ~40 s of loading happen before the service reports ready.
+        self._llm = AsyncLLM.from_engine_args(args)
+        self._tokenizer, self._metadata = await asyncio.gather(
+            asyncio.to_thread(self._load_tokenizer),
+            asyncio.to_thread(hf_weight_metadata, s.model, self._dtype_name(), s.trust_remote_code),
+        )
+        self._info = self._build_info()
+
+    def _load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(
+            self.settings.model, trust_remote_code=self.settings.trust_remote_code
+        )
+
+    def _dtype_name(self) -> str:
+        return str(self._llm.model_config.dtype).removeprefix("torch.")
+
+    def _build_info(self) -> EngineInfo:
+        mc = self._llm.model_config
+        eos: list[int] = []
+        gen = mc.try_get_generation_config() if hasattr(mc, "try_get_generation_config") else {}
+        for value in ((gen or {}).get("eos_token_id"), self._tokenizer.eos_token_id):
+            for token in value if isinstance(value, list) else [value]:
+                if token is not None and int(token) not in eos:
+                    eos.append(int(token))
+        s = self.settings
+        return EngineInfo(
+            model=s.name,
+            engine=self.name,
+            dtype=self._dtype_name(),
+            device="cuda",
+            max_model_len=int(mc.max_model_len),
+            vocab_size=int(mc.get_vocab_size()),
+            eos_token_ids=eos,
+            tensor_parallel_size=s.tensor_parallel_size,
+            data_parallel_size=s.data_parallel_size,
+            weight_transports=["http", "file", "nccl"],
+        )
+
+    async def close(self) -> None:
+        if self._llm is not None:
+            with contextlib.suppress(Exception):
+                await self._rpc("grpo_close_weight_group")
+            self._llm.shutdown()
+            self._llm = None
+
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineError("the vllm engine has not started")
+        return self._info
+
+    # -- tokens ----------------------------------------------------------------------------
+
+    def tokenize_prompt(
+        self,
+        prompt: list[int] | str | list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self._tokenizer(prompt)["input_ids"])
+        if prompt and isinstance(prompt[0], dict):
+            text = self._tokenizer.apply_chat_template(
+                prompt,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+            return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def decode(self, token_ids: list[int]) -> str:
+        known = [t for t in token_ids if t < len(self._tokenizer)]
+        return self._tokenizer.decode(known, skip_special_tokens=True)
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams
+    ) -> list[list[SampleOutput]]:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._asleep:
+            raise EngineError("the vllm engine is asleep; POST /wake_up first")
+        sp = VLLMSamplingParams(
+            **sampling_kwargs(params, n), output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        self._in_flight += 1
+        try:
+            async with asyncio.TaskGroup() as tg:  # one failure cancels (aborts) the rest
+                tasks = [tg.create_task(self._one(ids, sp)) for ids in prompts]
+        except ExceptionGroup as group:
+            first = group.exceptions[0]
+            if isinstance(first, ValueError):  # vLLM's request validation: the caller's mistake
+                from rollout_server.errors import BadRequest
+
+                raise BadRequest(f"vLLM refused the request: {first}") from first
+            raise EngineError(f"vLLM generation failed: {type(first).__name__}: {first}") from first
+        finally:
+            self._in_flight -= 1
+        return [t.result() for t in tasks]
+
+    async def _one(self, prompt_ids: list[int], sp: Any) -> list[SampleOutput]:
+        final = None
+        async for out in self._llm.generate({"prompt_token_ids": prompt_ids}, sp, uuid.uuid4().hex):
+            final = out
+        if final is None:
+            raise EngineError("vLLM returned no output for a request")
+        return [to_sample(c) for c in sorted(final.outputs, key=lambda c: c.index)]
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def weight_metadata(self) -> dict[str, TensorMeta]:
+        return self._metadata
+
+    async def _rpc(self, method: str, *args: Any) -> list[Any]:
+        return await self._llm.collective_rpc(method, args=args)
+
+    @contextlib.asynccontextmanager
+    async def _paused(self):
+        """vLLM's own pause around a load, when anything is still in the engine."""
+        pause = getattr(self._llm, "pause_generation", None)
+        if pause is None or self._in_flight == 0:
+            yield
+            return
+        params = inspect.signature(pause).parameters
+        await (pause(mode="wait") if "mode" in params else pause(wait_for_inflight_requests=True))
+        try:
+            yield
+        finally:
+            await self._llm.resume_generation()
+
+    async def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """HTTP/file transports: the validated CPU tensors go to the workers through a
+        safetensors file in shared memory (every TP worker reads it; no giant RPC message)."""
+        from safetensors.torch import save_file
+
+        tensors = {name: t.contiguous() for name, t in tensors}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        fd, path = tempfile.mkstemp(suffix=".safetensors", dir=_staging_dir(nbytes))
+        os.close(fd)
+        try:
+            await asyncio.to_thread(save_file, tensors, path)
+            async with self._paused():
+                await self._rpc("grpo_load_file", path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    async def reset_prefix_cache(self) -> None:
+        await self._llm.reset_prefix_cache()
+
+    async def init_weight_group(self, request: NcclInitRequest) -> None:
+        rank_offset = getattr(request, "rank_offset", 1)
+        await self._rpc(
+            "grpo_init_weight_group",
+            request.master_address,
+            request.master_port,
+            rank_offset,
+            request.world_size,
+            request.timeout_s,
+        )
+
+    async def receive_nccl_update(self, request: NcclUpdateRequest) -> float | None:
+        specs = [t.model_dump() for t in request.tensors]
+        start = time.perf_counter()
+        try:
+            async with self._paused():
+                results = await self._rpc(
+                    "grpo_receive_update",
+                    specs,
+                    request.buckets,
+                    request.bucket_dtypes,
+                    request.checksum,
+                )
+        except Exception as exc:
+            raise EngineError(
+                f"NCCL weight update failed, the previous weights still serve: {exc}"
+            ) from exc
+        first = results[0]
+        log.info(
+            "NCCL update: %d tensors received in %.3fs, loaded in %.3fs (staged on %s), "
+            "%.3fs in all",
+            len(specs), first["received_s"], first["loaded_s"], first["staged_on"],
+            time.perf_counter() - start,
+        )  # fmt: skip
+        sums = {r["checksum"] for r in results}
+        if len(sums) > 1:
+            raise EngineError(f"workers received different bytes (checksums {sorted(sums)})")
+        return first["checksum"]
+
+    # -- sleep -----------------------------------------------------------------------------
+
+    async def sleep(self, level: int) -> None:
+        if not self.settings.enable_sleep_mode:
+            raise UnsupportedError(
+                "sleep needs vLLM's sleep mode: restart the server with enable_sleep_mode on"
+            )
+        if self._asleep:
+            log.info("sleep(level=%d) ignored: already asleep", level)
+            return
+        params = inspect.signature(self._llm.sleep).parameters
+        await (self._llm.sleep(level, mode="wait") if "mode" in params else self._llm.sleep(level))
+        self._asleep = {"weights", "kv_cache"}
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        if not self._asleep:
+            return
+        await self._llm.wake_up(tags)
+        self._asleep -= set(tags or ["weights", "kv_cache"])
+        if "kv_cache" not in self._asleep:
+            await self._llm.reset_prefix_cache()  # the cached blocks' memory was dropped
+
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+
+def _staging_dir(nbytes: int) -> str:
+    """/dev/shm when it has room (RAM-backed, fast), else the temp directory."""
+    shm = "/dev/shm"
+    with contextlib.suppress(OSError):
+        if shutil.disk_usage(shm).free > 2 * nbytes:
+            return shm
+    return tempfile.gettempdir()
