@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollout_server.engine.base import TensorMeta, WeightsError
-from rollout_server.errors import BadRequest, Conflict, NotFound
+from rollout_server.errors import Conflict, NotFound
 
 if TYPE_CHECKING:
     import torch
@@ -147,26 +147,32 @@ def validate_nccl_announce(
 @dataclass
 class StagedUpdate:
     update_id: str
-    num_buckets: int
     version: int | None
     buckets: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     owner: dict[str, int] = field(default_factory=dict)  # tensor name -> bucket index
-    num_bytes: int = 0
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: t for bucket in self.buckets.values() for name, t in bucket.items()}
 
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
 
 class WeightStager:
-    """Holds the one open multi-bucket update until it is committed or aborted."""
+    """Holds the one open multi-bucket update until it is committed or aborted.
+
+    The bucket count is only known at commit (the learner streams buckets out of a ZeRO-3
+    gather). Re-sending a bucket index replaces it, so a client may retry an upload whose
+    answer was lost."""
 
     def __init__(self) -> None:
         self._open: StagedUpdate | None = None
 
-    def begin(self, num_buckets: int, version: int | None) -> str:
+    def begin(self, version: int | None) -> str:
         if self._open is not None:
             log.warning("weight update %s superseded by a new one", self._open.update_id)
-        self._open = StagedUpdate(uuid.uuid4().hex, num_buckets, version)
+        self._open = StagedUpdate(uuid.uuid4().hex, version)
         return self._open.update_id
 
     def get(self, update_id: str) -> StagedUpdate:
@@ -185,29 +191,31 @@ class WeightStager:
         metadata: Mapping[str, TensorMeta],
     ) -> None:
         update = self.get(update_id)
-        if not 0 <= index < update.num_buckets:
-            raise BadRequest(f"index={index} is out of range for {update.num_buckets} buckets")
-        if index in update.buckets:
-            raise Conflict(f"bucket {index} of update {update_id} was already received")
-        num_bytes = validate_tensors(tensors, metadata)
+        validate_tensors(tensors, metadata)
         for name in tensors:
-            if name in update.owner:
+            if update.owner.get(name, index) != index:
                 raise WeightsError(
                     f"tensor {name!r} was already sent in bucket {update.owner[name]}"
                 )
+        for name in update.buckets.pop(index, {}):  # a re-sent bucket replaces the old one
+            del update.owner[name]
         update.buckets[index] = tensors
         update.owner.update(dict.fromkeys(tensors, index))
-        update.num_bytes += num_bytes
 
-    def take_complete(self, update_id: str) -> StagedUpdate:
-        """Close the update for commit; every bucket must have arrived."""
+    def take_complete(self, update_id: str, num_buckets: int) -> StagedUpdate:
+        """Close the update for commit; buckets 0..num_buckets-1, and only those, must be in."""
         update = self.get(update_id)
-        missing = sorted(set(range(update.num_buckets)) - update.buckets.keys())
-        if missing:
-            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+        missing = sorted(set(range(num_buckets)) - update.buckets.keys())
+        extra = sorted(i for i in update.buckets if i >= num_buckets)
+        if missing or extra:
+            problem = (
+                f"is missing buckets {_short(missing)}"
+                if missing
+                else f"holds buckets {_short(extra)} beyond num_buckets"
+            )
             raise Conflict(
-                f"update {update_id} is missing buckets [{shown}] of {update.num_buckets}; "
-                f"send them before committing"
+                f"update {update_id} {problem} (commit says num_buckets={num_buckets}); "
+                f"send the missing buckets or fix num_buckets, then commit again"
             )
         self._open = None
         return update
@@ -215,3 +223,7 @@ class WeightStager:
     def abort(self, update_id: str) -> None:
         self.get(update_id)
         self._open = None
+
+
+def _short(indices: list[int]) -> str:
+    return "[" + ", ".join(map(str, indices[:10])) + (" ..." if len(indices) > 10 else "") + "]"

@@ -17,6 +17,7 @@ from rollout_server.protocol import (
     NcclUpdateRequest,
     WeightFileRequest,
     WeightUpdateBegin,
+    WeightUpdateCommit,
     WeightUpdateId,
     WeightUpdateResponse,
 )
@@ -73,7 +74,7 @@ async def update(
 async def begin(request: WeightUpdateBegin, service: ServiceDep) -> WeightUpdateId:
     """Open a multi-bucket update (supersedes any open one); nothing is applied until commit."""
     service.check_update_version(request.version)
-    return WeightUpdateId(update_id=service.stager.begin(request.num_buckets, request.version))
+    return WeightUpdateId(update_id=service.stager.begin(request.version))
 
 
 @router.post("/bucket", responses=_ERRORS, openapi_extra=_BLOB)
@@ -92,9 +93,12 @@ async def bucket(
 
 
 @router.post("/commit", response_model=WeightUpdateResponse, responses=_ERRORS)
-async def commit(request: WeightUpdateId, service: ServiceDep) -> WeightUpdateResponse:
-    """Apply every staged bucket under the pause, then bump the version."""
-    staged = service.stager.take_complete(request.update_id)
+async def commit(request: WeightUpdateCommit, service: ServiceDep) -> WeightUpdateResponse:
+    """Apply every staged bucket under the pause, then bump the version.
+
+    The update is closed by a commit even if the commit is refused (stale version): send it
+    again from ``/weights/begin``."""
+    staged = service.stager.take_complete(request.update_id, request.num_buckets)
     return await service.apply_weights(staged.tensors(), staged.version, transport="http")
 
 

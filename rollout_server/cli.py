@@ -1,0 +1,110 @@
+"""``rollout-server`` / ``python -m rollout_server``: parse flags, validate, then serve.
+
+Only argparse and pydantic load before the flags are checked, so ``--help`` and a bad flag
+answer at once; torch, transformers and vLLM are imported when the app is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from rollout_server.settings import API_KEY_ENV, ServerSettings
+
+_LIMIT_FLAGS = ("max_n", "max_tokens", "max_prompt_len", "max_batch_size", "max_body_mb")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rollout-server",
+        description="Serve a model for GRPO rollouts: /generate, OpenAI routes, weight sync.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        argument_default=argparse.SUPPRESS,  # unset flags fall back to ServerSettings' defaults
+    )
+    p.add_argument("--model", required=True, help="local model directory or hub id")
+    p.add_argument("--served-model-name", help="name in /info and /v1/models")
+    p.add_argument("--engine", choices=["transformers", "vllm"], help="default: transformers")
+    p.add_argument("--host", help="default 127.0.0.1; others need --api-key")
+    p.add_argument("--port", type=int, help="default 8000")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--seed", type=int, help="seed for requests that give none")
+    p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (or env {API_KEY_ENV})")
+    p.add_argument(
+        "--disable-admin-endpoints",
+        action="store_true",
+        help="no weight/sleep routes (allows serving off loopback without a key)",
+    )
+    limits = p.add_argument_group("input limits (violations answer 4xx)")
+    limits.add_argument("--max-n", type=int, help="samples per prompt (default 64)")
+    limits.add_argument("--max-tokens", type=int, help="completion tokens (default 4096)")
+    limits.add_argument("--max-prompt-len", type=int, help="prompt tokens (default 8192)")
+    limits.add_argument("--max-batch-size", type=int, help="prompts per request (default 512)")
+    limits.add_argument("--max-body-mb", type=int, help="request body MB (default 4096)")
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--max-model-len", type=int, help="context length (default: model's)")
+    engine.add_argument("--max-num-seqs", type=int, help="sequences per batch (default 256)")
+    engine.add_argument("--max-batch-tokens", type=int, help="prefill tokens per batch")
+    engine.add_argument("--gpu-memory-utilization", type=float, help="vLLM (default 0.9)")
+    engine.add_argument("--tensor-parallel-size", type=int, help="vLLM (default 1)")
+    engine.add_argument("--data-parallel-size", type=int, help="vLLM (default 1)")
+    engine.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    engine.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    fields: dict[str, Any] = vars(args).copy()
+    limits = {k: fields.pop(k) for k in _LIMIT_FLAGS if k in fields}
+    if limits:
+        fields["limits"] = limits
+    return ServerSettings.model_validate(fields)
+
+
+def _explain(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"--{loc.split('.')[-1].replace('_', '-')}: {msg}" if loc else msg)
+    return "; ".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        print(f"rollout-server: error: {_explain(exc)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    import uvicorn
+
+    from rollout_server.app import build_app
+
+    failures: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_engine_failure(exc: BaseException) -> None:
+        failures.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(settings, on_engine_failure=on_engine_failure)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if failures:
+        print(f"rollout-server: the engine failed to start: {failures[0]}", file=sys.stderr)
+        return 1
+    return 0
