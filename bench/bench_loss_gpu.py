@@ -1,0 +1,264 @@
+"""GRPO loss through the LM head on a GPU: full logits vs Liger vs ours (fwd+bwd, bf16).
+
+    python bench/bench_loss_gpu.py --out-dir $OUT            # both heads, token sweep, plot
+    python bench/bench_loss_gpu.py --breakdown               # time each kernel of ours
+
+Variants, all computing the same DAPO loss (beta 0.04 with reference log-probs, clip
+0.2/0.28, temperature 0.9) and gradients w.r.t. hidden states and LM-head weight:
+
+- full:  logits = hidden @ W.T materialised in bf16, divided by T, log-softmax per sequence
+         and gather (TRL's `selective_log_softmax` for bf16), entropy under no_grad (metric).
+- liger: liger-kernel 0.8.5 `LigerFusedLinearGRPOLoss` (defaults: compiled, chunk_size=1).
+- ours:  `token_logprobs(impl="triton")` + `grpo_loss`.
+
+Time: median of CUDA-event-timed fwd+bwd iterations after warm-up. Memory: peak
+`torch.cuda.max_memory_allocated()` during one fwd+bwd minus the memory allocated just before
+it (inputs allocated, .grad None), so the gradients themselves (grad_hidden, grad_weight) are
+counted in every variant. The floor is 6·N·H·V FLOPs (forward logits, grad_hidden,
+grad_weight) at the measured bf16 matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HEADS = {"qwen3-0.6b": (1024, 2048, [2, 4, 8, 16]), "qwen3-8b": (4096, 4096, [1, 2, 4, 8])}
+VOCAB = 151_936
+TEMP = 0.9
+
+
+def make_inputs(b, t, hd, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = torch.randn(b, t, hd, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(VOCAB, hd, device="cuda", generator=g, dtype=torch.bfloat16) * hd**-0.5
+    ids = torch.randint(0, VOCAB, (b, t), device="cuda", generator=g)
+    old = -3 * torch.rand(b, t, device="cuda", generator=g) - 9
+    ref = old + 0.05 * torch.randn(b, t, device="cuda", generator=g)
+    adv = torch.randn(b, device="cuda", generator=g)
+    mask = torch.ones(b, t, device="cuda")
+    return h.requires_grad_(), w.requires_grad_(), ids, old, ref, adv, mask
+
+
+def run_full(h, w, ids, old, ref, adv, mask):
+    from learner.loss import LossConfig, LossInputs, grpo_loss
+
+    logits = (h @ w.T) / TEMP  # [B, T, V] bf16
+    logp = torch.stack(
+        [
+            torch.log_softmax(row, -1).gather(-1, i[:, None]).squeeze(-1)
+            for row, i in zip(logits, ids, strict=True)
+        ]
+    )
+    with torch.no_grad():  # entropy as a metric, a sequence at a time (TRL computes it so)
+        ent = torch.stack(
+            [-(r.float().softmax(-1) * r.float().log_softmax(-1)).sum(-1) for r in logits]
+        )
+    inputs = LossInputs(logp.float(), old, adv, mask, ref_logprobs=ref, entropy=ent)
+    loss, _ = grpo_loss(inputs, LossConfig(beta=0.04))
+    loss.backward()
+
+
+def run_ours(h, w, ids, old, ref, adv, mask):
+    from learner.logprobs import token_logprobs
+    from learner.loss import LossConfig, LossInputs, grpo_loss
+
+    b, t, hd = h.shape
+    lp, ent = token_logprobs(h.view(-1, hd), w, ids.view(-1), temperature=TEMP, impl="triton")
+    inputs = LossInputs(lp.view(b, t), old, adv, mask, ref_logprobs=ref, entropy=ent.view(b, t))
+    loss, _ = grpo_loss(inputs, LossConfig(beta=0.04))
+    loss.backward()
+
+
+_LIGER = {}
+
+
+def run_liger(h, w, ids, old, ref, adv, mask):
+    if "loss" not in _LIGER:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        _LIGER["loss"] = LigerFusedLinearGRPOLoss(
+            beta=0.04, epsilon_low=0.2, epsilon_high=0.28, loss_type="dapo", temperature=TEMP
+        )
+    loss, _ = _LIGER["loss"](h, w, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)
+    loss.backward()
+
+
+VARIANTS = {"full": run_full, "liger": run_liger, "ours": run_ours}
+
+
+def measure(fn, inputs, iters):
+    h, w = inputs[0], inputs[1]
+    h.grad = w.grad = None
+    fn(*inputs)  # warm-up (compilation, autotuning)
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn(*inputs)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    times = []
+    for _ in range(iters):
+        h.grad = w.grad = None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*inputs)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), peak / 1e9
+
+
+def matmul_tflops():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 10 / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def breakdown(hd, b, t):
+    """Time each stage of ours at one shape (forward kernel, then the backward's pieces)."""
+    from learner.kernels import triton_logprobs as tk
+
+    h, w, ids, *_ = make_inputs(b, t, hd)
+    h2, ids2 = h.detach().view(-1, hd), ids.view(-1)
+    w = w.detach()
+    n = h2.shape[0]
+
+    def ev(fn, iters=5):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(iters):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            ts.append(s.elapsed_time(e))
+        return statistics.median(ts)
+
+    _, lse, ent = tk._forward(h2, w, ids2, TEMP)
+    g_lp = torch.randn(n, device="cuda")
+    flop = 2 * n * hd * VOCAB
+    rows = {
+        "forward kernel": ev(lambda: tk._forward(h2, w, ids2, TEMP)),
+        "backward (both grads)": ev(
+            lambda: tk._backward(h2, w, ids2, lse, ent, g_lp, None, TEMP, True, True)
+        ),
+        "backward grad_weight only": ev(
+            lambda: tk._backward(h2, w, ids2, lse, ent, g_lp, None, TEMP, False, True)
+        ),
+        "backward grad_hidden only": ev(
+            lambda: tk._backward(h2, w, ids2, lse, ent, g_lp, None, TEMP, True, False)
+        ),
+        "cuBLAS h @ W.T (bf16 out)": ev(lambda: h2 @ w.T),
+    }
+    print(f"breakdown H={hd} N={n} (one N·H·V product = {flop / 1e12:.2f} TFLOP)")
+    for k, ms in rows.items():
+        print(f"  {k:<28}{ms:9.2f} ms")
+    print(f"  blocking (CN, CV) = {tk._blocking(n, VOCAB, hd)}")
+    return rows
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for col, head in enumerate(HEADS):
+        rows = [r for r in results if r["head"] == head]
+        for name in VARIANTS:
+            pts = sorted((r["tokens"], r["ms"], r["gb"]) for r in rows if r["variant"] == name)
+            if not pts:
+                continue
+            xs, ms, gb = zip(*pts, strict=True)
+            axes[0][col].plot(xs, ms, marker="o", label=name)
+            axes[1][col].plot(xs, gb, marker="o", label=name)
+        floor = [(r["tokens"], r["floor_ms"]) for r in rows if r["variant"] == "ours"]
+        if floor:
+            xs, fl = zip(*sorted(floor), strict=True)
+            axes[0][col].plot(xs, fl, "k--", label="6·N·H·V floor")
+        axes[0][col].set_title(f"{head} head: fwd+bwd time")
+        axes[1][col].set_title(f"{head} head: peak extra memory")
+        axes[0][col].set_ylabel("ms (median)")
+        axes[1][col].set_ylabel("GB")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xlabel("tokens")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
+    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--no-sweep", action="store_true", help="only the headline token count")
+    p.add_argument("--breakdown", action="store_true", help="time the stages of ours and exit")
+    args = p.parse_args()
+    if args.breakdown:
+        for head in args.heads:
+            hd, t, bs = HEADS[head]
+            breakdown(hd, bs[-1], t)
+        return
+    tflops = matmul_tflops()
+    print(f"device: {torch.cuda.get_device_name()}, bf16 8192^3 matmul: {tflops:.0f} TFLOP/s")
+    results = []
+    for head in args.heads:
+        hd, t, batches = HEADS[head]
+        for b in batches[-1:] if args.no_sweep else batches:
+            n = b * t
+            floor_ms = 6 * n * hd * VOCAB / (tflops * 1e12) * 1e3
+            for name in args.variants:
+                inputs = make_inputs(b, t, hd)
+                iters = args.iters if name != "liger" else max(2, args.iters // 3)
+                try:
+                    ms, gb = measure(VARIANTS[name], inputs, iters)
+                except torch.OutOfMemoryError:
+                    ms, gb = float("nan"), float("nan")
+                del inputs
+                torch.cuda.empty_cache()
+                row = {"head": head, "variant": name, "tokens": n, "batch": b, "seq": t}
+                row |= {"hidden": hd, "vocab": VOCAB, "ms": ms, "gb": gb, "floor_ms": floor_ms}
+                results.append(row)
+                print(
+                    f"{head:<11}{name:<6} B={b:<3}T={t:<5}N={n:<6}{ms:9.1f} ms {gb:8.2f} GB"
+                    f"  (floor {floor_ms:.1f} ms)",
+                    flush=True,
+                )
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(), "matmul_tflops": tflops}
+    meta |= {"torch": torch.__version__, "temperature": TEMP, "results": results}
+    (args.out_dir / "loss_gpu.json").write_text(json.dumps(meta, indent=2) + "\n")
+    plot(results, args.out_dir / "loss_gpu.png")
+    print("\n| head | variant | tokens | median ms | peak extra GB |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['head']} | {r['variant']} | {r['tokens']} | {r['ms']:.1f} | {r['gb']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
