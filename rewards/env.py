@@ -9,18 +9,19 @@ is over. One tool may be marked ``@tool(terminal=True)``: it is hidden from the 
 final assistant message (no tool call) is passed to it as its single argument, which is how
 question-answer environments grade an answer.
 
-Sync methods are run in a worker thread so a slow tool never blocks the event loop that drives
-the other episodes of the batch.
+Sync methods run in a worker thread so a slow tool never blocks the event loop that drives the
+other episodes of the batch.
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, TypeVar, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rewards._threads import call_maybe_async
 
 T = TypeVar("T")
 Prompt = str | list[dict[str, Any]]
@@ -77,14 +78,6 @@ def tool(fn: Callable | None = None, *, terminal: bool = False) -> Any:
         return f
 
     return mark if fn is None else mark(fn)
-
-
-async def call_maybe_async(fn: Callable[..., T | Awaitable[T]], *args: Any, **kwargs: Any) -> T:
-    """Await ``fn`` if it is async, else run it in a worker thread (never on the event loop)."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args, **kwargs)
-    out = await asyncio.to_thread(fn, *args, **kwargs)
-    return await out if inspect.isawaitable(out) else out  # type: ignore[return-value]
 
 
 def _arg_model(cls: type, name: str, fn: Callable) -> type[BaseModel] | None:

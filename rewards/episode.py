@@ -26,10 +26,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rewards._threads import call_maybe_async
 from rewards.builtin._text import strip_reasoning
-from rewards.chat import ChatFormat
-from rewards.env import Environment, call_maybe_async
+from rewards.chat import ChatFormat, HFChatFormat
+from rewards.env import Environment
 from rewards.toolcalls import MalformedCall, parse_tool_calls
+
+__all__ = [
+    "ChatFormat",
+    "EpisodeResult",
+    "GenerateFn",
+    "Generation",
+    "GenerationFailed",
+    "HFChatFormat",
+    "reduce_rewards",
+    "run_episode",
+    "run_episodes",
+]
 
 RewardReduce = Literal["last", "sum", "mean"]
 StopReason = Literal["finished", "no_tool_call", "max_turns", "max_tokens", "error"]
@@ -165,7 +178,9 @@ async def _play(
         if turn == max_turns - 1:
             res.stop_reason = "max_turns"
             return
-        res._extend(chat.close_turn_ids(res.completion_ids), False)
+        close = getattr(chat, "close_turn_ids", None)  # optional in a ChatFormat
+        if close is not None:
+            res._extend(close(res.completion_ids), False)
         res._extend(chat.tool_message_ids(tool_messages), False)
         if max_tokens is not None and len(res.completion_ids) >= max_tokens:
             res.stop_reason = "max_tokens"
@@ -181,22 +196,30 @@ async def run_episode(
     max_turns: int,
     reward_reduce: RewardReduce = "last",
     max_tokens: int | None = None,
+    timeout_s: float | None = None,
 ) -> EpisodeResult:
     """One episode; see ``run_episodes``."""
     res = EpisodeResult()
     env: Environment | None = None
+    deadline = asyncio.timeout(timeout_s)
     try:
-        env = await _make_env(env_factory, task)
-        await _play(env, res, generate, chat, max_turns, max_tokens)
+        async with deadline:
+            env = await _make_env(env_factory, task)
+            await _play(env, res, generate, chat, max_turns, max_tokens)
     except GenerationFailed:
         raise
+    except TimeoutError as e:
+        expired = deadline.expired()
+        res.error = f"episode timed out after {timeout_s:g} s" if expired else f"TimeoutError: {e}"
+        res.stop_reason = "error"
     except Exception as e:
         res.error = f"{type(e).__name__}: {e}"
         res.stop_reason = "error"
     finally:
         if env is not None:
             try:
-                await env.teardown()
+                async with asyncio.timeout(timeout_s):  # a hung teardown must not hang the batch
+                    await env.teardown()
             except Exception as e:
                 res.error = res.error or f"teardown failed: {type(e).__name__}: {e}"
     res.reward = 0.0 if res.error else reduce_rewards(res.step_rewards, reward_reduce)
@@ -213,12 +236,15 @@ async def run_episodes(
     reward_reduce: RewardReduce = "last",
     max_tokens: int | None = None,
     max_concurrency: int | None = None,
+    episode_timeout_s: float | None = None,
 ) -> list[EpisodeResult]:
     """Run one episode per task, concurrently (at most ``max_concurrency`` at once).
 
     ``env_factory_or_cls``: an ``Environment`` subclass or a callable that builds one from a
     task. ``max_turns``: generations per episode. ``max_tokens``: stop once the completion (tool
-    tokens included) is this long. Results are in task order.
+    tokens included) is this long. ``episode_timeout_s``: wall-clock limit of an episode (a hung
+    environment ends its episode with an error instead of hanging the batch; generation time
+    counts too). Results are in task order.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns}; an episode needs at least one turn")
@@ -236,6 +262,7 @@ async def run_episodes(
                 max_turns=max_turns,
                 reward_reduce=reward_reduce,
                 max_tokens=max_tokens,
+                timeout_s=episode_timeout_s,
             )
 
     outcomes = await asyncio.gather(*(one(t) for t in tasks), return_exceptions=True)

@@ -94,6 +94,11 @@ class OpenRewardEnvironment(Environment):
         """A fresh SDK client (owns an aiohttp session: close it with ``aclose``) and env."""
         sdk = _sdk()
         key = cls.ors_api_key if cls.ors_api_key is not None else os.getenv("OPENREWARD_API_KEY")
+        if cls.ors_base_url is None and not key:
+            raise OpenRewardAdapterError(
+                f"the hosted environment {cls.ors_name!r} needs an API key: set "
+                f"OPENREWARD_API_KEY (or pass api_key= to openreward_environment)"
+            )
         api = sdk.AsyncOpenReward(api_key=key or "").environments
         return api, api.get(cls.ors_name, variant=cls.ors_variant, base_url=cls.ors_base_url)
 

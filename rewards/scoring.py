@@ -6,28 +6,26 @@ an explicit failure policy, a recorded failure (the function's scores for the ba
 or 0.0, and ``reward/<name>/failures`` says so). A bad reward never turns into a silent 0 copied
 to every completion, and a hanging one never hangs the run: every call has a timeout.
 
-Sync functions run in their own daemon thread, not the event loop's default executor. A thread
-that never returns cannot be killed in Python; as a daemon it is simply abandoned: it neither
-holds an executor slot that later calls would queue behind, nor blocks interpreter exit (which the
-default executor's threads would). Async functions are cancelled at the timeout; the built-in code
-reward kills its sandbox subprocess on cancellation.
+Sync functions run in their own daemon thread (``rewards._threads``): one that never returns is
+abandoned at the timeout without holding up later calls or interpreter exit. Async functions are
+cancelled at the timeout; the built-in code reward kills its sandbox subprocess on cancellation.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import math
 import numbers
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from rewards._threads import call_maybe_async
 
 logger = logging.getLogger(__name__)
 
@@ -110,46 +108,6 @@ def check_output(function: str, out: Any, n: int) -> list[float | None]:
     return scores
 
 
-def _in_daemon_thread(fn: Callable[..., Any], args: tuple, kwargs: dict) -> asyncio.Future:
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
-
-    def settle(result: Any, exc: BaseException | None) -> None:
-        if fut.done():  # timed out and cancelled meanwhile
-            return
-        if exc is None:
-            fut.set_result(result)
-        else:
-            fut.set_exception(exc)
-
-    def target() -> None:
-        try:
-            result, exc = fn(*args, **kwargs), None
-        except BaseException as e:
-            result, exc = None, e
-        with contextlib.suppress(RuntimeError):  # the loop closed while we ran
-            loop.call_soon_threadsafe(settle, result, exc)
-
-    threading.Thread(
-        target=target, name=f"reward-{getattr(fn, '__name__', 'fn')}", daemon=True
-    ).start()
-    return fut
-
-
-def _is_async(fn: Callable) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004 - an instance with an async __call__
-    )
-
-
-async def call_reward(fn: Callable, args: tuple, kwargs: dict) -> Any:
-    """Call a sync or async reward function without blocking the event loop."""
-    if _is_async(fn):
-        return await fn(*args, **kwargs)
-    out = await _in_daemon_thread(fn, args, kwargs)
-    return await out if inspect.isawaitable(out) else out
-
-
 def _accepted(fn: Callable, columns: dict[str, Any]) -> dict[str, Any]:
     """The columns ``fn`` can receive: all of them if it takes ``**kwargs``, else the named ones."""
     try:
@@ -201,14 +159,11 @@ class RewardRunner:
 
     async def _one(self, spec: RewardSpec, prompts: list, completions: list[str], columns: dict):
         fn = self.funcs[spec.key]
-        clash = set(spec.kwargs) & set(columns)
-        if clash:
-            raise ValueError(f"reward {spec.key!r}: kwargs {sorted(clash)} shadow dataset columns")
-        kwargs = _accepted(fn, {**columns, **spec.kwargs})
+        kwargs = {**_accepted(fn, columns), **spec.kwargs}  # a misspelt kwarg is an error
         deadline = asyncio.timeout(self.timeout_s)
         try:
             async with deadline:
-                out = await call_reward(fn, (prompts, completions), kwargs)
+                out = await call_maybe_async(fn, prompts, completions, **kwargs)
         except TimeoutError as e:
             if not deadline.expired():  # the function's own TimeoutError
                 raise RewardFunctionError(spec.key, f"raised TimeoutError: {e}") from e
@@ -235,6 +190,9 @@ class RewardRunner:
                 raise ValueError(f"column {name!r} clashes with a positional argument; rename it")
             if len(col) != n:
                 raise ValueError(f"column {name!r} has {len(col)} rows for {n} completions")
+        for spec in self.specs:
+            if clash := sorted(set(spec.kwargs) & set(columns)):
+                raise ValueError(f"reward {spec.key!r}: kwargs {clash} shadow dataset columns")
 
         async def timed(spec: RewardSpec) -> tuple[Any, float]:
             t0 = time.perf_counter()

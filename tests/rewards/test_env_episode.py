@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import ClassVar
 
 import pytest
@@ -298,3 +299,24 @@ def test_chat_format_when_the_last_assistant_turn_renders_differently(tokenizer)
     assert fmt.close_turn_ids([5, 6, im_end]) == newline
     assert fmt.close_turn_ids([5, 6]) == [im_end, *newline]  # a sample cut off mid-turn
     assert fmt.close_turn_ids([5, im_end, *newline]) == []
+
+
+class HangingEnv(GuessEnv):
+    @tool
+    def guess(self, args: GuessArgs) -> ToolResult:
+        """Never returns."""
+        time.sleep(3600)
+
+
+async def test_hung_environment_times_out_its_episode_only(chat, scripted):
+    model = scripted({"task": [call("guess", number=1)]})
+    tasks = [{"key": "task-hang", "target": 1}, {"key": "task-ok", "target": 1}]
+    t0 = time.perf_counter()
+    hung, ok = await asyncio.gather(
+        run_episodes(HangingEnv, tasks[:1], model, chat, max_turns=2, episode_timeout_s=0.5),
+        run_episodes(GuessEnv, tasks[1:], model, chat, max_turns=2, episode_timeout_s=0.5),
+    )
+    assert time.perf_counter() - t0 < 2.0
+    assert hung[0].error == "episode timed out after 0.5 s" and hung[0].stop_reason == "error"
+    assert ok[0].error is None and ok[0].reward == 1.0
+    assert ("teardown", "task-hang") in GuessEnv.events

@@ -186,3 +186,10 @@ def test_parse_target():
     assert parse_target("owner/env/hard") == ("owner/env", "hard", None)
     with pytest.raises(OpenRewardAdapterError, match="owner/env"):
         parse_target("just-a-name")
+
+
+async def test_hosted_environment_without_key_says_what_to_set(monkeypatch):
+    monkeypatch.delenv("OPENREWARD_API_KEY", raising=False)
+    env_cls = load_environment("openreward:someone/some-env")
+    with pytest.raises(OpenRewardAdapterError, match="OPENREWARD_API_KEY"):
+        await get_splits(env_cls)

@@ -93,6 +93,12 @@ async def test_columns_by_name_and_kwargs_and_labels():
     assert seen["gold"] == ["a", "x", "ccc"]
     with pytest.raises(ValueError, match="label"):
         RewardRunner([RewardSpec(name="narrow")] * 2, funcs={"narrow": narrow})
+    # Columns are filtered to what the function takes; its kwargs are not: a typo is an error.
+    typo = RewardRunner(
+        [RewardSpec(name="narrow", kwargs={"scael": 2.0})], funcs={"narrow": narrow}
+    )
+    with pytest.raises(RewardFunctionError, match="unexpected keyword argument 'scael'"):
+        await typo.score(PROMPTS, COMPLETIONS, {"gold": ["a", "x", "ccc"]})
 
 
 async def test_sync_rewards_run_off_the_event_loop():
@@ -212,6 +218,12 @@ async def test_caller_mistakes_are_value_errors():
         await runner.score(PROMPTS[:2], COMPLETIONS)
     with pytest.raises(ValueError, match="column 'gold' has 1 rows for 3 completions"):
         await runner.score(PROMPTS, COMPLETIONS, {"gold": ["a"]})
+    with pytest.raises(ValueError, match=r"kwargs \['gold'\] shadow dataset columns"):
+        clash = RewardRunner(
+            [RewardSpec(name="gold_match", kwargs={"gold": ["a"] * 3})],
+            funcs={"gold_match": gold_match},
+        )
+        await clash.score(PROMPTS, COMPLETIONS, {"gold": ["a"] * 3})
     with pytest.raises(ValueError, match="policy"):
         RewardRunner([RewardSpec(name="length")], funcs={"length": length}, policy="ignore")
 
