@@ -1,0 +1,355 @@
+"""Weight sync over NCCL: learner rank 0 broadcasts flat buckets to every rollout worker.
+
+One ``send`` is one HTTP announce per server (every tensor's name/dtype/shape and the bucket
+layout) plus one broadcast per bucket and a final commit word, never one round trip per tensor.
+The announce answers once the server has loaded the update (or refused it), so it runs
+concurrently with the broadcasts. The wire details (bucket layout, commit word, checksum, abort
+on a dead peer) live in ``rollout_server.engine.vllm_worker``, the receiving side, and are
+imported from there so both ends share one definition.
+
+Only the main process sends, but under ZeRO-3 every rank must run the same parameter gathers:
+feed ``send`` from ``learner.sync.zero3.iter_gathered_params`` on rank 0 and exhaust the same
+iterator on the other ranks. ``send`` always consumes its iterator to the end, even when it
+fails, so the ranks' gathers stay in step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rollout_server.client import RolloutClient, RolloutError, WeightSyncError
+from rollout_server.engine.vllm_worker import (
+    NcclGroupError,
+    bucket_layout,
+    flat_checksum,
+    join_group,
+    nccl_abort,
+    wait_event,
+)
+from rollout_server.protocol import (
+    NcclInitRequest,
+    NcclUpdateRequest,
+    TensorSpec,
+    WeightUpdateResponse,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
+             "int8": 1, "uint8": 1}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    buckets: list[list[int]]  # indices into the specs, in order
+    dtypes: list[str]
+
+
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> BucketPlan:
+    """Contiguous runs of ``specs`` of one dtype, each at most ``bucket_bytes`` (a larger tensor
+    gets a bucket of its own). Runs stay in order because the tensors arrive as a stream."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    buckets: list[list[int]] = []
+    dtypes: list[str] = []
+    size = 0
+    for i, spec in enumerate(specs):
+        if spec.dtype not in _ITEMSIZE:
+            raise ValueError(f"tensor {spec.name!r}: dtype {spec.dtype!r} cannot be broadcast")
+        nbytes = _ITEMSIZE[spec.dtype] * _numel(spec.shape)
+        if not buckets or dtypes[-1] != spec.dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            dtypes.append(spec.dtype)
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return BucketPlan(buckets, dtypes)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """Run blocking NCCL work off the event loop in a daemon thread: if it can never finish
+    (a peer that will not join), it must not keep the interpreter alive at exit."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="nccl-weight-sync", daemon=True).start()
+    return asyncio.wrap_future(future)
+
+
+async def _first_failure(futures: list[asyncio.Future]) -> None:
+    """Wait for all; raise the first exception as soon as it happens."""
+    done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
+    for f in done:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()
+    assert not pending
+
+
+class NcclWeightSender:
+    """Learner rank 0 of the weight-sync group. ``init`` once, then ``send`` after each step."""
+
+    def __init__(self) -> None:
+        self._client: RolloutClient | None = None
+        self._comm: Any = None
+        self._init_args: dict[str, Any] = {}
+        self.last_stats: dict[str, float] = {}
+
+    @property
+    def ready(self) -> bool:
+        return self._comm is not None
+
+    async def init(
+        self,
+        client: RolloutClient,
+        *,
+        master_address: str,
+        master_port: int,
+        device: torch.device | int | str,
+        timeout_s: float = 300.0,
+    ) -> None:
+        """Form the group: rank 0 here, then every worker of every server (from ``/info``).
+
+        ``master_address`` must be an address of this machine that the servers can reach."""
+        import torch
+
+        self.close()
+        self._client = client
+        self._init_args = dict(
+            master_address=master_address, master_port=master_port, device=device,
+            timeout_s=timeout_s,
+        )  # fmt: skip
+        infos = await client.info()
+        sizes = [i.tensor_parallel_size * i.data_parallel_size for i in infos]
+        multi = len(client.servers) > 1
+        if multi and "rank_offset" not in NcclInitRequest.model_fields:
+            raise ValueError(
+                "NCCL sync to several servers needs NcclInitRequest.rank_offset in the protocol; "
+                "use one server, or the http/file transport"
+            )
+        world_size = 1 + sum(sizes)
+        offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
+        self._device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+
+        async def post(server: str, offset: int) -> None:
+            fields: dict[str, Any] = dict(
+                master_address=master_address, master_port=master_port, world_size=world_size,
+                timeout_s=timeout_s,
+            )  # fmt: skip
+            if multi:
+                fields["rank_offset"] = offset
+            body = NcclInitRequest(**fields)
+            try:
+                await client._call(server, "POST", "/weights/nccl/init", body=body, retry=False)
+            except RolloutError as e:
+                raise WeightSyncError(server, f"could not join the NCCL weight group: {e}") from e
+
+        posts = [
+            asyncio.ensure_future(post(s, o)) for s, o in zip(client.servers, offsets, strict=True)
+        ]
+        join = _in_daemon_thread(
+            join_group, master_address, master_port, 0, world_size, self._device, timeout_s
+        )
+        try:
+            # A refused POST or a failed join ends the wait at once (the other side would only
+            # time out); the join thread is a daemon, left to its own store timeout.
+            await _first_failure([*posts, join])
+            self._comm = join.result()
+        finally:
+            for p in posts:
+                p.cancel()
+        log.info("NCCL weight group ready: world size %d at %s:%d", world_size,
+                 master_address, master_port)  # fmt: skip
+
+    def close(self) -> None:
+        if self._comm is not None:
+            nccl_abort(self._comm)
+            self._comm = None
+
+    async def send(
+        self,
+        specs: Sequence[TensorSpec],
+        tensor_iter: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int = 1 << 30,
+        version: int | None = None,
+        checksum: bool = False,
+        on_bucket: Callable[[int], None] | None = None,
+    ) -> list[WeightUpdateResponse]:
+        """Send one update. ``tensor_iter`` yields the tensors of ``specs`` in that order; each
+        is cast to its spec's dtype while it is copied into the bucket.
+
+        Raises ``WeightSyncError`` if any server did not load it (those keep their previous
+        weights). ``on_bucket(b)`` runs once bucket ``b`` has left this GPU."""
+        if self._client is None:
+            raise RuntimeError("NcclWeightSender.send before init()")
+        if self._comm is None:  # a failed update aborted the group: form it again
+            await self.init(self._client, **self._init_args)
+        specs = list(specs)
+        plan = plan_buckets(specs, bucket_bytes)
+        request = NcclUpdateRequest(
+            tensors=specs, buckets=plan.buckets, bucket_dtypes=plan.dtypes, version=version,
+            checksum=checksum,
+        )  # fmt: skip
+        stop = threading.Event()
+        announce = asyncio.ensure_future(self._announce(request))
+        announce.add_done_callback(
+            lambda f: stop.set() if f.cancelled() or f.exception() is not None else None
+        )
+        start = time.perf_counter()
+        try:
+            sent_checksum = await _in_daemon_thread(
+                self._broadcast, specs, plan, tensor_iter, stop, checksum, on_bucket
+            )
+        except NcclGroupError as exc:
+            self._comm = None  # aborted: the next send forms the group again
+            await asyncio.gather(announce, return_exceptions=True)
+            if announce.done() and not announce.cancelled() and announce.exception():
+                raise announce.exception() from exc  # the server's reason is the useful one
+            raise WeightSyncError("learner", f"NCCL broadcast failed: {exc}") from exc
+        except BaseException:
+            await asyncio.gather(announce, return_exceptions=True)  # the server says why
+            raise
+        broadcast_s = time.perf_counter() - start
+        responses = await announce
+        self.last_stats = {
+            "broadcast_s": broadcast_s,
+            "total_s": time.perf_counter() - start,
+            "bytes": float(sum(_ITEMSIZE[s.dtype] * _numel(s.shape) for s in specs)),
+        }
+        if checksum:
+            for server, r in zip(self._client.servers, responses, strict=True):
+                if r.checksum is None or abs(r.checksum - sent_checksum) > 1e-9 * max(
+                    1.0, abs(sent_checksum)
+                ):
+                    raise WeightSyncError(
+                        server, f"checksum {r.checksum} differs from the sent {sent_checksum}"
+                    )
+        return responses
+
+    async def _announce(self, request: NcclUpdateRequest) -> list[WeightUpdateResponse]:
+        client = self._client
+        assert client is not None
+
+        async def one(server: str) -> WeightUpdateResponse:
+            try:
+                return await client._json(
+                    server, "POST", "/weights/nccl/update", WeightUpdateResponse,
+                    body=request, retry=False,
+                )  # fmt: skip
+            except RolloutError as e:
+                raise WeightSyncError(
+                    server, f"NCCL update failed, its previous weights still serve: {e}"
+                ) from e
+
+        return list(await asyncio.gather(*(one(s) for s in client.servers)))
+
+    def _broadcast(
+        self,
+        specs: list[TensorSpec],
+        plan: BucketPlan,
+        tensor_iter: Iterable[tuple[str, torch.Tensor]],
+        stop: threading.Event,
+        checksum: bool,
+        on_bucket: Callable[[int], None] | None,
+    ) -> float:
+        """Fill and broadcast every bucket (two buffers in flight), then the commit word.
+
+        If the iterator fails or disagrees with ``specs``, the remaining buckets go out as
+        zeros with commit word 0: the servers discard everything and the group stays usable."""
+        import torch
+
+        torch.cuda.set_device(self._device)
+        comm, timeout_s = self._comm, float(self._init_args["timeout_s"])
+        stream = torch.cuda.current_stream(self._device)
+        layout = bucket_layout([s.model_dump() for s in specs], plan.buckets, plan.dtypes)
+        largest: dict[torch.dtype, int] = {}
+        for b in layout:
+            largest[b.dtype] = max(largest.get(b.dtype, 0), b.numel)
+        slots = {d: [torch.empty(n, dtype=d, device=self._device) for _ in range(2)]
+                 for d, n in largest.items()}  # fmt: skip
+        pending: list[Any] = [None, None]
+        it = iter(tensor_iter)
+        failure: BaseException | None = None
+        total = 0.0
+        try:
+            for b, bucket in enumerate(layout):
+                slot = b % 2
+                if pending[slot] is not None:  # the bucket that used this buffer has left
+                    wait_event(pending[slot], comm, timeout_s, f"bucket {b - 1}", stop)
+                flat = slots[bucket.dtype][slot][: bucket.numel]
+                if failure is None:
+                    try:
+                        _fill(flat, bucket, it)
+                    except Exception as exc:
+                        failure = exc
+                        log.error("weight sync abandoned at bucket %d: %s", b, exc)
+                if failure is not None:
+                    flat.zero_()
+                elif checksum:
+                    total += float(flat_checksum(flat))
+                comm.broadcast(flat, src=0, stream=stream)
+                pending[slot] = torch.cuda.Event()
+                pending[slot].record(stream)
+                if on_bucket is not None:
+                    wait_event(pending[slot], comm, timeout_s, f"bucket {b + 1}", stop)
+                    on_bucket(b)
+            if failure is None and next(it, None) is not None:
+                failure = ValueError("the tensor stream yielded more tensors than the specs")
+            word = torch.tensor([0 if failure else 1], dtype=torch.int32, device=self._device)
+            comm.broadcast(word, src=0, stream=stream)
+            done = torch.cuda.Event()
+            done.record(stream)
+            wait_event(done, comm, timeout_s, "commit word", stop)
+        finally:
+            _drain(it, quiet=failure is not None)
+        if failure is not None:
+            raise failure
+        return total
+
+
+def _fill(flat: torch.Tensor, bucket: Any, it: Any) -> None:
+    """Copy (and cast) the next tensors of the stream into their places in ``flat``."""
+    for e in bucket.entries:
+        try:
+            name, tensor = next(it)
+        except StopIteration:
+            raise ValueError(f"the tensor stream ended before {e.name!r}") from None
+        if name != e.name or tuple(tensor.shape) != e.shape:
+            raise ValueError(
+                f"the tensor stream yielded {name!r} {list(tensor.shape)} where the specs "
+                f"announced {e.name!r} {list(e.shape)}; build specs and stream from one model"
+            )
+        flat.narrow(0, e.offset, e.numel).view(e.shape).copy_(tensor, non_blocking=True)
+
+
+def _drain(it: Any, quiet: bool) -> None:
+    """Consume what is left so every ZeRO-3 rank runs the same gathers."""
+    try:
+        for _ in it:
+            pass
+    except Exception:
+        if not quiet:
+            raise
+        log.warning("the tensor stream failed again while being drained", exc_info=True)
