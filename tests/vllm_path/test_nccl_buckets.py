@@ -1,0 +1,131 @@
+"""The CPU-checkable parts of the NCCL weight sync: bucket planning, packing, checksum, and the
+names/shapes the learner sends against what the server's validator expects.
+
+The broadcasts themselves need two GPUs (tests/gpu/test_nccl_sync.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learner.sync.nccl import _fill, plan_buckets
+from learner.sync.zero3 import iter_gathered_params, param_specs, strip_wrappers
+from rollout_server.engine.vllm_engine import hf_weight_metadata
+from rollout_server.engine.vllm_worker import bucket_layout, flat_checksum, unflatten
+from rollout_server.protocol import NcclUpdateRequest, TensorSpec
+from rollout_server.weights import validate_nccl_announce
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def spec(name: str, dtype: str, *shape: int) -> TensorSpec:
+    return TensorSpec(name=name, dtype=dtype, shape=list(shape))
+
+
+def test_plan_buckets_by_hand() -> None:
+    specs = [
+        spec("a", "bfloat16", 10, 10),  # 200 B
+        spec("b", "bfloat16", 100),  # 200 B -> a+b = 400 B fits in 400
+        spec("c", "bfloat16", 1),  # 2 B -> would make 402: new bucket
+        spec("d", "float32", 3),  # dtype change: new bucket
+        spec("e", "float32", 1000),  # 4000 B > 400: a bucket of its own
+        spec("f", "float32", 2),
+    ]
+    plan = plan_buckets(specs, bucket_bytes=400)
+    assert plan.buckets == [[0, 1], [2], [3], [4], [5]]
+    assert plan.dtypes == ["bfloat16", "bfloat16", "float32", "float32", "float32"]
+    assert plan_buckets(specs, 1 << 30).buckets == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets(specs, 0)
+    with pytest.raises(ValueError, match=r"'x'.*complex64"):
+        plan_buckets([spec("x", "complex64", 2)], 100)
+
+
+def test_layout_offsets_and_round_trip_through_a_flat_bucket() -> None:
+    torch.manual_seed(0)
+    specs = [spec("w", "bfloat16", 3, 4), spec("b", "bfloat16", 4), spec("v", "bfloat16", 2, 2)]
+    tensors = [torch.randn(3, 4), torch.randn(4), torch.randn(2, 2)]  # float32: cast on copy
+    plan = plan_buckets(specs, 1 << 20)
+    (bucket,) = bucket_layout([s.model_dump() for s in specs], plan.buckets, plan.dtypes)
+    assert [(e.offset, e.numel) for e in bucket.entries] == [(0, 12), (12, 4), (16, 4)]
+    assert bucket.numel == 20 and bucket.dtype == torch.bfloat16 and bucket.nbytes == 40
+    flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+    _fill(flat, bucket, iter(zip(["w", "b", "v"], tensors, strict=True)))
+    for (name, view), want_name, want in zip(unflatten(flat, bucket), "wbv", tensors, strict=True):
+        assert name == want_name
+        assert torch.equal(view, want.to(torch.bfloat16))
+        assert view.data_ptr() >= flat.data_ptr()  # a view into the bucket, not a copy
+
+
+def test_fill_refuses_a_stream_that_disagrees_with_the_specs() -> None:
+    specs = [spec("w", "float32", 2), spec("b", "float32", 2)]
+    plan = plan_buckets(specs, 1 << 20)
+    (bucket,) = bucket_layout([s.model_dump() for s in specs], plan.buckets, plan.dtypes)
+    flat = torch.empty(4)
+    with pytest.raises(ValueError, match=r"yielded 'b' \[2\] where the specs announced 'w'"):
+        _fill(flat, bucket, iter([("b", torch.ones(2))]))
+    with pytest.raises(ValueError, match=r"'w' \[3\] where the specs announced 'w' \[2\]"):
+        _fill(flat, bucket, iter([("w", torch.ones(3))]))
+    with pytest.raises(ValueError, match="ended before 'b'"):
+        _fill(flat, bucket, iter([("w", torch.ones(2))]))
+
+
+def test_flat_checksum_by_hand_and_independent_of_chunking() -> None:
+    x = torch.tensor([1.0, 2.0, 3.0, -0.5])
+    # sum = 5.5; sum of squares = 1 + 4 + 9 + 0.25 = 14.25
+    assert flat_checksum(x).item() == 19.75
+    assert flat_checksum(x, chunk=3).item() == 19.75
+    assert flat_checksum(x.to(torch.bfloat16), chunk=1).item() == 19.75
+    y = torch.randn(1000, dtype=torch.float64)
+    ref = float(y.sum() + (y * y).sum())
+    assert flat_checksum(y.float(), chunk=128).item() == pytest.approx(
+        float(y.float().double().sum() + y.float().double().square().sum()), rel=1e-12
+    )
+    assert flat_checksum(y, chunk=7).item() == pytest.approx(ref, rel=1e-12)
+
+
+def test_strip_wrappers() -> None:
+    assert strip_wrappers("module._orig_mod.model.norm.weight") == "model.norm.weight"
+    assert strip_wrappers("_orig_mod.module.lm_head.weight") == "lm_head.weight"
+    assert strip_wrappers("model.module_list.0") == "model.module_list.0"
+
+
+class Wrapper(torch.nn.Module):
+    """What DeepSpeed/DDP do to names: the model under ``module``."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def test_learner_specs_match_the_servers_metadata(tiny_model_dir) -> None:
+    """What the learner announces for a wrapped model passes the server's own validator against
+    the vLLM engine's metadata, and the stream yields exactly the announced tensors."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    wrapped = Wrapper(torch.compile(model))  # names: module._orig_mod.model...
+    specs = param_specs(wrapped, dtype=torch.bfloat16)
+    stream = list(iter_gathered_params(wrapped))
+    assert [s.name for s in specs] == [n for n, _ in stream]
+    assert [n for n, _ in stream] == [n for n, _ in model.named_parameters()]
+    assert all(list(t.shape) == s.shape for s, (_, t) in zip(specs, stream, strict=True))
+    assert {s.dtype for s in specs} == {"bfloat16"}
+
+    metadata = hf_weight_metadata(str(tiny_model_dir), "bfloat16")
+    # The metadata also has the tied alias, as the HF checkpoint does.
+    assert set(metadata) == set(model.state_dict())
+    assert all(metadata[k].shape == tuple(v.shape) for k, v in model.state_dict().items())
+    plan = plan_buckets(specs, bucket_bytes=64 * 1024)
+    request = NcclUpdateRequest(tensors=specs, buckets=plan.buckets, bucket_dtypes=plan.dtypes)
+    assert len(plan.buckets) > 1
+    nbytes = validate_nccl_announce(request, metadata, ITEMSIZE)
+    assert nbytes == sum(2 * p.numel() for p in model.parameters())
+    wrong = param_specs(wrapped)  # float32: the server serves bfloat16 and refuses casts
+    bad = NcclUpdateRequest(tensors=wrong, buckets=[list(range(len(wrong)))],
+                            bucket_dtypes=["float32"])  # fmt: skip
+    from rollout_server.engine.base import WeightsError
+
+    with pytest.raises(WeightsError, match="dtype float32, the model's is bfloat16"):
+        validate_nccl_announce(bad, metadata, ITEMSIZE)

@@ -1,0 +1,112 @@
+"""The vLLM engine's translation layer, checked without vLLM (which needs a GPU machine).
+
+The engine itself runs in tests/gpu/test_vllm_engine.py; here: the engine arguments, the
+sampling parameters, the conversion of vLLM's completion objects, and import safety.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from rollout_server.engine.base import EngineError
+from rollout_server.engine.vllm_engine import (
+    WORKER_EXTENSION,
+    engine_kwargs,
+    sampling_kwargs,
+    supported_kwargs,
+    to_sample,
+)
+from rollout_server.protocol import SamplingParams
+from rollout_server.settings import ServerSettings
+
+
+def test_importing_the_engine_and_worker_does_not_import_vllm() -> None:
+    code = (
+        "import sys, rollout_server.engine.vllm_engine, rollout_server.engine.vllm_worker, "
+        "learner.sync.nccl, learner.sync.zero3; "
+        "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules), 'vllm'; "
+        "assert 'deepspeed' not in sys.modules, 'deepspeed'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_engine_kwargs_from_settings() -> None:
+    s = ServerSettings(model="/m", engine="vllm", gpu_memory_utilization=0.4, seed=7)
+    kw = engine_kwargs(s)
+    assert kw["model"] == "/m" and kw["dtype"] == "bfloat16"  # auto on GPU = bfloat16
+    assert kw["gpu_memory_utilization"] == 0.4 and kw["seed"] == 7
+    assert kw["logprobs_mode"] == "processed_logprobs"
+    assert kw["enable_sleep_mode"] is True and "max_model_len" not in kw
+    module, cls = WORKER_EXTENSION.rsplit(".", 1)
+    ext = getattr(importlib.import_module(module), cls)
+    assert callable(ext.grpo_receive_update) and callable(ext.grpo_init_weight_group)
+    s2 = ServerSettings(model="/m", dtype="float16", max_model_len=1024, tensor_parallel_size=2)
+    kw2 = engine_kwargs(s2)
+    assert kw2["dtype"] == "float16" and kw2["max_model_len"] == 1024
+    assert kw2["tensor_parallel_size"] == 2
+
+
+def test_supported_kwargs_drops_what_this_vllm_does_not_know(caplog) -> None:
+    @dataclasses.dataclass
+    class OldArgs:
+        model: str = ""
+        seed: int = 0
+
+    with caplog.at_level(logging.WARNING):
+        out = supported_kwargs(OldArgs, {"model": "m", "seed": 1, "logprobs_mode": "x"})
+    assert out == {"model": "m", "seed": 1}
+    assert "logprobs_mode" in caplog.text
+
+
+def test_sampling_kwargs() -> None:
+    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, max_tokens=12,
+                       stop="###", stop_token_ids=[5], seed=3, repetition_penalty=1.1)  # fmt: skip
+    kw = sampling_kwargs(p, n=8)
+    assert kw == {
+        "n": 8,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": -1,  # 0 and -1 both mean "off"; -1 is accepted by every vLLM release
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "max_tokens": 12,
+        "stop": ["###"],
+        "stop_token_ids": [5],
+        "ignore_eos": False,
+        "seed": 3,
+        "logprobs": 0,
+        "skip_special_tokens": True,
+    }
+    plain = sampling_kwargs(SamplingParams(top_k=40), n=1)
+    assert plain["top_k"] == 40 and plain["stop"] is None and plain["stop_token_ids"] is None
+
+
+def _completion(token_ids, logprobs, finish_reason="stop", text="hi"):
+    """The fields of vLLM's CompletionOutput that the engine reads (vLLM is not installed here);
+    ``logprobs`` is one {token_id: Logprob} mapping per position, as vLLM returns with
+    ``logprobs=0``."""
+    positions = [
+        {t: SimpleNamespace(logprob=lp)} for t, lp in zip(token_ids, logprobs, strict=True)
+    ]
+    return SimpleNamespace(
+        index=0, token_ids=token_ids, logprobs=positions, text=text, finish_reason=finish_reason
+    )
+
+
+def test_to_sample() -> None:
+    s = to_sample(_completion((4, 9, 2), [-0.5, -1.25, -0.0]))
+    assert s.token_ids == [4, 9, 2] and s.logprobs == [-0.5, -1.25, -0.0]
+    assert s.text == "hi" and s.finish_reason == "stop"
+    assert to_sample(_completion([1], [-2.0], "length")).finish_reason == "length"
+    assert to_sample(_completion([1], [-2.0], None)).finish_reason == "abort"
+    broken = _completion([1, 2], [-1.0, -1.0])
+    broken.logprobs = broken.logprobs[:1]
+    with pytest.raises(EngineError, match="1 log-prob positions for 2 tokens"):
+        to_sample(broken)
