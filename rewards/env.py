@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar, TypeVar, get_type_hints
+from typing import Any, ClassVar, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rewards._threads import call_maybe_async
 
-T = TypeVar("T")
 Prompt = str | list[dict[str, Any]]
 """A user message, or a full list of chat messages (``{"role": ..., "content": ...}``)."""
 
