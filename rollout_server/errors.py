@@ -61,41 +61,54 @@ def format_validation_errors(errors: list[dict]) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def _json(status: int, detail: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}
+
+
+def _json(
+    request: Request, status: int, detail: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    body: dict[str, object] = {"detail": detail}
+    if request.url.path.startswith("/v1/"):  # the openai client reads error.message
+        kind = _OPENAI_TYPES.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
+        body["error"] = {"message": detail, "type": kind, "code": status}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
-    async def _service(_: Request, exc: ServiceError) -> JSONResponse:
-        return _json(exc.status_code, exc.detail, exc.headers)
+    async def _service(request: Request, exc: ServiceError) -> JSONResponse:
+        return _json(request, exc.status_code, exc.detail, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _json(422, format_validation_errors(list(exc.errors())))
+    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _json(request, 422, format_validation_errors(list(exc.errors())))
 
     @app.exception_handler(ValidationError)
-    async def _validation(_: Request, exc: ValidationError) -> JSONResponse:
-        return _json(422, format_validation_errors(list(exc.errors())))
+    async def _validation(request: Request, exc: ValidationError) -> JSONResponse:
+        return _json(request, 422, format_validation_errors(list(exc.errors())))
 
     @app.exception_handler(WeightsError)
-    async def _weights(_: Request, exc: WeightsError) -> JSONResponse:
-        return _json(400, f"weight update refused, the previous weights keep serving: {exc}")
+    async def _weights(request: Request, exc: WeightsError) -> JSONResponse:
+        return _json(
+            request, 400, f"weight update refused, the previous weights keep serving: {exc}"
+        )
 
     @app.exception_handler(UnsupportedError)
-    async def _unsupported(_: Request, exc: UnsupportedError) -> JSONResponse:
-        return _json(501, str(exc))
+    async def _unsupported(request: Request, exc: UnsupportedError) -> JSONResponse:
+        return _json(request, 501, str(exc))
 
     @app.exception_handler(EngineError)
-    async def _engine(_: Request, exc: EngineError) -> JSONResponse:
+    async def _engine(request: Request, exc: EngineError) -> JSONResponse:
         log.error("engine error: %s", exc)
-        return _json(500, f"engine error: {exc}")
+        return _json(request, 500, f"engine error: {exc}")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _json(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _json(request, exc.status_code, str(exc.detail), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return _json(500, f"internal server error: {type(exc).__name__}: {exc}")
+        return _json(request, 500, f"internal server error: {type(exc).__name__}: {exc}")
