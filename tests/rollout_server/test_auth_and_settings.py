@@ -1,0 +1,87 @@
+"""The API key, and the refusal to expose admin routes off loopback without one."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from rollout_server.app import build_app
+from rollout_server.client import RolloutClient, RolloutHTTPError
+from rollout_server.protocol import GenerateRequest
+from rollout_server.settings import ServerSettings, is_loopback
+
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_model_dir):
+    with start_server(ServerSettings(model=str(tiny_model_dir), api_key=KEY)) as s:
+        yield s
+
+
+ROUTES = [
+    ("GET", "/health"),
+    ("GET", "/ready"),
+    ("GET", "/info"),
+    ("GET", "/metrics"),
+    ("GET", "/docs"),
+    ("GET", "/openapi.json"),
+    ("GET", "/v1/models"),
+    ("POST", "/generate"),
+    ("POST", "/v1/completions"),
+    ("POST", "/sleep"),
+    ("POST", "/weights/update"),
+    ("GET", "/no-such-route"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), ROUTES)
+def test_every_route_needs_the_key(server, method, path):
+    with httpx.Client(base_url=server.url) as http:
+        missing = http.request(method, path)
+        wrong = http.request(method, path, headers={"Authorization": "Bearer nope"})
+        right = http.request(method, path, headers={"Authorization": f"Bearer {KEY}"})
+    assert missing.status_code == 401 and "missing API key" in missing.json()["detail"]
+    assert missing.headers["www-authenticate"] == "Bearer"
+    assert wrong.status_code == 401 and "invalid API key" in wrong.json()["detail"]
+    assert right.status_code != 401
+
+
+async def test_the_client_with_and_without_the_key(server):
+    request = GenerateRequest(prompts=["hi"], max_tokens=2)
+    async with RolloutClient(server.url, api_key=KEY) as client:
+        resp = await client.generate(request)
+        assert len(resp.results[0].samples[0].token_ids) <= 2
+    async with RolloutClient(server.url, max_retries=0) as client:
+        with pytest.raises(RolloutHTTPError) as err:
+            await client.generate(request)
+    assert err.value.status == 401
+
+
+def test_the_key_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("ROLLOUT_API_KEY", "from-env")
+    assert ServerSettings(model="m").api_key == "from-env"
+    monkeypatch.delenv("ROLLOUT_API_KEY")
+    assert ServerSettings(model="m").api_key is None
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.8.9.1", True), ("::1", True), ("localhost", True),
+     ("0.0.0.0", False), ("10.1.2.3", False), ("::", False), ("rollout.example", False)],
+)  # fmt: skip
+def test_is_loopback(host, loopback):
+    assert is_loopback(host) is loopback
+
+
+def test_admin_routes_need_a_key_off_loopback(monkeypatch):
+    monkeypatch.delenv("ROLLOUT_API_KEY", raising=False)
+    with pytest.raises(ValidationError, match="--api-key") as err:
+        ServerSettings(model="m", host="0.0.0.0")
+    assert "--disable-admin-endpoints" in str(err.value)
+    assert ServerSettings(model="m", host="0.0.0.0", api_key="k").api_key == "k"
+    settings = ServerSettings(model="m", host="0.0.0.0", disable_admin_endpoints=True)
+    paths = set(build_app(settings).openapi()["paths"])
+    assert "/generate" in paths and "/v1/chat/completions" in paths
+    assert not any(p.startswith(("/weights", "/sleep", "/wake_up")) for p in paths)
