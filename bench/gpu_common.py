@@ -1,0 +1,169 @@
+"""Shared by the GPU tests (tests/gpu) and benchmarks (bench/*_gpu.py): the random-weight
+Qwen3-0.6B-shaped model, a rollout server in its own process on a chosen GPU, GPU memory reads.
+
+The server runs as a real ``rollout-server`` process (``python -m rollout_server``) so that it can
+own a different GPU than the test (``CUDA_VISIBLE_DEVICES``) and so vLLM's worker processes die
+with it. NVLink multicast stays off in every process started here (NCCL_NVLS_ENABLE=0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+API_KEY = "gpu-test-key"
+
+
+def gpu_env(cuda_visible_devices: str | None = None, **extra: str) -> dict[str, str]:
+    env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1", **extra}
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    return env
+
+
+def qwen3_model_dir() -> Path:
+    """``$GRPO_GPU_MODEL`` if set (the GPU suite writes it once), else a fresh random-weight
+    Qwen3-0.6B-shaped bf16 model in a temp directory."""
+    if (path := os.environ.get("GRPO_GPU_MODEL")) and (Path(path) / "config.json").is_file():
+        return Path(path)
+    from rollout_server.tiny import QWEN3_0_6B_SHAPE, save_tiny_model
+
+    out = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-shape-"))
+    return save_tiny_model(out, seed=0, dtype="bfloat16", **QWEN3_0_6B_SHAPE)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_gpu_bytes(device: int = 0) -> int:
+    """Free memory on a physical GPU (as this process numbers them), all processes counted."""
+    import torch
+
+    return torch.cuda.mem_get_info(device)[0]
+
+
+class ServerProcess:
+    """``python -m rollout_server --engine vllm`` on ``gpu``, with an API key, on loopback."""
+
+    def __init__(
+        self,
+        model: Path | str,
+        *,
+        gpu: str = "0",
+        gpu_memory_utilization: float = 0.35,
+        max_model_len: int = 2048,
+        extra_args: list[str] | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.gpu = gpu
+        self.argv = [
+            sys.executable, "-m", "rollout_server", "--model", str(model), "--engine", "vllm",
+            "--host", "127.0.0.1", "--port", str(self.port), "--api-key", API_KEY,
+            "--gpu-memory-utilization", str(gpu_memory_utilization),
+            "--max-model-len", str(max_model_len), *(extra_args or []),
+        ]  # fmt: skip
+        self.log_path = log_path or Path(tempfile.mkstemp(prefix="rollout-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+        self.http = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=httpx.Timeout(600.0, connect=10.0),
+        )
+
+    def start(self, ready_timeout_s: float = 420.0) -> ServerProcess:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.argv, env=gpu_env(self.gpu), stdout=log, stderr=subprocess.STDOUT,
+            cwd=ROOT, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"rollout server exited ({self.proc.returncode}):\n{self.tail()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if self.http.get("/ready", timeout=5.0).status_code == 200:
+                    return self
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not ready after {ready_timeout_s}s:\n{self.tail()}")
+            time.sleep(1.0)
+
+    def tail(self, lines: int = 60) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group (vLLM's engine and workers with it), then KILL."""
+        self.http.close()
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = os.getpgid(self.proc.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)  # stragglers of the group (engine core, workers)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- calls -----------------------------------------------------------------------------
+
+    def post(self, path: str, body: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:
+        return self.http.post(path, json=body, **kw)
+
+    def generate(self, **body: Any) -> dict[str, Any]:
+        r = self.post("/generate", body)
+        if r.status_code != 200:
+            raise AssertionError(f"/generate -> {r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    def info(self) -> dict[str, Any]:
+        return self.http.get("/info").raise_for_status().json()
+
+
+@contextlib.contextmanager
+def running_server(model: Path | str, **kw: Any) -> Iterator[ServerProcess]:
+    server = ServerProcess(model, **kw)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+def greedy(
+    server: ServerProcess, prompts: list[list[int]], max_tokens: int = 24
+) -> list[list[int]]:
+    out = server.generate(prompts=prompts, n=1, temperature=0.0, max_tokens=max_tokens,
+                          ignore_eos=True)  # fmt: skip
+    return [r["samples"][0]["token_ids"] for r in out["results"]]

@@ -1,0 +1,103 @@
+"""The learner side of an NCCL weight sync, for the GPU tests and benchmarks.
+
+Loads a model on this process's first GPU, joins the rollout server's weight group as rank 0 and
+sends the model once (or dies right after the first bucket, to test interrupted syncs):
+
+    CUDA_VISIBLE_DEVICES=0 python bench/gpu_sender.py --url http://127.0.0.1:8000 \
+        --model DIR --master-port 29612 [--perturb-seed 1] [--die-after-first-bucket]
+
+The last line of stdout is a JSON summary (responses, checksums, timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import API_KEY
+
+
+def load_model(model_dir: str, perturb_seed: int | None = None) -> Any:
+    """The model in bf16 on cuda:0; with a seed, every weight moved by N(0, 0.02) noise."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    if perturb_seed is not None:
+        gen = torch.Generator(device="cuda").manual_seed(perturb_seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen, device="cuda", dtype=p.dtype) * 0.02)
+    return model
+
+
+def reference_checksum(model: Any) -> float:
+    """sum(x) + sum(x*x) over every parameter, tensor by tensor (independent of the buckets)."""
+    from rollout_server.engine.vllm_worker import flat_checksum
+
+    return float(sum(flat_checksum(p.detach().reshape(-1)) for p in model.parameters()))
+
+
+async def connect(url: str, master_port: int, timeout_s: float) -> tuple[Any, Any]:
+    from learner.sync.nccl import NcclWeightSender
+    from rollout_server.client import RolloutClient
+
+    client = RolloutClient(url, api_key=API_KEY, timeout_s=600.0)
+    sender = NcclWeightSender()
+    await sender.init(
+        client, master_address="127.0.0.1", master_port=master_port, device=0, timeout_s=timeout_s
+    )
+    return client, sender
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from learner.sync.zero3 import iter_gathered_params, param_specs
+
+    model = load_model(args.model, args.perturb_seed)
+    client, sender = await connect(args.url, args.master_port, args.timeout_s)
+
+    def on_bucket(b: int) -> None:
+        if args.die_after_first_bucket and b == 0:
+            print(json.dumps({"died_after_bucket": b}), flush=True)
+            os._exit(3)
+
+    try:
+        responses = await sender.send(
+            param_specs(model, dtype=torch.bfloat16),
+            iter_gathered_params(model),
+            bucket_bytes=args.bucket_mb << 20,
+            checksum=True,
+            on_bucket=on_bucket,
+        )
+    finally:
+        await client.aclose()
+    return {
+        "responses": [r.model_dump() for r in responses],
+        "reference_checksum": reference_checksum(model),
+        "stats": sender.last_stats,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--perturb-seed", type=int)
+    p.add_argument("--bucket-mb", type=int, default=256)
+    p.add_argument("--timeout-s", type=float, default=60.0)
+    p.add_argument("--die-after-first-bucket", action="store_true")
+    args = p.parse_args()
+    print(json.dumps(asyncio.run(run(args))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

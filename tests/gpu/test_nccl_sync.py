@@ -1,0 +1,98 @@
+"""NCCL weight sync on two GPUs: the rollout server on GPU 1 (its own process,
+``CUDA_VISIBLE_DEVICES=1``), the learner's ``NcclWeightSender`` on GPU 0 (bench/gpu_sender.py,
+a subprocess so it can be killed mid-sync).
+
+- After a sync the server reports the learner's checksum of exactly the sent bytes, generations
+  change, and syncing the original weights back restores the original greedy outputs (so every
+  tensor reached the right place in vLLM's fused, renamed parameters).
+- A sync whose sender dies after the first bucket leaves the previous version serving, and a
+  new sender can form the group again and sync.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[(11 * i + 5 * j) % 256 for j in range(20)] for i in range(4)]
+SENDER = Path(__file__).resolve().parents[2] / "bench" / "gpu_sender.py"
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, log_dir):
+    from conftest import gpu_count
+    from gpu_common import ServerProcess
+
+    if gpu_count() < 2:
+        pytest.skip("NCCL weight sync needs two GPUs")
+    proc = ServerProcess(qwen3_dir, gpu="1", log_path=log_dir / "test_nccl_sync.server.log")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def send(server, model_dir, *, perturb_seed=None, die=False, timeout_s=60.0, log_dir=None):
+    """Run one learner-side sync in a subprocess on GPU 0; return (returncode, summary)."""
+    from gpu_common import free_port, gpu_env
+
+    argv = [sys.executable, str(SENDER), "--url", server.url, "--model", str(model_dir),
+            "--master-port", str(free_port()), "--timeout-s", str(timeout_s),
+            "--bucket-mb", "256"]  # fmt: skip
+    if perturb_seed is not None:
+        argv += ["--perturb-seed", str(perturb_seed)]
+    if die:
+        argv.append("--die-after-first-bucket")
+    proc = subprocess.run(argv, env=gpu_env("0"), capture_output=True, text=True, timeout=300)
+    if log_dir is not None:
+        with (log_dir / "test_nccl_sync.sender.log").open("a") as f:
+            f.write(f"$ {' '.join(argv)}\n{proc.stdout}\n{proc.stderr}\n")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    return proc.returncode, (json.loads(lines[-1]) if lines else {"stderr": proc.stderr[-3000:]})
+
+
+def test_sync_replaces_the_weights_exactly(server, qwen3_dir, log_dir) -> None:
+    from gpu_common import greedy
+
+    original = greedy(server, PROMPTS)
+    rc, out = send(server, qwen3_dir, perturb_seed=1, log_dir=log_dir)
+    assert rc == 0, out
+    (resp,) = out["responses"]
+    assert resp["weight_version"] == 1 and resp["num_tensors"] == 310
+    assert resp["num_bytes"] == 2 * 596_049_920  # Qwen3-0.6B parameters (tied), bf16
+    # The server's checksum is of the bytes it received (the sender already compared it with
+    # what it sent); the learner's own per-tensor float64 reference agrees.
+    assert resp["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
+    assert server.info()["weight_version"] == 1
+    changed = greedy(server, PROMPTS)
+    assert changed != original
+    rc, out = send(server, qwen3_dir, log_dir=log_dir)  # the original weights, back over NCCL
+    assert rc == 0, out
+    assert out["responses"][0]["weight_version"] == 2
+    assert greedy(server, PROMPTS) == original
+
+
+def test_interrupted_sync_keeps_the_previous_version(server, qwen3_dir, log_dir) -> None:
+    from gpu_common import greedy
+
+    before_version = server.info()["weight_version"]
+    before = greedy(server, PROMPTS)
+    start = time.monotonic()
+    rc, out = send(server, qwen3_dir, perturb_seed=2, die=True, timeout_s=20.0, log_dir=log_dir)
+    assert rc == 3 and out == {"died_after_bucket": 0}, out
+    # The server gives up after the group's timeout (20 s) and aborts the group; until then a
+    # generation waits behind the update, it never sees half-loaded weights.
+    assert greedy(server, PROMPTS) == before
+    assert time.monotonic() - start < 120
+    assert server.info()["weight_version"] == before_version
+    # A new learner forms the group again and syncs.
+    rc, out = send(server, qwen3_dir, perturb_seed=2, log_dir=log_dir)
+    assert rc == 0, out
+    assert out["responses"][0]["weight_version"] == before_version + 1
+    assert greedy(server, PROMPTS) != before
