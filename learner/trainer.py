@@ -248,7 +248,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         accelerator.unwrap_model(policy).model.save_pretrained(final, safe_serialization=True)
         tokenizer.save_pretrained(final)
     accelerator.end_training()
-    return last
+    return last if accelerator.is_main_process else {}
 
 
 def _sync(cfg, accelerator, loop, client, policy, run_dir, state) -> None:  # type: ignore[no-untyped-def]

@@ -180,7 +180,7 @@ def test_accelerate_two_processes_end_with_identical_weights(tmp_path):
         sys.executable,
         "-m",
         "accelerate.commands.launch",
-        "--cpu",
+        "--multi_gpu",  # accelerate's torchrun launcher; on a CPU-only machine it uses gloo
         "--num_processes",
         "2",
         "--num_machines",
