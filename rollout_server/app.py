@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from rollout_server.engine import Engine, load_engine
 from rollout_server.errors import install_error_handlers
 from rollout_server.metrics import Metrics
-from rollout_server.middleware import ApiKeyMiddleware, MetricsMiddleware
+from rollout_server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from rollout_server.routes import generate, openai, sleep, status, weights
 from rollout_server.service import RolloutService
 from rollout_server.settings import ServerSettings
@@ -63,6 +63,7 @@ def build_app(
         app.include_router(weights.router)
         app.include_router(sleep.router)
     # Added last = outermost: an unauthenticated request is refused before anything else.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_body_mb * 2**20)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)

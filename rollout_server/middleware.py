@@ -28,19 +28,44 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         detail = "invalid API key" if given else "missing API key: send Authorization: Bearer <key>"
-        body = json.dumps({"detail": detail}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await _send_json(send, 401, detail, [(b"www-authenticate", b"Bearer")])
+
+
+class BodyLimitMiddleware:
+    """413 for a declared body over ``max_bytes`` before any of it is read (weight routes also
+    count the bytes of bodies sent without a length)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            declared = dict(scope["headers"]).get(b"content-length", b"")
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                mb = self.max_bytes // 2**20
+                detail = f"body of {int(declared)} bytes exceeds max_body_mb={mb}"
+                await _send_json(send, 413, detail)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _send_json(
+    send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 class MetricsMiddleware:

@@ -132,6 +132,7 @@ def _bad_cases(states, tmp):
         ("garbage", blob, {"content": b"\x00" * 64}, 400, ["not a valid safetensors"]),
         ("empty body", blob, {"content": b""}, 400, ["empty"]),
         ("too large", blob, {"content": b"\x00" * (2 * 2**20)}, 413, ["max_body_mb=1"]),
+        ("too large JSON", "/generate", {"json": {"prompts": ["x" * 2**21]}}, 413, ["max_body_mb=1"]),
         ("stale version", blob + "?version=0", {"content": save(b)}, 409, ["version=0"]),
         ("missing file", "/weights/load_file", {"json": {"path": str(tmp / "nope")}}, 400, ["no such file"]),
         ("no files in dir", "/weights/load_file", {"json": {"path": str(tmp / "empty_dir")}}, 400, ["no .safetensors"]),
@@ -144,7 +145,7 @@ def _bad_cases(states, tmp):
 
 BAD_NAMES = [
     "unknown name", "wrong shape", "wrong dtype", "truncated", "garbage", "empty body",
-    "too large", "stale version", "missing file", "no files in dir", "truncated file",
+    "too large", "too large JSON", "stale version", "missing file", "no files in dir", "truncated file",
     "wrong-shape file", "unknown update id", "commit unknown id",
 ]  # fmt: skip
 
