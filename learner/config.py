@@ -83,6 +83,20 @@ class RewardConfig(_Section):
     kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+class EnvironmentConfig(_Section):
+    """Train on a multi-turn environment instead of a dataset + reward functions."""
+
+    name: str = Field(
+        description="a registered environment (python -m rewards list), or "
+        "'openreward:<url or owner/env>' for one served over the Open Reward Standard"
+    )
+    split: str = "train"
+    max_turns: int = Field(4, ge=1, description="generations per episode")
+    reward_reduce: Literal["last", "sum", "mean"] = "last"
+    max_episode_tokens: int | None = Field(None, ge=1, description="stop an episode this long")
+    episode_timeout_s: float | None = Field(300.0, gt=0)
+
+
 class ScoringConfig(_Section):
     timeout_s: float = Field(60.0, gt=0)
     policy: Literal["raise", "none", "zero"] = "raise"
@@ -123,14 +137,28 @@ class RunConfig(_Section):
 
 class LearnerConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig
+    data: DataConfig | None = None
+    environment: EnvironmentConfig | None = None
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    rewards: list[RewardConfig] = Field(min_length=1)
+    rewards: list[RewardConfig] = Field(default_factory=list)
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _one_source_of_rewards(self) -> LearnerConfig:
+        if self.environment is None:
+            if self.data is None or not self.rewards:
+                raise ValueError(
+                    "give either [data] and at least one [[rewards]], or an [environment]"
+                )
+        elif self.data is not None or self.rewards:
+            raise ValueError(
+                "[environment] supplies both the tasks and the reward: remove [data] and [[rewards]]"
+            )
+        return self
 
 
 class ConfigError(ValueError):

@@ -15,6 +15,9 @@ import torch
 from learner.advantages import group_advantages
 from learner.batch import Rollout
 from learner.config import LearnerConfig
+from rewards.chat import ChatFormat
+from rewards.env import Environment
+from rewards.episode import Generation, run_episodes
 from rewards.scoring import RewardRunner
 from rollout_server.client import RolloutClient
 from rollout_server.protocol import GenerateRequest
@@ -81,25 +84,97 @@ async def collect(
     t0 = time.perf_counter()
     scored = await scorer.score(prompts, completions, columns)
     t_score = time.perf_counter() - t0
-    rewards = torch.tensor(scored.total, dtype=torch.float32)  # [B*G]
-    advantages, zero_groups = group_advantages(rewards, g, scale=cfg.grpo.scale_rewards)
-    for r, a in zip(rollouts, advantages.tolist(), strict=True):
-        r.advantage = a
-
-    lengths = torch.tensor([len(r.completion_ids) for r in rollouts], dtype=torch.float32)
-    n_tokens = float(lengths.sum())
     metrics = {
         **scored.metrics,
+        "completion/truncated_frac": sum(f == "length" for f in finish) / len(finish),
+        "time/generate": t_gen,
+        "time/score": t_score,
+    }
+    return finish_step(cfg, rollouts, scored.total, metrics)
+
+
+async def collect_episodes(
+    cfg: LearnerConfig,
+    client: RolloutClient,
+    env_cls: type[Environment],
+    chat: ChatFormat,
+    tasks: list[dict[str, Any]],
+) -> StepRollouts:
+    """G multi-turn episodes per task; tool output is in the sequence but masked out of the loss."""
+    assert cfg.environment is not None
+    e = cfg.environment
+    base = generate_request(cfg, [[0]]).model_copy(update={"n": 1})
+    versions: list[int] = []
+
+    async def generate(ids: list[int]) -> Generation:
+        resp = await client.generate(base.model_copy(update={"prompts": [ids]}))
+        sample = resp.results[0].samples[0]
+        versions.append(sample.weight_version)
+        return Generation(sample.token_ids, sample.logprobs, sample.text, sample.finish_reason)
+
+    g = cfg.sampling.num_generations
+    t0 = time.perf_counter()
+    episodes = await run_episodes(
+        env_cls,
+        [t for t in tasks for _ in range(g)],
+        generate,
+        chat,
+        max_turns=e.max_turns,
+        reward_reduce=e.reward_reduce,
+        max_tokens=e.max_episode_tokens,
+        episode_timeout_s=e.episode_timeout_s,
+    )
+    t_gen = time.perf_counter() - t0
+    version = min(versions) if versions else 0
+    rollouts = [
+        Rollout(
+            prompt_ids=ep.prompt_ids,
+            completion_ids=ep.completion_ids,
+            sampling_logprobs=ep.completion_logprobs,
+            completion_mask=ep.completion_mask,
+            weight_version=version,
+        )
+        for ep in episodes
+    ]
+    n = len(episodes)
+    metrics = {
+        "episode/turns_mean": sum(ep.num_turns for ep in episodes) / n,
+        "episode/finished_frac": sum(ep.finished for ep in episodes) / n,
+        "episode/error_frac": sum(ep.error is not None for ep in episodes) / n,
+        "episode/tool_token_frac": sum(
+            len(ep.completion_mask) - sum(ep.completion_mask) for ep in episodes
+        )
+        / max(1, sum(len(ep.completion_mask) for ep in episodes)),
+        "time/generate": t_gen,
+        "time/score": 0.0,
+    }
+    return finish_step(cfg, rollouts, [ep.reward for ep in episodes], metrics)
+
+
+def finish_step(
+    cfg: LearnerConfig,
+    rollouts: list[Rollout],
+    rewards_list: list[float],
+    metrics: dict[str, float],
+) -> StepRollouts:
+    """Attach group-relative advantages and add the rollout metrics shared by both paths."""
+    rewards = torch.tensor(rewards_list, dtype=torch.float32)  # [B*G]
+    advantages, zero_groups = group_advantages(
+        rewards, cfg.sampling.num_generations, scale=cfg.grpo.scale_rewards
+    )
+    for r, a in zip(rollouts, advantages.tolist(), strict=True):
+        r.advantage = a
+    lengths = torch.tensor([sum(r.completion_mask) for r in rollouts], dtype=torch.float32)
+    n_tokens = float(lengths.sum())
+    metrics = {
+        **metrics,
         "advantage/abs_mean": float(advantages.abs().mean()),
         "advantage/std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
         "groups/zero_advantage": float(zero_groups),
         "completion/len_mean": float(lengths.mean()),
         "completion/len_max": float(lengths.max()),
-        "completion/truncated_frac": sum(f == "length" for f in finish) / len(finish),
-        "time/generate": t_gen,
-        "time/score": t_score,
         "tokens/generated": n_tokens,
-        "throughput/gen_tokens_per_s": n_tokens / max(t_gen, 1e-9),
+        "throughput/gen_tokens_per_s": n_tokens / max(metrics["time/generate"], 1e-9),
         "weight_version/min": float(min(r.weight_version for r in rollouts)),
     }
     return StepRollouts(rollouts, rewards, metrics)

@@ -34,7 +34,7 @@ from learner.embedded import embedded_server
 from learner.loss import LossConfig, LossInputs, grpo_loss
 from learner.metrics import MetricsLogger
 from learner.policy import PolicyLogprobs
-from learner.rollouts import collect
+from learner.rollouts import collect, collect_episodes
 from learner.sync import sync_weights
 from rewards.scoring import RewardRunner, RewardSpec
 from rollout_server.client import RolloutClient
@@ -139,11 +139,20 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         else None
     )
 
-    stream = PromptStream(
-        load_rows(cfg.data.path, cfg.data.prompt_column),
-        seed=cfg.data.seed,
-        shuffle=cfg.data.shuffle,
-    )
+    env_cls, chat = None, None
+    if cfg.environment is not None:
+        from rewards.chat import HFChatFormat
+        from rewards.env import get_tasks
+        from rewards.registry import load_environment
+
+        env_cls = load_environment(cfg.environment.name)
+        rows = asyncio.run(get_tasks(env_cls, cfg.environment.split))
+        stream = PromptStream(rows, seed=cfg.run.seed, shuffle=True)
+        chat = HFChatFormat(tokenizer, cfg.sampling.chat_template_kwargs)
+    else:
+        assert cfg.data is not None  # the config validator guarantees data or environment
+        rows = load_rows(cfg.data.path, cfg.data.prompt_column)
+        stream = PromptStream(rows, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     state = TrainerState()
     accelerator.register_for_checkpointing(stream, state)
     ckpt = latest_checkpoint(run_dir) if resume else None
@@ -153,10 +162,14 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     elif resume:
         logger.warning("--resume: no checkpoint in %s, starting from step 0", run_dir)
 
-    scorer = RewardRunner(
-        [RewardSpec(name=r.name, weight=r.weight, kwargs=r.kwargs) for r in cfg.rewards],
-        timeout_s=cfg.scoring.timeout_s,
-        policy=cfg.scoring.policy,
+    scorer = (
+        RewardRunner(
+            [RewardSpec(name=r.name, weight=r.weight, kwargs=r.kwargs) for r in cfg.rewards],
+            timeout_s=cfg.scoring.timeout_s,
+            policy=cfg.scoring.policy,
+        )
+        if cfg.rewards
+        else None
     )
     loss_cfg = LossConfig(
         loss_type=cfg.grpo.loss_type,
@@ -199,7 +212,11 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     accelerator.process_index * per_rank : (accelerator.process_index + 1)
                     * per_rank
                 ]
-                step_rollouts = loop.run(collect(cfg, client, scorer, mine))
+                if env_cls is not None:
+                    step_rollouts = loop.run(collect_episodes(cfg, client, env_cls, chat, mine))
+                else:
+                    assert scorer is not None
+                    step_rollouts = loop.run(collect(cfg, client, scorer, mine))
                 step_rollouts.metrics["data/position"] = float(stream.position)
                 step_rollouts.metrics["data/fingerprint"] = float(rows_fingerprint(rows))
                 t0 = time.perf_counter()

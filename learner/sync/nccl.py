@@ -45,8 +45,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4,
-             "int8": 1, "uint8": 1}  # fmt: skip
+_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int8": 1,
+    "uint8": 1,
+}
 
 
 @dataclass(frozen=True)
@@ -137,9 +145,11 @@ class NcclWeightSender:
         self.close()
         self._client = client
         self._init_args = dict(
-            master_address=master_address, master_port=master_port, device=device,
+            master_address=master_address,
+            master_port=master_port,
+            device=device,
             timeout_s=timeout_s,
-        )  # fmt: skip
+        )
         infos = await client.info()
         sizes = [i.tensor_parallel_size * i.data_parallel_size for i in infos]
         multi = len(client.servers) > 1
@@ -154,9 +164,11 @@ class NcclWeightSender:
 
         async def post(server: str, offset: int) -> None:
             fields: dict[str, Any] = dict(
-                master_address=master_address, master_port=master_port, world_size=world_size,
+                master_address=master_address,
+                master_port=master_port,
+                world_size=world_size,
                 timeout_s=timeout_s,
-            )  # fmt: skip
+            )
             if multi:
                 fields["rank_offset"] = offset
             body = NcclInitRequest(**fields)
@@ -179,8 +191,12 @@ class NcclWeightSender:
         finally:
             for p in posts:
                 p.cancel()
-        log.info("NCCL weight group ready: world size %d at %s:%d", world_size,
-                 master_address, master_port)  # fmt: skip
+        log.info(
+            "NCCL weight group ready: world size %d at %s:%d",
+            world_size,
+            master_address,
+            master_port,
+        )
 
     def close(self) -> None:
         if self._comm is not None:
@@ -209,9 +225,12 @@ class NcclWeightSender:
         specs = list(specs)
         plan = plan_buckets(specs, bucket_bytes)
         request = NcclUpdateRequest(
-            tensors=specs, buckets=plan.buckets, bucket_dtypes=plan.dtypes, version=version,
+            tensors=specs,
+            buckets=plan.buckets,
+            bucket_dtypes=plan.dtypes,
+            version=version,
             checksum=checksum,
-        )  # fmt: skip
+        )
         stop = threading.Event()
         announce = asyncio.ensure_future(self._announce(request))
         announce.add_done_callback(
@@ -255,9 +274,13 @@ class NcclWeightSender:
         async def one(server: str) -> WeightUpdateResponse:
             try:
                 return await client._json(
-                    server, "POST", "/weights/nccl/update", WeightUpdateResponse,
-                    body=request, retry=False,
-                )  # fmt: skip
+                    server,
+                    "POST",
+                    "/weights/nccl/update",
+                    WeightUpdateResponse,
+                    body=request,
+                    retry=False,
+                )
             except RolloutError as e:
                 raise WeightSyncError(
                     server, f"NCCL update failed, its previous weights still serve: {e}"
@@ -287,8 +310,10 @@ class NcclWeightSender:
         largest: dict[torch.dtype, int] = {}
         for b in layout:
             largest[b.dtype] = max(largest.get(b.dtype, 0), b.numel)
-        slots = {d: [torch.empty(n, dtype=d, device=self._device) for _ in range(2)]
-                 for d, n in largest.items()}  # fmt: skip
+        slots = {
+            d: [torch.empty(n, dtype=d, device=self._device) for _ in range(2)]
+            for d, n in largest.items()
+        }
         pending: list[Any] = [None, None]
         it = iter(tensor_iter)
         failure: BaseException | None = None

@@ -67,8 +67,16 @@ def test_missing_required_section(tmp_path):
     p.write_text("[grpo]\nbeta = 0.0\n")
     with pytest.raises(ConfigError) as e:
         load_config(p)
-    assert "data: required field is missing" in str(e.value)
-    assert "rewards: required field is missing" in str(e.value)
+    assert "give either [data] and at least one [[rewards]], or an [environment]" in str(e.value)
+
+
+def test_environment_excludes_data_and_rewards(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[environment]\nname = "calculator"\n')
+    assert load_config(p).environment.max_turns == 4
+    p.write_text('[environment]\nname = "calculator"\n[[rewards]]\nname = "format"\n')
+    with pytest.raises(ConfigError, match=r"remove \[data\] and \[\[rewards\]\]"):
+        load_config(p)
 
 
 def test_data_jsonl_errors_name_the_problem(tmp_path):

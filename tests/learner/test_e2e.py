@@ -207,3 +207,35 @@ def test_accelerate_two_processes_end_with_identical_weights(tmp_path):
     records = read_metrics(run_dir)
     assert len(records) == 3
     assert records[-1]["weight_version"] == 3
+
+
+def test_environment_config_runs_multi_turn_episodes(tmp_path):
+    run_dir = tmp_path / "calc"
+    cfg = ROOT / "learner" / "configs" / "calculator.toml"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "learner",
+            "--config",
+            str(cfg),
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            "run.steps=2",
+            "--set",
+            "run.progress_bar=false",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert len(records) == 2
+    for r in records:
+        assert r["episode/error_frac"] == 0.0
+        assert 1.0 <= r["episode/turns_mean"] <= 3.0
+        # every episode's sampled tokens were trained on; tool/template tokens were not
+        assert r["tokens/trained"] == r["tokens/generated"] > 0
