@@ -79,11 +79,25 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.gpu = gpu
         self.argv = [
-            sys.executable, "-m", "rollout_server", "--model", str(model), "--engine", "vllm",
-            "--host", "127.0.0.1", "--port", str(self.port), "--api-key", API_KEY,
-            "--gpu-memory-utilization", str(gpu_memory_utilization),
-            "--max-model-len", str(max_model_len), *(extra_args or []),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "rollout_server",
+            "--model",
+            str(model),
+            "--engine",
+            "vllm",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--api-key",
+            API_KEY,
+            "--gpu-memory-utilization",
+            str(gpu_memory_utilization),
+            "--max-model-len",
+            str(max_model_len),
+            *(extra_args or []),
+        ]
         self.log_path = log_path or Path(tempfile.mkstemp(prefix="rollout-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
         self.http = httpx.Client(
@@ -95,9 +109,16 @@ class ServerProcess:
     def start(self, ready_timeout_s: float = 420.0) -> ServerProcess:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            self.argv, env=gpu_env(self.gpu), stdout=log, stderr=subprocess.STDOUT,
-            cwd=ROOT, start_new_session=True,
-        )  # fmt: skip
+            self.argv,
+            env=gpu_env(self.gpu),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        if pidfile := os.environ.get("GRPO_GPU_PIDFILE"):  # lets the GPU suite clean up
+            with open(pidfile, "a") as f:
+                f.write(f"{self.proc.pid}\n")
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -164,6 +185,7 @@ def running_server(model: Path | str, **kw: Any) -> Iterator[ServerProcess]:
 def greedy(
     server: ServerProcess, prompts: list[list[int]], max_tokens: int = 24
 ) -> list[list[int]]:
-    out = server.generate(prompts=prompts, n=1, temperature=0.0, max_tokens=max_tokens,
-                          ignore_eos=True)  # fmt: skip
+    out = server.generate(
+        prompts=prompts, n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True
+    )
     return [r["samples"][0]["token_ids"] for r in out["results"]]

@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, for the GPU machine (see ../shared/device/README.md):
+#
+#   OUT=/some/dir bash bench/gpu_suite.sh                     # every step that fits the budget
+#   SUITE_STEPS="setup model tests" bash bench/gpu_suite.sh   # a subset, in this order
+#
+# Steps: setup (vLLM bundle from /tmp/parts into /tmp/site, project installed editable),
+# model (random-weight Qwen3-0.6B-shaped model, kept in $WORK while the machine stays up),
+# tests (pytest -m gpu), bench_rollout (bench/bench_rollout_gpu.py), bench_loss
+# (bench/bench_loss_gpu.py). Each step has its own time limit and its own log; a failing step
+# does not stop the others; the whole run stays inside SUITE_BUDGET_S (steps that no longer
+# fit are skipped and say so). Results in $OUT (few files, as the device tool returns at most 8):
+#   summary.json  steps (status, seconds, exit code), test counts, benchmark verdicts
+#   gpu_tests.xml  junit report of pytest -m gpu
+#   bench_rollout_gpu.json  throughput / sleep / sync numbers
+#   logs.tar.gz  every step log, server logs, the offline-baseline log, bench_loss outputs
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+OUT=${OUT:-$ROOT/out}
+WORK=${WORK:-/tmp/grpo-gpu}
+LOGS=$WORK/logs
+SUITE_STEPS=${SUITE_STEPS:-setup model tests bench_rollout bench_loss}
+SUITE_BUDGET_S=${SUITE_BUDGET_S:-560}
+mkdir -p "$OUT" "$LOGS"
+
+# NVLink multicast stays off everywhere, subprocesses included.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export GRPO_GPU_MODEL=$WORK/qwen3-0.6b-shape GRPO_GPU_LOG_DIR=$LOGS
+export GRPO_GPU_PIDFILE=$WORK/servers.pid  # rollout servers started by the steps (by pid)
+export ROOT OUT WORK LOGS
+
+START=$(date +%s)
+STATUS_FILE=$WORK/steps.tsv
+: > "$STATUS_FILE"
+
+step_setup() {
+  if [ ! -f /tmp/site/.done ]; then
+    [ -d /tmp/parts ] || { echo "no /tmp/parts: carry the .dev parts and run .dev/bin/stash.sh first"; return 1; }
+    bash .dev/bin/install.sh || return 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
+  nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv
+  nvidia-smi topo -m 2>/dev/null | head -20
+  python3 - <<'EOF'
+import torch, vllm, fastapi, pydantic, uvicorn
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
+print("vllm", vllm.__version__, "fastapi", fastapi.__version__, "pydantic", pydantic.__version__)
+try:
+    import deepspeed
+    print("deepspeed", deepspeed.__version__)
+except Exception as e:
+    print("deepspeed unavailable:", e)
+EOF
+}
+
+step_model() {
+  if [ -f "$GRPO_GPU_MODEL/config.json" ]; then echo "reusing $GRPO_GPU_MODEL"; return 0; fi
+  python3 -m rollout_server.tiny "$GRPO_GPU_MODEL.tmp" --qwen3-0.6b-shape \
+    && rm -rf "$GRPO_GPU_MODEL" && mv "$GRPO_GPU_MODEL.tmp" "$GRPO_GPU_MODEL"
+}
+
+step_tests() {
+  python3 -m pytest -m gpu tests -q -rfEs -p no:cacheprovider \
+    --junitxml="$OUT/gpu_tests.xml" -o junit_family=xunit2
+}
+
+step_bench_rollout() {
+  python3 bench/bench_rollout_gpu.py --model "$GRPO_GPU_MODEL" --out "$WORK/bench_rollout/bench_rollout_gpu.json" \
+    && cp "$WORK/bench_rollout/bench_rollout_gpu.json" "$OUT/"
+}
+
+step_bench_loss() {
+  python3 bench/bench_loss_gpu.py --out-dir "$WORK/bench_loss"
+}
+
+stop_leftover_servers() {
+  # A timed-out step leaves its rollout servers (own sessions) holding GPU memory: end each
+  # recorded server's process group (its pid is the group id: started with a new session).
+  [ -f "$GRPO_GPU_PIDFILE" ] || return 0
+  while read -r pid; do
+    if kill -0 "$pid" 2>/dev/null; then
+      echo "   stopping leftover rollout server $pid"
+      kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
+    fi
+  done < "$GRPO_GPU_PIDFILE"
+  : > "$GRPO_GPU_PIDFILE"
+}
+
+limit_for() {  # seconds allowed for a step: its own limit, capped by what is left of the budget
+  local own
+  case $1 in
+    setup) own=${T_SETUP:-240} ;;
+    model) own=${T_MODEL:-120} ;;
+    tests) own=${T_TESTS:-420} ;;
+    bench_rollout) own=${T_BENCH_ROLLOUT:-420} ;;
+    bench_loss) own=${T_BENCH_LOSS:-240} ;;
+    *) own=60 ;;
+  esac
+  local left=$(( SUITE_BUDGET_S - ($(date +%s) - START) - 15 ))
+  echo $(( own < left ? own : left ))
+}
+
+for step in $SUITE_STEPS; do
+  if ! declare -F "step_$step" >/dev/null; then
+    printf '%s\tunknown\t0\t-\n' "$step" >> "$STATUS_FILE"; continue
+  fi
+  limit=$(limit_for "$step")
+  if [ "$limit" -lt 30 ]; then
+    echo "== $step: skipped (budget: ${limit}s left)"
+    printf '%s\tskipped_budget\t0\t-\n' "$step" >> "$STATUS_FILE"; continue
+  fi
+  echo "== $step (limit ${limit}s) -> $LOGS/$step.log"
+  t0=$(date +%s)
+  # A subshell per step: `timeout` needs a command; exported functions reach it via bash -c.
+  export -f "step_$step"
+  timeout -k 15 "$limit" bash -c "step_$step" > "$LOGS/$step.log" 2>&1
+  rc=$?
+  secs=$(( $(date +%s) - t0 ))
+  case $rc in 0) st=ok ;; 124|137) st=timeout ;; *) st=failed ;; esac
+  printf '%s\t%s\t%s\t%s\n' "$step" "$st" "$secs" "$rc" >> "$STATUS_FILE"
+  echo "== $step: $st in ${secs}s (rc $rc)"
+  tail -n 25 "$LOGS/$step.log" | sed 's/^/   | /'
+  stop_leftover_servers
+  # setup exports PYTHONPATH inside its subshell; make it visible to the next steps too
+  [ "$step" = setup ] && [ -d /tmp/site ] && case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} ;; esac
+done
+
+
+tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs $( [ -d "$WORK/bench_loss" ] && echo bench_loss ) \
+  $( [ -d "$WORK/bench_rollout" ] && echo bench_rollout ) 2>/dev/null
+
+python3 - "$STATUS_FILE" "$OUT" "$SUITE_BUDGET_S" "$START" <<'EOF'
+import json, sys, time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+status_file, out, budget, start = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+steps = []
+for line in Path(status_file).read_text().splitlines():
+    name, status, secs, rc = line.split("\t")
+    steps.append({"step": name, "status": status, "seconds": int(secs), "rc": rc})
+summary = {"steps": steps, "total_s": int(time.time()) - start, "budget_s": budget}
+junit = out / "gpu_tests.xml"
+if junit.is_file():
+    root = ET.parse(junit).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    cases = []
+    for case in suite.iter("testcase"):
+        outcome = "passed"
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                msg = (el.get("message") or "")[:300]
+                break
+        else:
+            msg = ""
+        cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                      "seconds": float(case.get("time") or 0), "message": msg})
+    summary["tests"] = {k: sum(c["outcome"] == k for c in cases)
+                        for k in ("passed", "failed", "error", "skipped")}
+    summary["test_cases"] = cases
+bench = out / "bench_rollout_gpu.json"
+if bench.is_file():
+    data = json.loads(bench.read_text())
+    summary["bench_rollout_verdicts"] = data.get("verdicts", [])
+    summary["bench_rollout_errors"] = {k: v["error"] for k, v in data.items()
+                                       if isinstance(v, dict) and "error" in v}
+(out / "summary.json").write_text(json.dumps(summary, indent=2))
+print(json.dumps({k: v for k, v in summary.items() if k != "test_cases"}, indent=1))
+for c in summary.get("test_cases", []):
+    if c["outcome"] != "passed":
+        print(f"{c['outcome'].upper():8} {c['test']}: {c['message']}")
+EOF
