@@ -355,9 +355,12 @@ class VLLMEngine(Engine):
         log.info(
             "NCCL update: %d tensors received in %.3fs, loaded in %.3fs (staged on %s), "
             "%.3fs in all",
-            len(specs), first["received_s"], first["loaded_s"], first["staged_on"],
+            len(specs),
+            first["received_s"],
+            first["loaded_s"],
+            first["staged_on"],
             time.perf_counter() - start,
-        )  # fmt: skip
+        )
         sums = {r["checksum"] for r in results}
         if len(sums) > 1:
             raise EngineError(f"workers received different bytes (checksums {sorted(sums)})")

@@ -42,9 +42,20 @@ def send(server, model_dir, *, perturb_seed=None, die=False, timeout_s=60.0, log
     """Run one learner-side sync in a subprocess on GPU 0; return (returncode, summary)."""
     from gpu_common import free_port, gpu_env
 
-    argv = [sys.executable, str(SENDER), "--url", server.url, "--model", str(model_dir),
-            "--master-port", str(free_port()), "--timeout-s", str(timeout_s),
-            "--bucket-mb", "256"]  # fmt: skip
+    argv = [
+        sys.executable,
+        str(SENDER),
+        "--url",
+        server.url,
+        "--model",
+        str(model_dir),
+        "--master-port",
+        str(free_port()),
+        "--timeout-s",
+        str(timeout_s),
+        "--bucket-mb",
+        "256",
+    ]
     if perturb_seed is not None:
         argv += ["--perturb-seed", str(perturb_seed)]
     if die:

@@ -52,8 +52,11 @@ def test_info(server) -> None:
 def test_generate_text_chat_and_ids(server) -> None:
     out = server.generate(
         prompts=["The capital of France is", [{"role": "user", "content": "Hi!"}], PROMPTS[0]],
-        n=4, max_tokens=16, temperature=1.0, seed=0,
-    )  # fmt: skip
+        n=4,
+        max_tokens=16,
+        temperature=1.0,
+        seed=0,
+    )
     assert out["weight_version"] == 0 and len(out["results"]) == 3
     # The tiny tokenizer: ids 0-255 are bytes, 257 = <|im_start|>, 258 = <|im_end|>.
     text_ids, chat_ids, ids = (r["prompt_token_ids"] for r in out["results"])
@@ -87,8 +90,9 @@ def test_logprobs_are_the_sampling_distribution(server, qwen3_dir) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    out = server.generate(prompts=PROMPTS, n=2, max_tokens=32, ignore_eos=True,
-                          temperature=0.7, seed=1)  # fmt: skip
+    out = server.generate(
+        prompts=PROMPTS, n=2, max_tokens=32, ignore_eos=True, temperature=0.7, seed=1
+    )
     model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.bfloat16).cuda().eval()
     diffs = []
     with torch.no_grad():
@@ -108,8 +112,9 @@ def test_logprobs_are_the_sampling_distribution(server, qwen3_dir) -> None:
 def test_processed_logprobs_after_top_k(server) -> None:
     """top_k=1 leaves one candidate: under the sampling distribution its log-prob is 0 (raw
     log-probs would be about -log(151936) = -11.9 for this near-uniform random model)."""
-    out = server.generate(prompts=PROMPTS, n=2, max_tokens=12, ignore_eos=True,
-                          temperature=1.0, top_k=1)  # fmt: skip
+    out = server.generate(
+        prompts=PROMPTS, n=2, max_tokens=12, ignore_eos=True, temperature=1.0, top_k=1
+    )
     for r in out["results"]:
         for s in r["samples"]:
             assert all(abs(lp) < 1e-4 for lp in s["logprobs"]), s["logprobs"]
@@ -123,12 +128,14 @@ def test_http_weight_update_reaches_the_model(server, qwen3_dir, reference) -> N
     from gpu_common import greedy
 
     blob = safetensors.torch.save({"model.norm.weight": torch.zeros(1024, dtype=torch.bfloat16)})
-    r = server.http.post("/weights/update", content=blob,
-                         headers={"Content-Type": "application/octet-stream"})  # fmt: skip
+    r = server.http.post(
+        "/weights/update", content=blob, headers={"Content-Type": "application/octet-stream"}
+    )
     assert r.status_code == 200, r.text
     version = r.json()["weight_version"]
-    out = server.generate(prompts=PROMPTS[:2], n=1, max_tokens=8, temperature=1.0,
-                          ignore_eos=True, seed=0)  # fmt: skip
+    out = server.generate(
+        prompts=PROMPTS[:2], n=1, max_tokens=8, temperature=1.0, ignore_eos=True, seed=0
+    )
     uniform = -math.log(151936)
     for res in out["results"]:
         s = res["samples"][0]
@@ -148,8 +155,9 @@ def test_bad_update_is_refused_and_changes_nothing(server, reference) -> None:
 
     before = server.info()["weight_version"]
     blob = safetensors.torch.save({"model.norm.weight": torch.zeros(1024)})  # float32: refused
-    r = server.http.post("/weights/update", content=blob,
-                         headers={"Content-Type": "application/octet-stream"})  # fmt: skip
+    r = server.http.post(
+        "/weights/update", content=blob, headers={"Content-Type": "application/octet-stream"}
+    )
     assert r.status_code == 400 and "dtype float32" in r.text
     assert server.info()["weight_version"] == before
     assert greedy(server, PROMPTS) == reference

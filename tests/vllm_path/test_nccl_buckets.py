@@ -123,8 +123,9 @@ def test_learner_specs_match_the_servers_metadata(tiny_model_dir) -> None:
     nbytes = validate_nccl_announce(request, metadata, ITEMSIZE)
     assert nbytes == sum(2 * p.numel() for p in model.parameters())
     wrong = param_specs(wrapped)  # float32: the server serves bfloat16 and refuses casts
-    bad = NcclUpdateRequest(tensors=wrong, buckets=[list(range(len(wrong)))],
-                            bucket_dtypes=["float32"])  # fmt: skip
+    bad = NcclUpdateRequest(
+        tensors=wrong, buckets=[list(range(len(wrong)))], bucket_dtypes=["float32"]
+    )
     from rollout_server.engine.base import WeightsError
 
     with pytest.raises(WeightsError, match="dtype float32, the model's is bfloat16"):

@@ -66,8 +66,17 @@ def test_supported_kwargs_drops_what_this_vllm_does_not_know(caplog) -> None:
 
 
 def test_sampling_kwargs() -> None:
-    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, min_p=0.05, max_tokens=12,
-                       stop="###", stop_token_ids=[5], seed=3, repetition_penalty=1.1)  # fmt: skip
+    p = SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=0,
+        min_p=0.05,
+        max_tokens=12,
+        stop="###",
+        stop_token_ids=[5],
+        seed=3,
+        repetition_penalty=1.1,
+    )
     kw = sampling_kwargs(p, n=8)
     assert kw == {
         "n": 8,
