@@ -19,7 +19,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -297,13 +297,42 @@ class NcclWeightSender:
         checksum: bool,
         on_bucket: Callable[[int], None] | None,
     ) -> float:
-        """Fill and broadcast every bucket (two buffers in flight), then the commit word.
+        """Fill and broadcast every bucket, then the commit word; returns the checksum.
 
-        If the iterator fails or disagrees with ``specs``, the remaining buckets go out as
-        zeros with commit word 0: the servers discard everything and the group stays usable."""
+        If the stream fails or disagrees with ``specs``, the remaining buckets go out as zeros
+        with commit word 0: the servers discard everything and the group stays usable. Any
+        other failure (no memory, a dead peer) aborts the group; the next send forms it again.
+        """
         import torch
 
         torch.cuda.set_device(self._device)
+        it = iter(tensor_iter)
+        try:
+            total, failure = self._stream_buckets(specs, plan, it, stop, checksum, on_bucket)
+        except NcclGroupError:
+            _drain(it, quiet=True)
+            raise
+        except BaseException as exc:
+            nccl_abort(self._comm)
+            _drain(it, quiet=True)
+            raise NcclGroupError(f"the broadcast stopped part way ({exc!r})") from exc
+        _drain(it, quiet=failure is not None)
+        if failure is not None:
+            raise failure
+        return total
+
+    def _stream_buckets(
+        self,
+        specs: list[TensorSpec],
+        plan: BucketPlan,
+        it: Iterator[tuple[str, torch.Tensor]],
+        stop: threading.Event,
+        checksum: bool,
+        on_bucket: Callable[[int], None] | None,
+    ) -> tuple[float, Exception | None]:
+        """Two bucket buffers per dtype: one is filled while the other is on the wire."""
+        import torch
+
         comm, timeout_s = self._comm, float(self._init_args["timeout_s"])
         stream = torch.cuda.current_stream(self._device)
         layout = bucket_layout([s.model_dump() for s in specs], plan.buckets, plan.dtypes)
@@ -315,43 +344,37 @@ class NcclWeightSender:
             for d, n in largest.items()
         }
         pending: list[Any] = [None, None]
-        it = iter(tensor_iter)
-        failure: BaseException | None = None
+        failure: Exception | None = None
         total = 0.0
-        try:
-            for b, bucket in enumerate(layout):
-                slot = b % 2
-                if pending[slot] is not None:  # the bucket that used this buffer has left
-                    wait_event(pending[slot], comm, timeout_s, f"bucket {b - 1}", stop)
-                flat = slots[bucket.dtype][slot][: bucket.numel]
-                if failure is None:
-                    try:
-                        _fill(flat, bucket, it)
-                    except Exception as exc:
-                        failure = exc
-                        log.error("weight sync abandoned at bucket %d: %s", b, exc)
-                if failure is not None:
-                    flat.zero_()
-                elif checksum:
-                    total += float(flat_checksum(flat))
-                comm.broadcast(flat, src=0, stream=stream)
-                pending[slot] = torch.cuda.Event()
-                pending[slot].record(stream)
-                if on_bucket is not None:
-                    wait_event(pending[slot], comm, timeout_s, f"bucket {b + 1}", stop)
-                    on_bucket(b)
-            if failure is None and next(it, None) is not None:
-                failure = ValueError("the tensor stream yielded more tensors than the specs")
-            word = torch.tensor([0 if failure else 1], dtype=torch.int32, device=self._device)
-            comm.broadcast(word, src=0, stream=stream)
-            done = torch.cuda.Event()
-            done.record(stream)
-            wait_event(done, comm, timeout_s, "commit word", stop)
-        finally:
-            _drain(it, quiet=failure is not None)
-        if failure is not None:
-            raise failure
-        return total
+        for b, bucket in enumerate(layout):
+            slot = b % 2
+            if pending[slot] is not None:  # the bucket that used this buffer has left
+                wait_event(pending[slot], comm, timeout_s, f"bucket {b - 1}", stop)
+            flat = slots[bucket.dtype][slot][: bucket.numel]
+            if failure is None:
+                try:
+                    _fill(flat, bucket, it)
+                except Exception as exc:
+                    failure = exc
+                    log.error("weight sync abandoned at bucket %d: %s", b, exc)
+            if failure is not None:
+                flat.zero_()
+            elif checksum:
+                total += float(flat_checksum(flat))
+            comm.broadcast(flat, src=0, stream=stream)
+            pending[slot] = torch.cuda.Event()
+            pending[slot].record(stream)
+            if on_bucket is not None:
+                wait_event(pending[slot], comm, timeout_s, f"bucket {b + 1}", stop)
+                on_bucket(b)
+        if failure is None and next(it, None) is not None:
+            failure = ValueError("the tensor stream yielded more tensors than the specs announce")
+        word = torch.tensor([0 if failure else 1], dtype=torch.int32, device=self._device)
+        comm.broadcast(word, src=0, stream=stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+        wait_event(done, comm, timeout_s, "commit word", stop)
+        return total, failure
 
 
 def _fill(flat: torch.Tensor, bucket: Any, it: Any) -> None:

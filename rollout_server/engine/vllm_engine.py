@@ -256,9 +256,14 @@ class VLLMEngine(Engine):
 
         if self._asleep:
             raise EngineError("the vllm engine is asleep; POST /wake_up first")
-        sp = VLLMSamplingParams(
-            **sampling_kwargs(params, n), output_kind=RequestOutputKind.FINAL_ONLY
-        )
+        try:
+            sp = VLLMSamplingParams(
+                **sampling_kwargs(params, n), output_kind=RequestOutputKind.FINAL_ONLY
+            )
+        except (ValueError, TypeError) as exc:  # e.g. vLLM's temperature limit (<= 2)
+            from rollout_server.errors import BadRequest
+
+            raise BadRequest(f"vLLM refused the sampling parameters: {exc}") from exc
         self._in_flight += 1
         try:
             async with asyncio.TaskGroup() as tg:  # one failure cancels (aborts) the rest
