@@ -229,8 +229,10 @@ class TransformersEngine(Engine):
                         q.job.put(q.index, out)
 
     def _take_batch(self) -> list[_Queued]:
-        """FIFO rows up to ``max_num_seqs`` rows and ``max_batch_tokens`` padded prompt tokens."""
+        """FIFO rows up to ``max_num_seqs`` rows and ``max_batch_tokens`` padded prompt tokens
+        (rows sharing a prompt prefill it once)."""
         batch: list[_Queued] = []
+        prompts: set[int] = set()
         width = 0
         while self._queue:
             q = self._queue[0]
@@ -238,11 +240,13 @@ class TransformersEngine(Engine):
                 self._queue.popleft()
                 continue
             new_width = max(width, len(q.row.prompt))
+            num_prompts = len(prompts | {id(q.row.prompt)})
             too_many = len(batch) >= self.settings.max_num_seqs
-            too_long = (len(batch) + 1) * new_width > self.settings.max_batch_tokens
+            too_long = num_prompts * new_width > self.settings.max_batch_tokens
             if batch and (too_many or too_long):
                 break
             batch.append(self._queue.popleft())
+            prompts.add(id(q.row.prompt))
             width = new_width
         return batch
 

@@ -162,3 +162,18 @@ async def test_sleep_level_2_frees_the_weights_and_wake_reallocates(engine):
     assert not engine.is_sleeping()
     weight = engine.model.get_input_embeddings().weight
     assert weight.shape == (265, 64) and not weight.any()
+
+
+async def test_small_batch_limits_split_requests_without_changing_results(engine, tiny_model_dir):
+    small = TransformersEngine(
+        ServerSettings(model=str(tiny_model_dir), max_num_seqs=2, max_batch_tokens=8)
+    )
+    await small.start()
+    try:
+        prompts = [engine.tokenize_prompt(p) for p in PROMPTS]  # one is 24 tokens > 8
+        params = SamplingParams(max_tokens=6, seed=9, ignore_eos=True)
+        want = await engine.generate(prompts, 3, params)
+        got = await small.generate(prompts, 3, params)
+        assert [[s.token_ids for s in r] for r in got] == [[s.token_ids for s in r] for r in want]
+    finally:
+        await small.close()
