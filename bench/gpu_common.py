@@ -24,6 +24,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_MULTICAST = {
+    "NCCL_CUMEM_ENABLE": "0",  # the same NCCL memory mode at both ends of the weight group
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",

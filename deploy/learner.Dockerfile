@@ -13,7 +13,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     HF_HOME=/data/hf \
-    NCCL_NVLS_ENABLE=0
+    NCCL_NVLS_ENABLE=0 \
+    NCCL_CUMEM_ENABLE=0
 
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev \

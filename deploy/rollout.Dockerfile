@@ -13,6 +13,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/venv/bin:$PATH \
     HF_HOME=/data/hf \
     NCCL_NVLS_ENABLE=0 \
+    NCCL_CUMEM_ENABLE=0 \
     VLLM_WORKER_MULTIPROC_METHOD=spawn
 
 # gcc and the Python headers: Triton compiles small launchers at run time.

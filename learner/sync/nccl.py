@@ -7,6 +7,9 @@ concurrently with the broadcasts. The wire details (bucket layout, commit word, 
 on a dead peer) live in ``rollout_server.engine.vllm_worker``, the receiving side, and are
 imported from there so both ends share one definition.
 
+Set ``NCCL_CUMEM_ENABLE=0`` in the learner's environment before it starts (the server's vLLM
+workers run with it; two ends of one communicator with different settings can hang).
+
 Only the main process sends, but under ZeRO-3 every rank must run the same parameter gathers:
 feed ``send`` from ``learner.sync.zero3.iter_gathered_params`` on rank 0 and exhaust the same
 iterator on the other ranks. ``send`` always consumes its iterator to the end, even when it
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -142,6 +146,12 @@ class NcclWeightSender:
         ``master_address`` must be an address of this machine that the servers can reach."""
         import torch
 
+        if os.environ.get("NCCL_CUMEM_ENABLE") != "0":
+            log.warning(
+                "NCCL_CUMEM_ENABLE is not 0 in the learner; the rollout workers use 0. Export "
+                "NCCL_CUMEM_ENABLE=0 before the learner starts if the first sync hangs."
+            )
+            os.environ["NCCL_CUMEM_ENABLE"] = "0"  # enough if NCCL is not initialized yet
         self.close()
         self._client = client
         self._init_args = dict(

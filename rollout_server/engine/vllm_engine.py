@@ -156,6 +156,9 @@ class VLLMEngine(Engine):
     async def start(self) -> None:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        # The learner's side of the weight-sync group must use the same NCCL memory mode;
+        # vLLM has long defaulted its workers to 0, pin it so both ends agree.
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM

@@ -89,6 +89,7 @@ def test_services_gpus_and_images(compose: dict) -> None:
         build = svc["build"]
         assert (ROOT / build["context"] / build["dockerfile"]).is_file()
         assert svc["environment"]["NCCL_NVLS_ENABLE"] == "0"
+        assert svc["environment"]["NCCL_CUMEM_ENABLE"] == "0"
         assert svc["environment"]["ROLLOUT_API_KEY"] == "secret"
         assert svc["ipc"] == "host" and svc["network_mode"] == "host"
 
@@ -182,7 +183,7 @@ def test_dockerfiles_copy_existing_paths_and_install_real_extras(name: str, extr
     assert len(installs) == 1 and set(installs[0].split(",")) == extras
     defined = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert extras <= set(defined["optional-dependencies"])
-    assert "NCCL_NVLS_ENABLE=0" in text
+    assert "NCCL_NVLS_ENABLE=0" in text and "NCCL_CUMEM_ENABLE=0" in text
     ignore = (ROOT / "deploy" / f"{name}.Dockerfile.dockerignore").read_text()
     assert ignore.splitlines()[1] == "**", "the build context must not ship .venv or .dev"
 
