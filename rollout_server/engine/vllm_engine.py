@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -150,6 +151,9 @@ class VLLMEngine(Engine):
         self._metadata: dict[str, TensorMeta] = {}
         self._asleep: set[str] = set()
         self._in_flight = 0
+        # HF fast tokenizers are not safe to call from several threads at once ("Already
+        # borrowed"), and the service tokenizes in worker threads.
+        self._tokenizer_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -232,9 +236,11 @@ class VLLMEngine(Engine):
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self._tokenizer(prompt)["input_ids"])
-        if prompt and isinstance(prompt[0], dict):
+        if not isinstance(prompt, str) and not (prompt and isinstance(prompt[0], dict)):
+            return [int(t) for t in prompt]
+        with self._tokenizer_lock:
+            if isinstance(prompt, str):
+                return list(self._tokenizer(prompt)["input_ids"])
             text = self._tokenizer.apply_chat_template(
                 prompt,
                 tools=tools,
@@ -243,11 +249,11 @@ class VLLMEngine(Engine):
                 **(chat_template_kwargs or {}),
             )
             return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
-        return [int(t) for t in prompt]
 
     def decode(self, token_ids: list[int]) -> str:
-        known = [t for t in token_ids if t < len(self._tokenizer)]
-        return self._tokenizer.decode(known, skip_special_tokens=True)
+        with self._tokenizer_lock:
+            known = [t for t in token_ids if t < len(self._tokenizer)]
+            return self._tokenizer.decode(known, skip_special_tokens=True)
 
     # -- generation ------------------------------------------------------------------------
 
