@@ -32,6 +32,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollout_server.engine.base import (
@@ -131,13 +132,35 @@ def hf_weight_metadata(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # an architecture transformers cannot build: read the files
+        if not Path(model).is_dir():
+            raise EngineError(
+                f"cannot describe the weights of {model!r} ({exc}); serve a local directory"
+            ) from exc
+        log.warning("weight metadata from the checkpoint files (%s)", exc)
+        return checkpoint_metadata(Path(model), dtype)
     return {
         name: TensorMeta(dtype, tuple(p.shape))
         for name, p in meta.named_parameters(remove_duplicate=False)
     }
+
+
+def checkpoint_metadata(model_dir: Path, dtype: str) -> dict[str, TensorMeta]:
+    """Names and shapes from the safetensors headers of a model directory (nothing loaded)."""
+    from safetensors import safe_open
+
+    out: dict[str, TensorMeta] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                out[name] = TensorMeta(dtype, tuple(f.get_slice(name).get_shape()))
+    if not out:
+        raise EngineError(f"no .safetensors files in {model_dir} to describe its weights")
+    return out
 
 
 class VLLMEngine(Engine):

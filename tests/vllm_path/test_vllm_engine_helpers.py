@@ -119,3 +119,16 @@ def test_to_sample() -> None:
     broken.logprobs = broken.logprobs[:1]
     with pytest.raises(EngineError, match="1 log-prob positions for 2 tokens"):
         to_sample(broken)
+
+
+def test_checkpoint_metadata_agrees_with_the_config_metadata(tiny_model_dir) -> None:
+    """The fallback (safetensors headers) and the meta-device model describe the same tensors;
+    the checkpoint omits the tied lm_head, which the meta model lists as an alias."""
+    from rollout_server.engine.vllm_engine import checkpoint_metadata, hf_weight_metadata
+
+    files = checkpoint_metadata(tiny_model_dir, "float32")
+    config = hf_weight_metadata(str(tiny_model_dir), "float32")
+    assert set(config) - set(files) == {"lm_head.weight"}
+    assert all(files[k] == config[k] for k in files)
+    with pytest.raises(EngineError, match=r"no \.safetensors files"):
+        checkpoint_metadata(tiny_model_dir / "nowhere", "float32")
