@@ -290,10 +290,14 @@ class WeightSyncWorkerExtension:
     def _grpo_receive_buckets(
         self, comm: Any, layout: list[Bucket], device: torch.device, on_gpu: bool
     ) -> list[torch.Tensor]:
+        """Staged on the GPU, every receive is queued at once (no gap between buckets) and
+        then awaited in order; staged on the CPU, one reused GPU buffer per dtype is received
+        into and copied out bucket by bucket."""
         stream = torch.cuda.current_stream(device)
         staged: list[torch.Tensor] = []
-        recv: dict[torch.dtype, torch.Tensor] = {}  # reused GPU buffers when staging on CPU
-        for b, bucket in enumerate(layout):
+        recv: dict[torch.dtype, torch.Tensor] = {}
+        queued: list[torch.cuda.Event] = []
+        for bucket in layout:
             if on_gpu:
                 flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
             else:
@@ -304,13 +308,16 @@ class WeightSyncWorkerExtension:
             comm.broadcast(flat, src=0, stream=stream)
             done = torch.cuda.Event()
             done.record(stream)
-            wait_event(done, comm, self._grpo_timeout_s, f"bucket {b + 1}/{len(layout)}")
             if on_gpu:
                 staged.append(flat)
-            else:
-                host = torch.empty(bucket.numel, dtype=bucket.dtype, pin_memory=True)
-                host.copy_(flat)
-                staged.append(host)
+                queued.append(done)
+                continue
+            wait_event(done, comm, self._grpo_timeout_s, f"bucket {len(staged) + 1}/{len(layout)}")
+            host = torch.empty(bucket.numel, dtype=bucket.dtype, pin_memory=True)
+            host.copy_(flat)
+            staged.append(host)
+        for b, done in enumerate(queued):  # the timeout counts from the previous bucket
+            wait_event(done, comm, self._grpo_timeout_s, f"bucket {b + 1}/{len(layout)}")
         return staged
 
     def _grpo_receive_commit(self, comm: Any, device: torch.device) -> bool:
