@@ -186,6 +186,8 @@ class VLLMEngine(Engine):
         # The learner's side of the weight-sync group must use the same NCCL memory mode;
         # vLLM has long defaulted its workers to 0, pin it so both ends agree.
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+        # FlashInfer's top-k/top-p sampler cannot return processed log-probs; the native one can.
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
