@@ -32,7 +32,12 @@ def server(qwen3_dir, log_dir):
 
     if gpu_count() < 2:
         pytest.skip("NCCL weight sync needs two GPUs")
-    proc = ServerProcess(qwen3_dir, gpu="1", log_path=log_dir / "test_nccl_sync.server.log")
+    proc = ServerProcess(
+        qwen3_dir,
+        gpu="1",
+        extra_args=["--no-enable-prefix-caching"],  # greedy comparisons across calls (see there)
+        log_path=log_dir / "test_nccl_sync.server.log",
+    )
     proc.start()
     yield proc
     proc.stop()
