@@ -50,6 +50,12 @@ def qwen3_model_dir() -> Path:
     return save_tiny_model(out, seed=0, dtype="bfloat16", **QWEN3_0_6B_SHAPE)
 
 
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,14 +15,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 
-def gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 @pytest.fixture(scope="session")
 def vllm_ready() -> None:
+    from gpu_common import gpu_count
+
     if gpu_count() == 0:
         pytest.skip("needs a CUDA GPU")
     if importlib.util.find_spec("vllm") is None:

@@ -27,8 +27,7 @@ SENDER = Path(__file__).resolve().parents[2] / "bench" / "gpu_sender.py"
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir, log_dir):
-    from conftest import gpu_count
-    from gpu_common import ServerProcess
+    from gpu_common import ServerProcess, gpu_count
 
     if gpu_count() < 2:
         pytest.skip("NCCL weight sync needs two GPUs")
