@@ -175,6 +175,8 @@ def test_unreachable_server_fails_fast_and_clearly(tmp_path):
 
 @pytest.mark.slow
 def test_accelerate_two_processes_end_with_identical_weights(tmp_path):
+    from learner.embedded import free_port
+
     run_dir = tmp_path / "ddp"
     cmd = [
         sys.executable,
@@ -185,6 +187,8 @@ def test_accelerate_two_processes_end_with_identical_weights(tmp_path):
         "2",
         "--num_machines",
         "1",
+        "--main_process_port",  # not torchrun's default 29500, which another job may hold
+        str(free_port()),
         "--mixed_precision",
         "no",
         "--dynamo_backend",
