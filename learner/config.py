@@ -55,7 +55,16 @@ class RolloutConfig(_Section):
     ready_timeout_s: float = Field(300.0, gt=0)
     sync: Literal["http", "file", "nccl"] = "http"
     sync_dir: str | None = Field(None, description="shared directory for sync = 'file'")
-    bucket_mb: int = Field(256, ge=1)
+    bucket_mb: int = Field(256, ge=1, description="weight-sync bucket size (NCCL: ~1024)")
+    nccl_master_address: str = Field(
+        "127.0.0.1", description="an address of the learner's host that the servers can reach"
+    )
+    nccl_master_port: int = Field(0, ge=0, le=65535, description="0 = a free port")
+    sleep_while_training: Literal[1, 2] | None = Field(
+        None,
+        description="colocated mode: put the servers to sleep at this level while the learner "
+        "trains (frees their GPU memory), wake them for the weight sync and generation",
+    )
     embedded: EmbeddedServerConfig = Field(default_factory=EmbeddedServerConfig)
 
     @model_validator(mode="after")

@@ -46,8 +46,8 @@ def token_logprobs(
     float32 (float64 when the inputs are float64). Differentiable w.r.t. hidden and weight,
     through both outputs. `chunk_size` tokens are materialised at a time on the torch path.
 
-    `impl="auto"` takes the Triton kernels for CUDA tensors when triton imports (and the dtype
-    is not float64), else the torch path.
+    `impl="auto"` takes the Triton kernels for CUDA tensors when triton imports (unless the
+    dtype is float64 or a row of hidden is not a multiple of 16 bytes), else the torch path.
     """
     _check_inputs(hidden, weight, targets, temperature, chunk_size)
     if impl == "auto":
@@ -96,6 +96,8 @@ def _check_inputs(
 
 def _triton_usable(hidden: Tensor) -> bool:
     if not hidden.is_cuda or hidden.dtype == torch.float64:
+        return False
+    if hidden.shape[1] * hidden.element_size() % 16:  # bulk tensor copies need 16-byte rows
         return False
     try:
         import triton  # noqa: F401

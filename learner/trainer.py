@@ -35,7 +35,7 @@ from learner.loss import LossConfig, LossInputs, grpo_loss
 from learner.metrics import MetricsLogger
 from learner.policy import PolicyLogprobs
 from learner.rollouts import collect, collect_episodes
-from learner.sync import sync_weights
+from learner.sync import WeightSyncer
 from rewards.scoring import RewardRunner, RewardSpec
 from rollout_server.client import RolloutClient
 
@@ -202,8 +202,9 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 max_retries=cfg.rollout.max_retries,
             )
             loop.run(client.wait_ready(cfg.rollout.ready_timeout_s))
+            syncer = WeightSyncer(cfg.rollout, client, device=accelerator.device)
             if ckpt is not None:  # the servers must serve the checkpoint's weights, not the base
-                _sync(cfg, accelerator, loop, client, policy, run_dir, state)
+                _sync(accelerator, loop, syncer, policy, state)
             per_rank = cfg.grpo.prompts_per_step // world
             while state.step < cfg.run.steps:
                 t_step = time.perf_counter()
@@ -219,6 +220,9 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     step_rollouts = loop.run(collect(cfg, client, scorer, mine))
                 step_rollouts.metrics["data/position"] = float(stream.position)
                 step_rollouts.metrics["data/fingerprint"] = float(rows_fingerprint(rows))
+                sleep_level = cfg.rollout.sleep_while_training
+                if sleep_level and accelerator.is_main_process:
+                    loop.run(client.sleep(sleep_level))  # colocated: give the GPU to training
                 t0 = time.perf_counter()
                 train_metrics = _train_on(
                     cfg,
@@ -233,7 +237,11 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 scheduler.step()
                 t_train = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                _sync(cfg, accelerator, loop, client, policy, run_dir, state)
+                if sleep_level and accelerator.is_main_process:
+                    loop.run(client.wake_up(["weights"]))  # weights first, KV cache after the load
+                _sync(accelerator, loop, syncer, policy, state)
+                if sleep_level and accelerator.is_main_process:
+                    loop.run(client.wake_up(["kv_cache"]))
                 t_sync = time.perf_counter() - t0
                 state.step += 1
                 local = {
@@ -254,6 +262,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     metrics_log.log(state.step, last)
                 if state.step % cfg.run.checkpoint_every == 0 or state.step == cfg.run.steps:
                     save_checkpoint(accelerator, run_dir, state.step, cfg.run.keep_checkpoints)
+            syncer.close()
             loop.run(client.aclose())
     finally:
         loop.close()
@@ -268,14 +277,22 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     return last if accelerator.is_main_process else {}
 
 
-def _sync(cfg, accelerator, loop, client, policy, run_dir, state) -> None:  # type: ignore[no-untyped-def]
+def _sync(
+    accelerator: Accelerator,
+    loop: EventLoopThread,
+    syncer: WeightSyncer,
+    policy: torch.nn.Module,
+    state: TrainerState,
+) -> None:
     accelerator.wait_for_everyone()
     version = [state.weight_version]
-    if accelerator.is_main_process:
-        hf_model = accelerator.unwrap_model(policy).model
-        with torch.no_grad():
-            answers = loop.run(sync_weights(cfg.rollout, client, hf_model, run_dir))
-        version = [min(a.weight_version for a in answers)]
+    hf_model = accelerator.unwrap_model(policy).model
+    with torch.no_grad():
+        if accelerator.is_main_process:
+            answers = loop.run(syncer.push(hf_model))
+            version = [min(a.weight_version for a in answers)]
+        else:
+            syncer.follow(hf_model)
     broadcast_object_list(version, from_process=0)
     state.weight_version = int(version[0])
     accelerator.wait_for_everyone()  # no rank generates before every server has the new weights

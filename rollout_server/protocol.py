@@ -177,6 +177,9 @@ class NcclInitRequest(_Model):
     master_address: str
     master_port: int = Field(ge=1, le=65535)
     world_size: int = Field(ge=2)
+    rank_offset: int = Field(
+        1, ge=1, description="this server's first worker rank (1 + workers of earlier servers)"
+    )
     timeout_s: float = Field(300.0, gt=0)
 
 

@@ -14,8 +14,9 @@ once per (token block × vocab block) into a bounded bf16 workspace (~64 MB, `_b
 `_grad_logits_kernel` (recompute + softmax-grad epilogue), and consumed by two tensor-core
 products with fp32 accumulation:
 
-    grad_hidden[n] : fp32 [CN, H] block accumulator over all vocab blocks (`_mm_acc_kernel`),
-                     rounded to the output dtype once
+    grad_hidden[n] : fp32 [CN, H] block accumulator over all vocab blocks (cuBLAS addmm with
+                     an fp32 output where torch has it, else `_mm_acc_kernel`), rounded to the
+                     output dtype once
     grad_weight[v] : `addmm_` straight into the bf16 gradient (cuBLAS, fp32 accumulate inside),
                      one rounding per token block (a handful: CN is thousands of tokens)
 
@@ -47,24 +48,41 @@ def _configs(shapes, interpret_shape):
     return [triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in shapes]
 
 
+def _prune(configs, named_args, **kwargs):
+    """fp32 inputs (exact, no tensor cores) take twice the shared memory a tile: halve K."""
+    if not (kwargs.get("IEEE") or named_args.get("IEEE")) or _INTERPRET:
+        return configs
+    out = []
+    for c in configs:
+        kw = dict(c.kwargs, BLOCK_K=32)
+        out.append(triton.Config(kw, num_warps=c.num_warps, num_stages=2))
+    return out
+
+
+_PRUNE = {"early_config_prune": _prune}
+
+
 _FWD_CONFIGS = _configs(
     [
         ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, 8, 3),
+        ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, 8, 4),
         ({"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64}, 8, 3),
-        ({"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_K": 64}, 4, 4),
-        ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 128}, 8, 2),
+        ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 128}, 8, 3),
     ],
     {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16},
 )
 _MM_CONFIGS = _configs(
     [
-        ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP": 8}, 8, 3),
         ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP": 8}, 8, 3),
+        ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP": 8}, 8, 4),
         ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP": 8}, 4, 4),
-        ({"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP": 8}, 4, 4),
+        ({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP": 8}, 8, 3),
     ],
     {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP": 2},
 )
+_MASKED = tl.constexpr(
+    -1.0e30
+)  # logits of vocab columns past V: exp2 gives exactly 0, and 0 * -1e30 = 0
 
 
 @triton.jit
@@ -78,21 +96,19 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=["H", "V", "IEEE"])
+@triton.autotune(configs=_FWD_CONFIGS, key=["H", "V", "IEEE"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fwd_kernel(
-    h_ptr,  # [N, H]
-    w_ptr,  # [V, H]
+    h_ptr,  # [N, H] contiguous
+    w_ptr,  # [V, H] contiguous
     tgt_ptr,  # [N]
-    m_ptr,  # [S, N] running max (natural units)
-    s_ptr,  # [S, N] Σ exp(z - m)
-    t_ptr,  # [S, N] Σ exp(z - m) · z
-    tz_ptr,  # [S, N] target logit (0 in splits that do not hold the target)
+    m_ptr,  # [S, N] out: running max (natural units)
+    s_ptr,  # [S, N] out: Σ exp(z - m)
+    t_ptr,  # [S, N] out: Σ exp(z - m) · z
+    tz_ptr,  # [N]    out: target logit (written by split 0)
     N,
     V,
     H,
-    stride_h,
-    stride_w,
     v_per_split,  # vocab entries per split, a multiple of every BLOCK_V
     inv_t2,  # log2(e) / temperature: logits are kept in base 2 inside the loop
     IEEE: tl.constexpr,
@@ -102,47 +118,52 @@ def _fwd_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-    offs_k = tl.arange(0, BLOCK_K)
+    # Tensor descriptors: bulk (TMA) tile copies on Hopper; out-of-bounds rows/cols read as 0.
+    h_desc = tl.make_tensor_descriptor(h_ptr, [N, H], [H, 1], [BLOCK_N, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, [V, H], [H, 1], [BLOCK_V, BLOCK_K])
+    row0 = pid_n * BLOCK_N
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
-    tz = tl.zeros([BLOCK_N], tl.float32)
     v_start = pid_s * v_per_split
     v_end = tl.minimum(V, v_start + v_per_split)
     for v0 in range(v_start, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < V
         acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            kk = k0 + offs_k
-            k_ok = kk < H
-            a = tl.load(
-                h_ptr + rows[:, None] * stride_h + kk[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            b = tl.load(
-                w_ptr + cols[None, :] * stride_w + kk[:, None],
-                mask=col_ok[None, :] & k_ok[:, None],
-                other=0.0,
-            )
-            acc = _dot(a, b, acc, IEEE)
-        z2 = tl.where(col_ok[None, :], acc * inv_t2, float("-inf"))  # base-2 logits
+            acc = _dot(h_desc.load([row0, k0]), w_desc.load([v0, k0]).T, acc, IEEE)
+        z2 = acc * inv_t2  # base-2 logits
+        if v0 + BLOCK_V > V:
+            cols = v0 + tl.arange(0, BLOCK_V)
+            z2 = tl.where(cols[None, :] < V, z2, _MASKED)
         m_new = tl.maximum(m, tl.max(z2, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(z2 - m_new[:, None])
         s = s * alpha + tl.sum(p, 1)
-        t = t * alpha + tl.sum(tl.where(col_ok[None, :], p * z2, 0.0), 1)
-        tz += tl.sum(tl.where(cols[None, :] == tgt[:, None], z2, 0.0), 1)
+        t = t * alpha + tl.sum(p * z2, 1)
         m = m_new
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
     out = pid_s * N + rows
     tl.store(m_ptr + out, m * 0.6931471805599453, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
     tl.store(t_ptr + out, t * 0.6931471805599453, mask=row_ok)
-    tl.store(tz_ptr + out, tz * 0.6931471805599453, mask=row_ok)
+    if pid_s == 0:
+        # The target logit as a row-wise dot with the gathered weight row: cheaper than a
+        # compare-and-select over every logits tile.
+        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0)
+        offs_k = tl.arange(0, BLOCK_K)
+        tz = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + offs_k
+            k_ok = kk < H
+            a = h_desc.load([row0, k0]).to(tl.float32)
+            wt = tl.load(
+                w_ptr + tgt[:, None].to(tl.int64) * H + kk[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            tz += tl.sum(a * wt.to(tl.float32), 1)
+        tl.store(tz_ptr + rows, tz * (inv_t2 * 0.6931471805599453), mask=row_ok)
 
 
 @triton.jit
@@ -159,24 +180,24 @@ def _tile_ids(M, NC, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.con
     return pid_m, pid_n
 
 
-@triton.autotune(configs=_MM_CONFIGS, key=["H", "V_blk", "IEEE", "ENT_GRAD"])
+@triton.autotune(
+    configs=_MM_CONFIGS, key=["H", "V_blk", "IEEE", "ENT_GRAD"], prune_configs_by=_PRUNE
+)
 @triton.jit
 def _grad_logits_kernel(
-    h_ptr,  # [N_blk, H]  hidden rows of this token block
-    w_ptr,  # [V_blk, H]  weight rows of this vocab block
-    g_ptr,  # [N_blk, V_blk] out: ∂loss/∂logits (bf16)
+    h_ptr,  # [N_blk, H]  hidden rows of this token block (row stride H)
+    w_ptr,  # [V_blk, H]  weight rows of this vocab block (row stride H)
+    g_ptr,  # [N_blk, V_blk] out, row stride G_STRIDE: ∂loss/∂logits in the input dtype
     tgt_ptr,  # [N_blk] target ids, relative to this vocab block's first id
-    lse_ptr,  # [N_blk] log-sum-exp of z = logits / T
+    lse2_ptr,  # [N_blk] log-sum-exp of z = logits / T, in base 2
     ent_ptr,  # [N_blk] entropy
-    glp_ptr,  # [N_blk] ∂loss/∂logp
-    gent_ptr,  # [N_blk] ∂loss/∂entropy
+    glp_ptr,  # [N_blk] ∂loss/∂logp / T
+    gent_ptr,  # [N_blk] ∂loss/∂entropy / T
     N_blk,
     V_blk,
     H,
-    stride_h,
-    stride_w,
-    stride_g,
-    inv_t,
+    G_STRIDE,
+    inv_t2,  # log2(e) / T
     IEEE: tl.constexpr,
     ENT_GRAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -185,59 +206,51 @@ def _grad_logits_kernel(
     GROUP: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(N_blk, V_blk, BLOCK_M, BLOCK_N, GROUP)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N_blk
-    col_ok = cols < V_blk
-    offs_k = tl.arange(0, BLOCK_K)
+    h_desc = tl.make_tensor_descriptor(h_ptr, [N_blk, H], [H, 1], [BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, [V_blk, H], [H, 1], [BLOCK_N, BLOCK_K])
+    g_desc = tl.make_tensor_descriptor(g_ptr, [N_blk, V_blk], [G_STRIDE, 1], [BLOCK_M, BLOCK_N])
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        kk = k0 + offs_k
-        k_ok = kk < H
-        a = tl.load(
-            h_ptr + rows[:, None] * stride_h + kk[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            w_ptr + cols[None, :] * stride_w + kk[:, None],
-            mask=col_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )
-        acc = _dot(a, b, acc, IEEE)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        acc = _dot(h_desc.load([row0, k0]), w_desc.load([col0, k0]).T, acc, IEEE)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < N_blk
+    lse2 = tl.load(lse2_ptr + rows, mask=row_ok, other=0.0)
     glp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-    logp = acc * inv_t - lse[:, None]  # [BM, BN] log-softmax
-    p = tl.exp(logp)
+    # The epilogue is per-element work on the critical path: keep it to an FMA, an exp2 and a
+    # multiply (temperature and log2(e) are folded into the per-row factors).
+    logp2 = acc * inv_t2 - lse2[:, None]  # [BM, BN] log2-softmax
+    p = tl.exp2(logp2)
     g = -glp[:, None] * p
     if ENT_GRAD:
         ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
         gent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
-        g -= gent[:, None] * p * (logp + ent[:, None])
-    g += tl.where(cols[None, :] == tgt[:, None], glp[:, None], 0.0)
-    g = g * inv_t
-    tl.store(
-        g_ptr + rows[:, None] * stride_g + cols[None, :],
-        g.to(g_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & col_ok[None, :],
-    )
+        g -= gent[:, None] * p * (logp2 * 0.6931471805599453 + ent[:, None])
+    # The one-hot term: only ~1 tile in 5 holds any of its rows' targets.
+    hit = (tgt >= col0) & (tgt < col0 + BLOCK_N)
+    if tl.max(hit.to(tl.int32), 0) > 0:
+        cols = col0 + tl.arange(0, BLOCK_N)
+        g += tl.where(cols[None, :] == tgt[:, None], glp[:, None], 0.0)
+    g_desc.store([row0, col0], g.to(g_ptr.dtype.element_ty))
 
 
 @triton.autotune(
-    configs=_MM_CONFIGS, key=["M", "NC", "K", "IEEE", "ACCUMULATE"], restore_value=["c_ptr"]
+    configs=_MM_CONFIGS,
+    key=["M", "NC", "K", "IEEE", "ACCUMULATE"],
+    restore_value=["c_ptr"],
+    prune_configs_by=_PRUNE,
 )
 @triton.jit
 def _mm_acc_kernel(
-    a_ptr,  # [M, K]
-    b_ptr,  # [K, NC] row-major
-    c_ptr,  # [M, NC] fp32; c (+)= a @ b
+    a_ptr,  # [M, K], row stride A_STRIDE
+    b_ptr,  # [K, NC] contiguous
+    c_ptr,  # [M, NC] contiguous fp32; c (+)= a @ b
     M,
     NC,
     K,
-    stride_a,
-    stride_b,
-    stride_c,
+    A_STRIDE,
     IEEE: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -246,31 +259,17 @@ def _mm_acc_kernel(
     GROUP: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(M, NC, BLOCK_M, BLOCK_N, GROUP)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < NC
-    offs_k = tl.arange(0, BLOCK_K)
+    a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [A_STRIDE, 1], [BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, [K, NC], [NC, 1], [BLOCK_K, BLOCK_N])
+    c_desc = tl.make_tensor_descriptor(c_ptr, [M, NC], [NC, 1], [BLOCK_M, BLOCK_N])
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        k_ok = kk < K
-        a = tl.load(
-            a_ptr + rows[:, None] * stride_a + kk[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + kk[:, None] * stride_b + cols[None, :],
-            mask=k_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )
-        acc = _dot(a, b, acc, IEEE)
-    c_ptrs = c_ptr + rows[:, None] * stride_c + cols[None, :]
-    c_mask = row_ok[:, None] & col_ok[None, :]
+        acc = _dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc, IEEE)
     if ACCUMULATE:
-        acc += tl.load(c_ptrs, mask=c_mask, other=0.0)
-    tl.store(c_ptrs, acc, mask=c_mask)
+        acc += c_desc.load([row0, col0])
+    c_desc.store([row0, col0], acc)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -279,48 +278,72 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _set_allocator() -> None:
+    """Device-side tensor descriptors need a little global scratch memory from the caller."""
+
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    if hasattr(triton, "set_allocator") and not _INTERPRET:
+        triton.set_allocator(alloc)
+
+
 def _forward(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, temperature: float):
     """Returns (logp, lse, entropy), each fp32 [N]."""
+    _set_allocator()
     n, hd = h.shape
     v = w.shape[0]
     # Enough programs to fill the GPU ~4 times over: split the vocabulary when N is small.
-    n_tiles = triton.cdiv(n, 64)
+    n_tiles = triton.cdiv(n, 128)
     splits = max(1, min(triton.cdiv(4 * _num_sms(h.device), n_tiles), triton.cdiv(v, 4096)))
     v_per_split = triton.cdiv(triton.cdiv(v, splits), 256) * 256  # multiple of any BLOCK_V
     splits = triton.cdiv(v, v_per_split)
-    parts = torch.empty(4, splits, n, dtype=torch.float32, device=h.device)
-    m, s, t, tz = parts.unbind(0)
+    parts = torch.empty(3, splits, n, dtype=torch.float32, device=h.device)
+    m, s, t = parts.unbind(0)
+    tz = torch.empty(n, dtype=torch.float32, device=h.device)
 
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), splits)
 
     _fwd_kernel[grid](
-        h,
-        w,
-        targets,
-        m,
-        s,
-        t,
-        tz,
-        n,
-        v,
-        hd,
-        h.stride(0),
-        w.stride(0),
-        v_per_split,
-        LOG2E / temperature,
+        h, w, targets, m, s, t, tz, n, v, hd, v_per_split, LOG2E / temperature,
         IEEE=h.dtype == torch.float32,
-    )
+    )  # fmt: skip
     big_m = m.max(dim=0).values  # [N]
     scale = torch.exp(m - big_m)  # [S, N]
     total = (s * scale).sum(0)  # [N]
     lse = big_m + torch.log(total)
     mean_z = (t * scale).sum(0) / total  # E_p[z]
-    return tz.sum(0) - lse, lse, lse - mean_z
+    # The target logit comes from a separate dot product: clamp the rounding above 0.
+    return (tz - lse).clamp_max_(0.0), lse, lse - mean_z
 
 
 # Tests set this to (token block, vocab block) to exercise the multi-block paths at tiny sizes.
 FORCE_BLOCKING: tuple[int, int] | None = None
+# How grad_hidden's block product runs: "auto" takes cuBLAS (addmm with bf16 inputs and an fp32
+# output, torch >= 2.9 on CUDA) when it works here, else `_mm_acc_kernel`; "triton" forces it.
+DH_IMPL = "auto"
+_CUBLAS_OK: dict[tuple, bool] = {}
+
+
+def _cublas_fp32_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Probe once: does `addmm(c, a, b, out_dtype=float32, out=c)` accumulate correctly?"""
+    if DH_IMPL != "auto" or device.type != "cuda" or dtype == torch.float32:
+        return False
+    key = (device, dtype)
+    if key not in _CUBLAS_OK:
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            a = torch.randn(64, 128, device=device, dtype=dtype, generator=g)
+            b = torch.randn(128, 32, device=device, dtype=dtype, generator=g)
+            c = torch.ones(64, 32, device=device, dtype=torch.float32)
+            torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+            torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+            want = 1 + 2 * (a.double() @ b.double())
+            _CUBLAS_OK[key] = bool(((c - want).abs().max() / want.abs().max()) < 1e-3)
+        except (TypeError, RuntimeError):
+            _CUBLAS_OK[key] = False
+    return _CUBLAS_OK[key]
 
 
 def _blocking(n: int, v: int, hd: int, budget: int = 64 << 20) -> tuple[int, int]:
@@ -340,18 +363,22 @@ def _blocking(n: int, v: int, hd: int, budget: int = 64 << 20) -> tuple[int, int
 
 
 def _backward(h, w, targets, lse, ent, g_logp, g_ent, temperature, need_h, need_w):
+    _set_allocator()
     n, hd = h.shape
     v = w.shape[0]
     cn, cv = _blocking(n, v, hd)
     ieee = h.dtype == torch.float32
     grad_h = torch.empty_like(h) if need_h else None
     grad_w = torch.empty_like(w) if need_w else None
-    g_buf = torch.empty(cn * cv, dtype=h.dtype, device=h.device)
-    dh_acc = torch.empty(cn, hd, dtype=torch.float32, device=h.device) if need_h else None
-    glp = g_logp.float().contiguous() if g_logp is not None else torch.zeros_like(lse)
-    ent_grad = g_ent is not None
-    gent = g_ent.float().contiguous() if ent_grad else lse
+    # G blocks keep the row stride cv (a multiple of 16 bytes, as bulk copies require).
+    g_buf = torch.empty(min(cn, n) * cv, dtype=h.dtype, device=h.device)
+    dh_acc = torch.empty(min(cn, n), hd, dtype=torch.float32, device=h.device) if need_h else None
     inv_t = 1.0 / temperature
+    glp = g_logp.float() * inv_t if g_logp is not None else torch.zeros_like(lse)
+    ent_grad = g_ent is not None
+    gent = g_ent.float() * inv_t if ent_grad else lse
+    lse2 = lse * LOG2E
+    dh_cublas = need_h and _cublas_fp32_addmm_works(h.device, h.dtype)
     for n0 in range(0, n, cn):
         n1 = min(n0 + cn, n)
         nb = n1 - n0
@@ -359,55 +386,37 @@ def _backward(h, w, targets, lse, ent, g_logp, g_ent, temperature, need_h, need_
         for v0 in range(0, v, cv):
             v1 = min(v0 + cv, v)
             vb = v1 - v0
-            g = g_buf[: nb * vb].view(nb, vb)  # [CN, CV]
+            g = g_buf[: nb * cv].view(nb, cv)[:, :vb]  # [CN, CV]
             w_blk = w[v0:v1]
 
             def grid(meta, nb=nb, vb=vb):
                 return (triton.cdiv(nb, meta["BLOCK_M"]) * triton.cdiv(vb, meta["BLOCK_N"]),)
 
             _grad_logits_kernel[grid](
-                h_blk,
-                w_blk,
-                g,
-                targets[n0:n1] - v0,
-                lse[n0:n1],
-                ent[n0:n1] if ent_grad else lse[n0:n1],
-                glp[n0:n1],
-                gent[n0:n1],
-                nb,
-                vb,
-                hd,
-                h.stride(0),
-                w.stride(0),
-                g.stride(0),
-                inv_t,
-                IEEE=ieee,
-                ENT_GRAD=ent_grad,
-            )
-            if need_w:
+                h_blk, w_blk, g, targets[n0:n1] - v0, lse2[n0:n1],
+                ent[n0:n1] if ent_grad else lse[n0:n1], glp[n0:n1], gent[n0:n1],
+                nb, vb, hd, cv, LOG2E * inv_t, IEEE=ieee, ENT_GRAD=ent_grad,
+            )  # fmt: skip
+            if need_w:  # cuBLAS, fp32 accumulation, one bf16 rounding per token block
                 if n0 == 0:
                     torch.mm(g.T, h_blk, out=grad_w[v0:v1])
                 else:
                     grad_w[v0:v1].addmm_(g.T, h_blk)
             if need_h:
                 acc = dh_acc[:nb]
+                if dh_cublas:
+                    if v0 == 0:
+                        torch.mm(g, w_blk, out_dtype=torch.float32, out=acc)
+                    else:
+                        torch.addmm(acc, g, w_blk, out_dtype=torch.float32, out=acc)
+                    continue
 
                 def grid_h(meta, nb=nb):
                     return (triton.cdiv(nb, meta["BLOCK_M"]) * triton.cdiv(hd, meta["BLOCK_N"]),)
 
                 _mm_acc_kernel[grid_h](
-                    g,
-                    w_blk,
-                    acc,
-                    nb,
-                    hd,
-                    vb,
-                    g.stride(0),
-                    w.stride(0),
-                    acc.stride(0),
-                    IEEE=ieee,
-                    ACCUMULATE=v0 > 0,
-                )
+                    g, w_blk, acc, nb, hd, vb, cv, IEEE=ieee, ACCUMULATE=v0 > 0
+                )  # fmt: skip
         if need_h:
             grad_h[n0:n1] = dh_acc[:nb]
     return grad_h, grad_w
@@ -453,6 +462,11 @@ def triton_token_logprobs(
         raise ValueError(
             f"the Triton path takes bf16/fp16/fp32 hidden states, got {hidden.dtype}; use "
             "impl='torch' for float64"
+        )
+    if hidden.shape[1] * hidden.element_size() % 16:
+        raise ValueError(
+            f"the Triton path needs rows of a multiple of 16 bytes (bulk tensor copies); hidden "
+            f"size {hidden.shape[1]} in {hidden.dtype} is not: use impl='torch'"
         )
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")

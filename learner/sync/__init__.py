@@ -6,18 +6,20 @@
   (``learner.sync.nccl``, GPU only).
 
 Every transport is atomic on the server side: the version moves only once every tensor loaded.
-Only the main process talks to the servers; under ZeRO-3 every rank takes part in the gathers.
+Only the main process talks to the servers. Under ZeRO-3 every rank takes part in the parameter
+gathers (bucket by bucket, ``learner.sync.zero3``): the other ranks run the same gathers and
+drop the tensors, so the whole model is never gathered at once on any rank.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
+
+from learner.sync.zero3 import iter_gathered_params, param_specs
 
 if TYPE_CHECKING:
     from learner.config import RolloutConfig
@@ -25,29 +27,66 @@ if TYPE_CHECKING:
     from rollout_server.protocol import WeightUpdateResponse
 
 
-def named_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The HF model's parameters under the names its ``from_pretrained`` checkpoint uses."""
-    for name, p in model.named_parameters():
-        yield name, p.detach()
+class WeightSyncer:
+    """Pushes the policy's weights to every server with the configured transport."""
 
+    def __init__(self, cfg: RolloutConfig, client: RolloutClient, *, device: Any = None) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.device = device
+        self._nccl: Any = None
+        self._server_dtype: str | None = None
 
-async def sync_weights(
-    cfg: RolloutConfig, client: RolloutClient, model: nn.Module, run_dir: Path
-) -> list[WeightUpdateResponse]:
-    """Push ``model``'s weights to every server (main process only, no ZeRO-3 partitioning)."""
-    if cfg.sync == "http":
-        return await client.update_weights(named_weights(model), bucket_bytes=cfg.bucket_mb << 20)
-    if cfg.sync == "file":
-        from safetensors.torch import save_file
+    async def _nccl_sender(self) -> Any:
+        if self._nccl is None:
+            from learner.embedded import free_port
+            from learner.sync.nccl import NcclWeightSender
 
-        assert cfg.sync_dir is not None  # the config validator guarantees it
-        sync_dir = Path(cfg.sync_dir)
-        sync_dir.mkdir(parents=True, exist_ok=True)
-        final = sync_dir / "weights.safetensors"
-        tmp = sync_dir / f".weights.{os.getpid()}.tmp"
-        save_file({n: t.contiguous().cpu() for n, t in named_weights(model)}, str(tmp))
-        tmp.replace(final)
-        return await client.load_weights_file(str(final.resolve()))
-    raise ValueError(
-        f"rollout.sync = {cfg.sync!r} needs the GPU path (learner.sync.nccl); use 'http' or 'file'"
-    )
+            infos = await self.client.info()
+            self._server_dtype = infos[0].dtype
+            sender = NcclWeightSender()
+            await sender.init(
+                self.client,
+                master_address=self.cfg.nccl_master_address,
+                master_port=self.cfg.nccl_master_port or free_port(),
+                device=self.device,
+            )
+            self._nccl = sender
+        return self._nccl
+
+    async def push(self, model: nn.Module) -> list[WeightUpdateResponse]:
+        """Main process only. ``model`` is the HF model (under ZeRO-3: still partitioned)."""
+        cfg = self.cfg
+        bucket_bytes = cfg.bucket_mb << 20
+        if cfg.sync == "http":
+            return await self.client.update_weights(
+                iter_gathered_params(model), bucket_bytes=bucket_bytes
+            )
+        if cfg.sync == "file":
+            from safetensors.torch import save_file
+
+            assert cfg.sync_dir is not None  # the config validator guarantees it
+            sync_dir = Path(cfg.sync_dir)
+            sync_dir.mkdir(parents=True, exist_ok=True)
+            final = sync_dir / "weights.safetensors"
+            tmp = sync_dir / f".weights.{os.getpid()}.tmp"
+            tensors = {n: t.contiguous().cpu() for n, t in iter_gathered_params(model)}
+            save_file(tensors, str(tmp))
+            tmp.replace(final)  # the server never sees a half-written file
+            return await self.client.load_weights_file(str(final.resolve()))
+        sender = await self._nccl_sender()
+        return await sender.send(
+            param_specs(model, dtype=self._server_dtype),
+            iter_gathered_params(model),
+            bucket_bytes=bucket_bytes,
+        )
+
+    def follow(self, model: nn.Module) -> None:
+        """Non-main ranks: run the same ZeRO-3 gathers as the main process (no-op otherwise)."""
+        for _ in iter_gathered_params(model):
+            pass
+
+    def close(self) -> None:
+        if self._nccl is not None:
+            self._nccl.close()
+            self._nccl = None

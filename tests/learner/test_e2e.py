@@ -243,3 +243,29 @@ def test_environment_config_runs_multi_turn_episodes(tmp_path):
         assert 1.0 <= r["episode/turns_mean"] <= 3.0
         # every episode's sampled tokens were trained on; tool/template tokens were not
         assert r["tokens/trained"] == r["tokens/generated"] > 0
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_colocated_mode_sleeps_the_server_while_training(tmp_path, level):
+    run_dir = tmp_path / f"colocated{level}"
+    proc = subprocess.run(
+        _learner(
+            run_dir,
+            "--set",
+            "run.steps=3",
+            "--set",
+            "run.progress_bar=false",
+            "--set",
+            f"rollout.sleep_while_training={level}",
+        ),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(run_dir)
+    # every step generated with the weights synced after the previous step, even after level 2
+    assert [r["weight_version/min"] for r in records] == [0.0, 1.0, 2.0]
+    log = (run_dir / "rollout_server.log").read_text()
+    assert log.count("POST /sleep") == 3 and log.count("POST /wake_up") == 6

@@ -137,13 +137,24 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize(
-    ("dtype", "blockings"),
-    [(torch.bfloat16, [None, (512, 4096)]), (torch.float32, [(512, 4096)])],
+    ("dtype", "blockings", "dh_impl"),
+    [
+        (torch.bfloat16, [None, (512, 4096)], "auto"),
+        (torch.bfloat16, [(512, 4096)], "triton"),
+        (torch.float32, [(512, 4096)], "auto"),
+    ],
 )
-def test_triton_kernels_on_gpu(dtype, blockings):
+def test_triton_kernels_on_gpu(dtype, blockings, dh_impl):
     # Odd sizes (no multiple of any tile); the (512, 4096) blocking forces several token and
-    # vocab blocks (the addmm_ accumulation of grad_weight, the fp32 grad_hidden accumulator).
-    _assert_all(run_checks("cuda", dtype, 2000, 520, 50_001, blockings))
+    # vocab blocks (the addmm_ accumulation of grad_weight, the fp32 grad_hidden accumulator,
+    # by cuBLAS where this torch can and by the Triton kernel).
+    from learner.kernels import triton_logprobs as tk
+
+    tk.DH_IMPL = dh_impl
+    try:
+        _assert_all(run_checks("cuda", dtype, 2000, 520, 50_001, blockings))
+    finally:
+        tk.DH_IMPL = "auto"
 
 
 @pytest.mark.gpu
