@@ -6,8 +6,8 @@
 Variants, all computing the same DAPO loss (beta 0.04 with reference log-probs, clip
 0.2/0.28, temperature 0.9) and gradients w.r.t. hidden states and LM-head weight:
 
-- full:  logits = hidden @ W.T materialised in bf16, divided by T, log-softmax per sequence
-         and gather (TRL's `selective_log_softmax` for bf16), entropy under no_grad (metric).
+- full:  logits = hidden @ W.T materialised in bf16, divided by T, log-softmax (bf16) and
+         gather, entropy from it under no_grad (a metric, as TRL logs it).
 - liger: liger-kernel 0.8.5 `LigerFusedLinearGRPOLoss` (defaults: compiled, chunk_size=1).
 - ours:  `token_logprobs(impl="triton")` + `grpo_loss`.
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -50,18 +51,15 @@ def make_inputs(b, t, hd, seed=0):
 def run_full(h, w, ids, old, ref, adv, mask):
     from learner.loss import LossConfig, LossInputs, grpo_loss
 
-    logits = (h @ w.T) / TEMP  # [B, T, V] bf16
-    logp = torch.stack(
-        [
-            torch.log_softmax(row, -1).gather(-1, i[:, None]).squeeze(-1)
-            for row, i in zip(logits, ids, strict=True)
-        ]
-    )
-    with torch.no_grad():  # entropy as a metric, a sequence at a time (TRL computes it so)
-        ent = torch.stack(
-            [-(r.float().softmax(-1) * r.float().log_softmax(-1)).sum(-1) for r in logits]
-        )
-    inputs = LossInputs(logp.float(), old, adv, mask, ref_logprobs=ref, entropy=ent)
+    logits = h @ w.T  # [B, T, V] bf16, materialised
+    logits.div_(TEMP)
+    lp = torch.log_softmax(logits, -1)  # [B, T, V] bf16
+    del logits
+    logp = lp.gather(-1, ids[..., None]).squeeze(-1).float()
+    with torch.no_grad():  # entropy as a metric, 4096 tokens at a time
+        flat = lp.view(-1, lp.shape[-1])
+        ent = torch.cat([-(c.float().exp() * c.float()).sum(-1) for c in flat.split(4096)])
+    inputs = LossInputs(logp, old, adv, mask, ref_logprobs=ref, entropy=ent.view(logp.shape))
     loss, _ = grpo_loss(inputs, LossConfig(beta=0.04))
     loss.backward()
 
@@ -169,10 +167,20 @@ def breakdown(hd, b, t):
         ),
         "cuBLAS h @ W.T (bf16 out)": ev(lambda: h2 @ w.T),
     }
+    tk.DH_IMPL = "triton"
+    rows["backward, grad_hidden by Triton"] = ev(
+        lambda: tk._backward(h2, w, ids2, lse, ent, g_lp, None, TEMP, True, True)
+    )
+    tk.DH_IMPL = "auto"
+    print(
+        f"cuBLAS fp32-output addmm for grad_hidden: {tk._cublas_fp32_addmm_works(w.device, w.dtype)}"
+    )
     print(f"breakdown H={hd} N={n} (one N·H·V product = {flop / 1e12:.2f} TFLOP)")
     for k, ms in rows.items():
-        print(f"  {k:<28}{ms:9.2f} ms")
+        print(f"  {k:<32}{ms:9.2f} ms  ({flop / ms / 1e9:6.0f} TFLOP/s per product)")
     print(f"  blocking (CN, CV) = {tk._blocking(n, VOCAB, hd)}")
+    for kern in (tk._fwd_kernel, tk._grad_logits_kernel, tk._mm_acc_kernel):
+        print(f"  {kern.fn.__name__}: {getattr(kern, 'best_config', None)}")
     return rows
 
 
@@ -235,9 +243,12 @@ def main():
             for name in args.variants:
                 inputs = make_inputs(b, t, hd)
                 iters = args.iters if name != "liger" else max(2, args.iters // 3)
+                if name == "liger":  # compile each shape afresh: torch 2.11's dynamic-shape
+                    torch._dynamo.reset()  # recompile of Liger's loss fails on the second shape
                 try:
                     ms, gb = measure(VARIANTS[name], inputs, iters)
-                except torch.OutOfMemoryError:
+                except Exception as e:  # one failing variant must not end the run
+                    print(f"{head} {name} N={n} failed: {type(e).__name__}: {str(e)[:200]}")
                     ms, gb = float("nan"), float("nan")
                 del inputs
                 torch.cuda.empty_cache()
@@ -252,6 +263,7 @@ def main():
     args.out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "matmul_tflops": tflops}
     meta |= {"torch": torch.__version__, "temperature": TEMP, "results": results}
+    meta["persistent_grad_kernel"] = os.environ.get("GRPO_TRITON_PERSISTENT", "1") != "0"
     (args.out_dir / "loss_gpu.json").write_text(json.dumps(meta, indent=2) + "\n")
     plot(results, args.out_dir / "loss_gpu.png")
     print("\n| head | variant | tokens | median ms | peak extra GB |")

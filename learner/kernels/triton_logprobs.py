@@ -167,9 +167,8 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _tile_ids(M, NC, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+def _tile_ids(pid, M, NC, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """Grouped tile order: GROUP row-tiles share column tiles while they sit in L2."""
-    pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(NC, BLOCK_N)
     per_group = GROUP * num_n
@@ -198,6 +197,7 @@ def _grad_logits_kernel(
     H,
     G_STRIDE,
     inv_t2,  # log2(e) / T
+    NUM_PROGS,  # programs launched (grid size)
     IEEE: tl.constexpr,
     ENT_GRAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -205,35 +205,39 @@ def _grad_logits_kernel(
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(N_blk, V_blk, BLOCK_M, BLOCK_N, GROUP)
     h_desc = tl.make_tensor_descriptor(h_ptr, [N_blk, H], [H, 1], [BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, [V_blk, H], [H, 1], [BLOCK_N, BLOCK_K])
     g_desc = tl.make_tensor_descriptor(g_ptr, [N_blk, V_blk], [G_STRIDE, 1], [BLOCK_M, BLOCK_N])
-    row0 = pid_m * BLOCK_M
-    col0 = pid_n * BLOCK_N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        acc = _dot(h_desc.load([row0, k0]), w_desc.load([col0, k0]).T, acc, IEEE)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < N_blk
-    lse2 = tl.load(lse2_ptr + rows, mask=row_ok, other=0.0)
-    glp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
-    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-    # The epilogue is per-element work on the critical path: keep it to an FMA, an exp2 and a
-    # multiply (temperature and log2(e) are folded into the per-row factors).
-    logp2 = acc * inv_t2 - lse2[:, None]  # [BM, BN] log2-softmax
-    p = tl.exp2(logp2)
-    g = -glp[:, None] * p
-    if ENT_GRAD:
-        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
-        gent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
-        g -= gent[:, None] * p * (logp2 * 0.6931471805599453 + ent[:, None])
-    # The one-hot term: only ~1 tile in 5 holds any of its rows' targets.
-    hit = (tgt >= col0) & (tgt < col0 + BLOCK_N)
-    if tl.max(hit.to(tl.int32), 0) > 0:
-        cols = col0 + tl.arange(0, BLOCK_N)
-        g += tl.where(cols[None, :] == tgt[:, None], glp[:, None], 0.0)
-    g_desc.store([row0, col0], g.to(g_ptr.dtype.element_ty))
+    num_tiles = tl.cdiv(N_blk, BLOCK_M) * tl.cdiv(V_blk, BLOCK_N)
+    # Persistent when NUM_PROGS < num_tiles: a program's bulk store of one G tile overlaps the
+    # loads and products of its next tile instead of idling the SM at the end of each tile.
+    for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
+        pid_m, pid_n = _tile_ids(tile, N_blk, V_blk, BLOCK_M, BLOCK_N, GROUP)
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            acc = _dot(h_desc.load([row0, k0]), w_desc.load([col0, k0]).T, acc, IEEE)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < N_blk
+        lse2 = tl.load(lse2_ptr + rows, mask=row_ok, other=0.0)
+        glp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
+        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+        # The epilogue is per-element work on the critical path: keep it to an FMA, an exp2 and a
+        # multiply (temperature and log2(e) are folded into the per-row factors).
+        logp2 = acc * inv_t2 - lse2[:, None]  # [BM, BN] log2-softmax
+        p = tl.exp2(logp2)
+        g = -glp[:, None] * p
+        if ENT_GRAD:
+            ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+            gent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
+            g -= gent[:, None] * p * (logp2 * 0.6931471805599453 + ent[:, None])
+        # The one-hot term: only ~1 tile in 5 holds any of its rows' targets.
+        hit = (tgt >= col0) & (tgt < col0 + BLOCK_N)
+        if tl.max(hit.to(tl.int32), 0) > 0:
+            cols = col0 + tl.arange(0, BLOCK_N)
+            g += tl.where(cols[None, :] == tgt[:, None], glp[:, None], 0.0)
+        g_desc.store([row0, col0], g.to(g_ptr.dtype.element_ty))
 
 
 @triton.autotune(
@@ -258,7 +262,7 @@ def _mm_acc_kernel(
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(M, NC, BLOCK_M, BLOCK_N, GROUP)
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, NC, BLOCK_M, BLOCK_N, GROUP)
     a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [A_STRIDE, 1], [BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(b_ptr, [K, NC], [NC, 1], [BLOCK_K, BLOCK_N])
     c_desc = tl.make_tensor_descriptor(c_ptr, [M, NC], [NC, 1], [BLOCK_M, BLOCK_N])
@@ -379,6 +383,8 @@ def _backward(h, w, targets, lse, ent, g_logp, g_ent, temperature, need_h, need_
     gent = g_ent.float() * inv_t if ent_grad else lse
     lse2 = lse * LOG2E
     dh_cublas = need_h and _cublas_fp32_addmm_works(h.device, h.dtype)
+    # Persistent G kernel (one program per SM) unless GRPO_TRITON_PERSISTENT=0.
+    progs = _num_sms(h.device) if os.environ.get("GRPO_TRITON_PERSISTENT", "1") != "0" else 0
     for n0 in range(0, n, cn):
         n1 = min(n0 + cn, n)
         nb = n1 - n0
@@ -390,12 +396,13 @@ def _backward(h, w, targets, lse, ent, g_logp, g_ent, temperature, need_h, need_
             w_blk = w[v0:v1]
 
             def grid(meta, nb=nb, vb=vb):
-                return (triton.cdiv(nb, meta["BLOCK_M"]) * triton.cdiv(vb, meta["BLOCK_N"]),)
+                tiles = triton.cdiv(nb, meta["BLOCK_M"]) * triton.cdiv(vb, meta["BLOCK_N"])
+                return (min(tiles, progs) if progs else tiles,)
 
             _grad_logits_kernel[grid](
                 h_blk, w_blk, g, targets[n0:n1] - v0, lse2[n0:n1],
                 ent[n0:n1] if ent_grad else lse[n0:n1], glp[n0:n1], gent[n0:n1],
-                nb, vb, hd, cv, LOG2E * inv_t, IEEE=ieee, ENT_GRAD=ent_grad,
+                nb, vb, hd, cv, LOG2E * inv_t, progs or (1 << 30), IEEE=ieee, ENT_GRAD=ent_grad,
             )  # fmt: skip
             if need_w:  # cuBLAS, fp32 accumulation, one bf16 rounding per token block
                 if n0 == 0:
