@@ -17,6 +17,13 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class LoraConfig(_Section):
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | str = "all-linear"
+
+
 class ModelConfig(_Section):
     name_or_path: str = Field(
         "tiny",
@@ -26,8 +33,15 @@ class ModelConfig(_Section):
     tiny: dict[str, int] = Field(
         default_factory=dict, description="overrides for the tiny model (hidden_size, layers…)"
     )
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(True, description="recompute activations in backward")
+    activation_offloading: bool = Field(
+        False, description="park saved activations in pinned CPU memory (side-stream copies)"
+    )
+    lora: LoraConfig | None = Field(None, description="train PEFT LoRA adapters only")
     trust_remote_code: bool = False
+    attn_implementation: str | None = Field(
+        None, description="e.g. 'flash_attention_2', 'sdpa'; None = transformers' default"
+    )
 
 
 class DataConfig(_Section):
@@ -60,6 +74,12 @@ class RolloutConfig(_Section):
         "127.0.0.1", description="an address of the learner's host that the servers can reach"
     )
     nccl_master_port: int = Field(0, ge=0, le=65535, description="0 = a free port")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="overlap: generate up to this many steps ahead with older weights "
+        "(0 = synchronous); samples are importance-weighted for the lag",
+    )
     sleep_while_training: Literal[1, 2] | None = Field(
         None,
         description="colocated mode: put the servers to sleep at this level while the learner "
@@ -68,9 +88,14 @@ class RolloutConfig(_Section):
     embedded: EmbeddedServerConfig = Field(default_factory=EmbeddedServerConfig)
 
     @model_validator(mode="after")
-    def _file_sync_needs_dir(self) -> RolloutConfig:
+    def _check(self) -> RolloutConfig:
         if self.sync == "file" and not self.sync_dir:
             raise ValueError("rollout.sync = 'file' needs rollout.sync_dir (a shared directory)")
+        if self.max_staleness and self.sleep_while_training:
+            raise ValueError(
+                "rollout.max_staleness > 0 overlaps generation with training, which a server "
+                "asleep during training cannot do: unset one of them"
+            )
         return self
 
 
@@ -123,6 +148,17 @@ class GRPOConfig(_Section):
     tis_cap: float | None = Field(2.0, description="truncated IS cap; none disables")
     entropy_coef: float = 0.0
     logprob_chunk_size: int = Field(1024, ge=1)
+    packing: bool = Field(False, description="padding-free micro-batches (best-fit packing)")
+    max_tokens_per_micro_batch: int = Field(4096, ge=1, description="packing token budget")
+    pad_to_multiple_of: int = Field(1, ge=1)
+    mask_truncated_completions: bool = Field(
+        False, description="completions cut at max_tokens get no loss (DAPO overlong filter)"
+    )
+    max_prompt_tokens: int | None = Field(None, ge=1, description="longer prompts are cut")
+    overlong_prompts: Literal["truncate_left", "mask"] = Field(
+        "truncate_left",
+        description="truncate_left: keep the prompt's end; mask: also exclude from the loss",
+    )
 
 
 class OptimConfig(_Section):
@@ -142,6 +178,9 @@ class RunConfig(_Section):
     keep_checkpoints: int = Field(2, ge=1)
     tensorboard: bool = True
     progress_bar: bool = True
+    peak_tflops: float | None = Field(
+        None, description="for MFU; default: known GPUs' dense bf16 peak, none on CPU"
+    )
 
 
 class LearnerConfig(_Section):

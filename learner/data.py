@@ -71,6 +71,7 @@ class PromptStream:
         self.seed = seed
         self.shuffle = shuffle
         self.position = 0
+        self.pending = 0  # rows taken for generations not trained on yet (overlap)
         self._order_epoch = -1
         self._order: list[int] = []
 
@@ -95,7 +96,8 @@ class PromptStream:
         return out
 
     def state_dict(self) -> dict[str, int]:
-        return {"position": self.position, "seed": self.seed}
+        # Rows prefetched for generation but not trained on are replayed after a resume.
+        return {"position": self.position - self.pending, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("seed", self.seed) != self.seed:
@@ -103,3 +105,4 @@ class PromptStream:
                 f"checkpoint was made with data.seed={state['seed']}, config has {self.seed}"
             )
         self.position = int(state["position"])
+        self.pending = 0

@@ -1,17 +1,22 @@
 """The policy's forward for GRPO: per-token log-probs through a chunked LM head.
 
-``PolicyLogprobs`` wraps a Hugging Face causal LM. Its ``forward`` runs the decoder to hidden states
-and then computes log-probs of the target tokens directly from hidden states and the LM-head weight
-(``learner.logprobs.token_logprobs``), only at loss positions, chunk by chunk: the
-``[tokens, vocab]`` logits never exist.
+``PolicyLogprobs`` wraps a Hugging Face causal LM (optionally a PEFT LoRA model). Its ``forward``
+runs the decoder to hidden states and then computes log-probs of the target tokens directly from
+hidden states and the LM-head weight (``learner.logprobs.token_logprobs``), only at loss
+positions, chunk by chunk: the ``[tokens, vocab]`` logits never exist.
 
 Why a wrapper module and not a function on the unwrapped model: under DeepSpeed ZeRO-3 the LM-head
 weight is partitioned. It is registered as an *external parameter* of this module, so DeepSpeed
 gathers it for this module's forward and reduce-scatters its gradient in backward; a loss called on
 the unwrapped model would silently see an empty shard or skip the gradient all-reduce.
+
+With LoRA, ``reference=True`` runs the same model with its adapters disabled: the KL reference
+costs no second copy of the weights.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -21,6 +26,10 @@ from learner.logprobs import token_logprobs
 
 def _is_zero3(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
+
+
+def is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
 class PolicyLogprobs(nn.Module):
@@ -40,28 +49,30 @@ class PolicyLogprobs(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T]
-        attention_mask: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor,  # [B, T] padding mask, or [B, 1, T, T] bool (packed rows)
         loss_mask: torch.Tensor,  # [B, T-1]
+        position_ids: torch.Tensor | None = None,  # [B, T], restarting per packed sequence
         with_entropy: bool = False,
+        reference: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropies) of tokens ``1..T-1``, as ``[B, T-1]`` fp32, zero off-mask."""
-        decoder = self.model.get_decoder()
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        hidden = hidden[:, :-1]  # [B, T-1, H]: position t predicts token t+1
-        targets = input_ids[:, 1:]  # [B, T-1]
-        sel = loss_mask.bool()
-        weight = self.model.get_output_embeddings().weight  # [V, H]
-        lp, ent = token_logprobs(
-            hidden[sel],  # [N, H]
-            weight,
-            targets[sel],  # [N]
-            temperature=self.temperature,
-            chunk_size=self.chunk_size,
-            with_entropy=with_entropy,
-        )
-        out = hidden.new_zeros(targets.shape, dtype=torch.float32)
-        out = out.masked_scatter(sel, lp)
-        ent_out = None
-        if ent is not None:
-            ent_out = hidden.new_zeros(targets.shape, dtype=torch.float32).masked_scatter(sel, ent)
-        return out, ent_out
+        """Log-probs (and entropies) of the targets at ``loss_mask``, flat ``[N]`` fp32 in
+        row-major order of the mask."""
+        if reference and not is_peft(self.model):
+            raise ValueError("reference=True needs a PEFT model (adapters disabled = reference)")
+        ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
+        with ctx:
+            decoder = self.model.get_decoder()
+            hidden = decoder(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+            ).last_hidden_state
+            hidden = hidden[:, :-1]  # [B, T-1, H]: position t predicts token t+1
+            sel = loss_mask.bool()
+            weight = self.model.get_output_embeddings().weight  # [V, H]
+            return token_logprobs(
+                hidden[sel],  # [N, H]
+                weight,
+                input_ids[:, 1:][sel],  # [N]
+                temperature=self.temperature,
+                chunk_size=self.chunk_size,
+                with_entropy=with_entropy,
+            )

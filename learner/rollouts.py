@@ -6,6 +6,7 @@ advantages need the whole group, which always lives on one rank.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,32 +47,69 @@ def generate_request(cfg: LearnerConfig, prompts: list[Any]) -> GenerateRequest:
     )
 
 
+def truncate_prompts(
+    prompts: list[Any], tokenizer: Any, max_tokens: int, chat_template_kwargs: dict[str, Any]
+) -> tuple[list[list[int]], list[bool]]:
+    """Token ids of each prompt (chat template applied), cut to the last ``max_tokens``."""
+    out, overlong = [], []
+    for p in prompts:
+        text = (
+            tokenizer.apply_chat_template(
+                p, tokenize=False, add_generation_prompt=True, **chat_template_kwargs
+            )
+            if isinstance(p, list)
+            else p
+        )
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        overlong.append(len(ids) > max_tokens)
+        out.append(ids[-max_tokens:])
+    return out, overlong
+
+
 async def collect(
     cfg: LearnerConfig,
     client: RolloutClient,
     scorer: RewardRunner,
     rows: list[dict[str, Any]],
+    *,
+    tokenizer: Any = None,
 ) -> StepRollouts:
     """Generate, score and attach group-relative advantages for ``rows`` (this rank's prompts)."""
+    assert cfg.data is not None
     g = cfg.sampling.num_generations
     prompt_col = cfg.data.prompt_column
+    prompts_in: list[Any] = [r[prompt_col] for r in rows]
+    overlong = [False] * len(rows)
+    if cfg.grpo.max_prompt_tokens:
+        if tokenizer is None:
+            raise ValueError("grpo.max_prompt_tokens needs the tokenizer to count prompt tokens")
+        prompts_in, overlong = await asyncio.to_thread(
+            truncate_prompts,
+            prompts_in,
+            tokenizer,
+            cfg.grpo.max_prompt_tokens,
+            cfg.sampling.chat_template_kwargs,
+        )
     t0 = time.perf_counter()
-    resp = await client.generate(generate_request(cfg, [r[prompt_col] for r in rows]))
+    resp = await client.generate(generate_request(cfg, prompts_in))
     t_gen = time.perf_counter() - t0
+    mask_prompt = cfg.grpo.overlong_prompts == "mask"
+    mask_cut = cfg.grpo.mask_truncated_completions
 
     rollouts: list[Rollout] = []
     prompts, completions, finish = [], [], []
     columns: dict[str, list[Any]] = {k: [] for k in rows[0] if k != prompt_col}
-    for row, result in zip(rows, resp.results, strict=True):
+    for row, result, too_long in zip(rows, resp.results, overlong, strict=True):
         if len(result.samples) != g:
             raise RuntimeError(f"server returned {len(result.samples)} samples, asked for {g}")
         for s in result.samples:
+            excluded = (mask_prompt and too_long) or (mask_cut and s.finish_reason == "length")
             rollouts.append(
                 Rollout(
                     prompt_ids=result.prompt_token_ids,
                     completion_ids=s.token_ids,
                     sampling_logprobs=s.logprobs,
-                    completion_mask=[1] * len(s.token_ids),
+                    completion_mask=[0 if excluded else 1] * len(s.token_ids),
                     weight_version=s.weight_version,
                 )
             )
@@ -87,6 +125,9 @@ async def collect(
     metrics = {
         **scored.metrics,
         "completion/truncated_frac": sum(f == "length" for f in finish) / len(finish),
+        "prompts/overlong_frac": sum(overlong) / len(overlong),
+        "completion/excluded_frac": sum(not any(r.completion_mask) for r in rollouts)
+        / len(rollouts),
         "time/generate": t_gen,
         "time/score": t_score,
     }

@@ -4,19 +4,25 @@ One step: this rank's prompts -> ``/generate`` (G samples each) -> rewards -> gr
 advantages -> chunked GRPO loss over micro-batches -> optimizer step -> weight sync (main process)
 -> next step. Runs as ``python -m learner`` (one process) or under ``accelerate launch`` (DDP on
 CPU/GPU, DeepSpeed ZeRO-2/3 on GPU); each rank generates and trains on its own prompts.
+
+Overlap (``rollout.max_staleness`` = s > 0): up to s generations run ahead on an event-loop thread
+while the main thread trains, so the rollout servers never idle; a batch is trained on only if the
+weights that produced it are at most s versions old, and the truncated importance weight corrects
+for the lag.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
-import copy
 import json
 import logging
 import os
 import threading
 import time
 import zlib
+from collections import deque
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,23 +30,28 @@ from typing import Any, TypeVar
 import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, set_seed
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoTokenizer, get_scheduler
 
-from learner.batch import Rollout, collate, micro_batches
 from learner.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
 from learner.config import LearnerConfig
 from learner.data import PromptStream, load_rows
 from learner.embedded import embedded_server
-from learner.loss import LossConfig, LossInputs, grpo_loss
+from learner.loss import LossConfig
 from learner.metrics import MetricsLogger
-from learner.policy import PolicyLogprobs
-from learner.rollouts import collect, collect_episodes
+from learner.model_setup import build_models
+from learner.perf import peak_tflops, train_flops_per_token
+from learner.rollouts import StepRollouts, collect, collect_episodes
 from learner.sync import WeightSyncer
+from learner.train_step import StepOptions, build_micro_batches, reduce_metrics, train_on
 from rewards.scoring import RewardRunner, RewardSpec
 from rollout_server.client import RolloutClient
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class StalenessError(RuntimeError):
+    pass
 
 
 class EventLoopThread:
@@ -51,8 +62,11 @@ class EventLoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
 
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return self.submit(coro).result()
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -97,8 +111,36 @@ def _servers(
         acc.wait_for_everyone()  # nobody may still be generating when the server stops
 
 
+def _loss_config(cfg: LearnerConfig) -> LossConfig:
+    g = cfg.grpo
+    return LossConfig(
+        loss_type=g.loss_type,
+        eps_low=g.eps_low,
+        eps_high=g.eps_high,
+        beta=g.beta,
+        tis_cap=g.tis_cap,
+        max_completion_length=cfg.sampling.max_tokens,
+        entropy_coef=g.entropy_coef,
+    )
+
+
+def _step_options(cfg: LearnerConfig) -> StepOptions:
+    g = cfg.grpo
+    return StepOptions(
+        micro_batch_size=g.micro_batch_size,
+        num_iterations=g.num_iterations,
+        max_grad_norm=cfg.optim.max_grad_norm,
+        packing=g.packing,
+        max_tokens_per_micro_batch=g.max_tokens_per_micro_batch,
+        pad_to_multiple_of=g.pad_to_multiple_of,
+        activation_offloading=cfg.model.activation_offloading,
+        need_reference=g.beta > 0,
+        reference_is_adapterless=cfg.model.lora is not None,
+    )
+
+
 def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
-    """Run GRPO as configured; returns the last step's metrics."""
+    """Run GRPO as configured; returns the last step's metrics (main process)."""
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     run_dir = Path(cfg.run.run_dir)
     world = accelerator.num_processes
@@ -113,31 +155,23 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     set_seed(cfg.run.seed)
 
     model_path = _model_path(cfg, run_dir, accelerator)
-    dtype = getattr(torch, cfg.model.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code
-    )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.grpo.beta > 0 else None
-    policy = PolicyLogprobs(
-        model, temperature=cfg.sampling.temperature, chunk_size=cfg.grpo.logprob_chunk_size
-    )
+    policy, ref_policy = build_models(cfg, model_path)
     o = cfg.optim
     optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay
+        [p for p in policy.parameters() if p.requires_grad],
+        lr=o.lr,
+        betas=o.betas,
+        weight_decay=o.weight_decay,
     )
     scheduler = get_scheduler(
         o.schedule, optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=cfg.run.steps
     )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
-    ref_policy = (
-        PolicyLogprobs(ref, temperature=cfg.sampling.temperature).to(accelerator.device)
-        if ref is not None
-        else None
-    )
+    if ref_policy is not None:
+        ref_policy = ref_policy.to(accelerator.device)
+    hf_config = accelerator.unwrap_model(policy).model.config
 
     env_cls, chat = None, None
     if cfg.environment is not None:
@@ -171,15 +205,8 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         if cfg.rewards
         else None
     )
-    loss_cfg = LossConfig(
-        loss_type=cfg.grpo.loss_type,
-        eps_low=cfg.grpo.eps_low,
-        eps_high=cfg.grpo.eps_high,
-        beta=cfg.grpo.beta,
-        tis_cap=cfg.grpo.tis_cap,
-        max_completion_length=cfg.sampling.max_tokens,
-        entropy_coef=cfg.grpo.entropy_coef,
-    )
+    loss_cfg, opts = _loss_config(cfg), _step_options(cfg)
+    peak = peak_tflops(cfg.run.peak_tflops)
     loop = EventLoopThread()
     metrics_log = (
         MetricsLogger(
@@ -193,6 +220,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         else None
     )
     last: dict[str, float] = {}
+    pending: deque[tuple[concurrent.futures.Future[StepRollouts], int]] = deque()
     try:
         with _servers(cfg, model_path, run_dir, accelerator) as urls:
             client = RolloutClient(
@@ -206,33 +234,41 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             if ckpt is not None:  # the servers must serve the checkpoint's weights, not the base
                 _sync(accelerator, loop, syncer, policy, state)
             per_rank = cfg.grpo.prompts_per_step // world
-            while state.step < cfg.run.steps:
-                t_step = time.perf_counter()
+            rank = accelerator.process_index
+
+            def launch() -> None:
                 rows = stream.take(cfg.grpo.prompts_per_step)
-                mine = rows[
-                    accelerator.process_index * per_rank : (accelerator.process_index + 1)
-                    * per_rank
-                ]
+                mine = rows[rank * per_rank : (rank + 1) * per_rank]
                 if env_cls is not None:
-                    step_rollouts = loop.run(collect_episodes(cfg, client, env_cls, chat, mine))
+                    coro = collect_episodes(cfg, client, env_cls, chat, mine)
                 else:
                     assert scorer is not None
-                    step_rollouts = loop.run(collect(cfg, client, scorer, mine))
-                step_rollouts.metrics["data/position"] = float(stream.position)
-                step_rollouts.metrics["data/fingerprint"] = float(rows_fingerprint(rows))
+                    coro = collect(cfg, client, scorer, mine, tokenizer=tokenizer)
+                pending.append((loop.submit(coro), rows_fingerprint(rows)))
+                stream.pending = len(pending) * cfg.grpo.prompts_per_step
+
+            while state.step < cfg.run.steps:
+                t_step = time.perf_counter()
+                ahead = 1 + cfg.rollout.max_staleness
+                while len(pending) < ahead and state.step + len(pending) < cfg.run.steps:
+                    launch()
+                future, fingerprint = pending.popleft()
+                t0 = time.perf_counter()
+                step_rollouts = future.result()
+                t_wait = time.perf_counter() - t0
+                stream.pending = len(pending) * cfg.grpo.prompts_per_step
+                staleness = state.weight_version - int(step_rollouts.metrics["weight_version/min"])
+                if staleness > cfg.rollout.max_staleness:
+                    raise StalenessError(
+                        f"samples {staleness} versions old, bound {cfg.rollout.max_staleness}"
+                    )
                 sleep_level = cfg.rollout.sleep_while_training
                 if sleep_level and accelerator.is_main_process:
                     loop.run(client.sleep(sleep_level))  # colocated: give the GPU to training
                 t0 = time.perf_counter()
-                train_metrics = _train_on(
-                    cfg,
-                    accelerator,
-                    policy,
-                    ref_policy,
-                    optimizer,
-                    loss_cfg,
-                    step_rollouts.rollouts,
-                    pad_id,
+                batches = build_micro_batches(step_rollouts.rollouts, opts, pad_id)
+                train_metrics = train_on(
+                    accelerator, policy, ref_policy, optimizer, loss_cfg, batches, opts
                 )
                 scheduler.step()
                 t_train = time.perf_counter() - t0
@@ -244,11 +280,16 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     loop.run(client.wake_up(["kv_cache"]))
                 t_sync = time.perf_counter() - t0
                 state.step += 1
+                trained = train_metrics["tokens/trained"] / world
+                seq_len = train_metrics["tokens/padded"] / max(1, len(batches))
+                flops = trained * train_flops_per_token(hf_config, seq_len)
                 local = {
                     **step_rollouts.metrics,
                     **train_metrics,
                     "reward/mean": float(step_rollouts.rewards.mean()),
                     "reward/std": float(step_rollouts.rewards.std()),
+                    "staleness": float(staleness),
+                    "time/wait_generate": t_wait,
                     "time/train": t_train,
                     "throughput/train_tokens_per_s": train_metrics["tokens/trained"]
                     / max(t_train, 1e-9),
@@ -256,8 +297,12 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     "time/step": time.perf_counter() - t_step,
                     "lr": scheduler.get_last_lr()[0],
                     "weight_version": float(state.weight_version),
+                    "data/position": float(stream.position - stream.pending),
+                    "data/fingerprint": float(fingerprint),
                 }
-                last = _reduce_metrics(accelerator, local)
+                if peak:
+                    local["mfu"] = flops / max(t_train, 1e-9) / (peak * 1e12)
+                last = reduce_metrics(accelerator, local)
                 if metrics_log is not None:
                     metrics_log.log(state.step, last)
                 if state.step % cfg.run.checkpoint_every == 0 or state.step == cfg.run.steps:
@@ -265,6 +310,8 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             syncer.close()
             loop.run(client.aclose())
     finally:
+        for future, _ in pending:
+            future.cancel()
         loop.close()
         if metrics_log is not None:
             metrics_log.close()
@@ -298,75 +345,6 @@ def _sync(
     accelerator.wait_for_everyone()  # no rank generates before every server has the new weights
 
 
-def _train_on(
-    cfg: LearnerConfig,
-    accelerator: Accelerator,
-    policy: torch.nn.Module,
-    ref_policy: torch.nn.Module | None,
-    optimizer: torch.optim.Optimizer,
-    loss_cfg: LossConfig,
-    rollouts: list[Rollout],
-    pad_id: int,
-) -> dict[str, float]:
-    dev = accelerator.device
-    batches = [
-        collate(mb, pad_id).to(dev) for mb in micro_batches(rollouts, cfg.grpo.micro_batch_size)
-    ]
-    # The loss normaliser is global: every token of the step on every rank (DAPO / BNPO).
-    local_tokens = torch.tensor(float(sum(b.num_loss_tokens for b in batches)), device=dev)
-    global_tokens = float(accelerator.reduce(local_tokens, reduction="sum"))
-
-    with torch.no_grad():
-        olds: list[torch.Tensor | None] = [None] * len(batches)
-        refs: list[torch.Tensor | None] = [None] * len(batches)
-        for i, b in enumerate(batches):
-            if cfg.grpo.num_iterations > 1:
-                olds[i] = policy(b.input_ids, b.attention_mask, b.loss_mask)[0]
-            if ref_policy is not None:
-                refs[i] = ref_policy(b.input_ids, b.attention_mask, b.loss_mask)[0]
-
-    sums: dict[str, float] = {}
-    grad_norm = torch.tensor(0.0)
-    total_loss = 0.0
-    need_entropy = True
-    for _ in range(cfg.grpo.num_iterations):
-        for i, b in enumerate(batches):
-            ctx = accelerator.no_sync(policy) if i < len(batches) - 1 else contextlib.nullcontext()
-            with ctx:
-                logprobs, entropy = policy(
-                    b.input_ids, b.attention_mask, b.loss_mask, with_entropy=need_entropy
-                )
-                old = olds[i] if olds[i] is not None else logprobs.detach()
-                inputs = LossInputs(
-                    logprobs=logprobs,
-                    old_logprobs=old,
-                    advantages=b.advantages,
-                    mask=b.loss_mask,
-                    sampling_logprobs=b.sampling_logprobs if loss_cfg.tis_cap else None,
-                    ref_logprobs=refs[i],
-                    entropy=entropy,
-                    num_items_in_batch=global_tokens,
-                    dp_world_size=accelerator.num_processes,
-                    num_micro_batches=len(batches),
-                )
-                loss, m = grpo_loss(inputs, loss_cfg)
-                accelerator.backward(loss)
-            total_loss += float(loss.detach())
-            weight = float(b.num_loss_tokens)
-            for k, v in m.items():
-                if k != "num_tokens":
-                    sums[k] = sums.get(k, 0.0) + float(v) * weight
-        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.optim.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    local_w = max(1.0, float(sum(b.num_loss_tokens for b in batches))) * cfg.grpo.num_iterations
-    out = {k: v / local_w for k, v in sums.items()}
-    out["loss"] = total_loss / cfg.grpo.num_iterations
-    out["grad_norm"] = float(grad_norm)
-    out["tokens/trained"] = global_tokens
-    return out
-
-
 def rows_fingerprint(rows: list[dict[str, Any]]) -> int:
     """A stable 31-bit hash of a step's prompts, logged so runs can prove the same data order."""
     return zlib.crc32(json.dumps(rows, sort_keys=True).encode()) & 0x7FFFFFFF
@@ -383,13 +361,3 @@ def _check_ranks_agree(accelerator: Accelerator, policy: torch.nn.Module, run_di
         (run_dir / "rank_checksums.json").write_text(json.dumps(values))
     if max(values) != min(values):
         raise RuntimeError(f"ranks ended with different weights (checksums {values})")
-
-
-def _reduce_metrics(accelerator: Accelerator, metrics: dict[str, float]) -> dict[str, float]:
-    """Mean of each metric over ranks (sums would double count; every rank has equal work)."""
-    if accelerator.num_processes == 1:
-        return metrics
-    keys = sorted(metrics)
-    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=accelerator.device)
-    t = accelerator.reduce(t, reduction="mean")
-    return dict(zip(keys, t.tolist(), strict=True))

@@ -14,17 +14,64 @@ drop the tensors, so the whole model is never gathered at once on any rank.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from learner.sync.zero3 import iter_gathered_params, param_specs
+from learner.sync.zero3 import is_partitioned, iter_gathered_params, param_specs
 
 if TYPE_CHECKING:
     from learner.config import RolloutConfig
     from rollout_server.client import RolloutClient
     from rollout_server.protocol import WeightUpdateResponse
+
+
+def _is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def merged_lora_weights(model: nn.Module) -> Iterator[tuple[str, Any]]:
+    """The base model's weights with the LoRA deltas merged in, module by module, under the
+    base checkpoint's names. The model is never modified (no merge/unmerge rounding drift):
+    each merged weight is ``W + scale * B @ A`` computed for that module alone, then sent."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()  # type: ignore[operator]
+    if any(is_partitioned(p) for p in base.parameters()):
+        raise ValueError("LoRA weight sync under ZeRO-3 is not supported: use ZeRO-2 with LoRA")
+    layers = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for name, p in base.named_parameters():
+        if "lora_" in name:  # adapter weights: merged into their base weight below
+            continue
+        if ".base_layer." not in name:
+            yield name, p.detach()
+            continue
+        owner, leaf = name.split(".base_layer.")
+        t = p.detach()
+        if leaf == "weight":
+            layer = layers[owner]
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    t = t + layer.get_delta_weight(adapter).to(t.dtype)
+        yield f"{owner}.{leaf}", t
+
+
+def sync_tensors(model: nn.Module) -> Iterator[tuple[str, Any]]:
+    """(checkpoint name, full tensor) for every weight the servers need, in a stable order."""
+    return merged_lora_weights(model) if _is_peft(model) else iter_gathered_params(model)
+
+
+def sync_specs(model: nn.Module, dtype: str | None) -> list[Any]:
+    if not _is_peft(model):
+        return param_specs(model, dtype=dtype)
+    from rollout_server.protocol import TensorSpec
+
+    return [
+        TensorSpec(name=n, dtype=dtype or str(t.dtype).removeprefix("torch."), shape=list(t.shape))
+        for n, t in merged_lora_weights(model)
+    ]
 
 
 class WeightSyncer:
@@ -59,9 +106,7 @@ class WeightSyncer:
         cfg = self.cfg
         bucket_bytes = cfg.bucket_mb << 20
         if cfg.sync == "http":
-            return await self.client.update_weights(
-                iter_gathered_params(model), bucket_bytes=bucket_bytes
-            )
+            return await self.client.update_weights(sync_tensors(model), bucket_bytes=bucket_bytes)
         if cfg.sync == "file":
             from safetensors.torch import save_file
 
@@ -70,21 +115,22 @@ class WeightSyncer:
             sync_dir.mkdir(parents=True, exist_ok=True)
             final = sync_dir / "weights.safetensors"
             tmp = sync_dir / f".weights.{os.getpid()}.tmp"
-            tensors = {n: t.contiguous().cpu() for n, t in iter_gathered_params(model)}
+            tensors = {n: t.contiguous().cpu() for n, t in sync_tensors(model)}
             save_file(tensors, str(tmp))
             tmp.replace(final)  # the server never sees a half-written file
             return await self.client.load_weights_file(str(final.resolve()))
         sender = await self._nccl_sender()
         return await sender.send(
-            param_specs(model, dtype=self._server_dtype),
-            iter_gathered_params(model),
+            sync_specs(model, self._server_dtype),
+            sync_tensors(model),
             bucket_bytes=bucket_bytes,
         )
 
     def follow(self, model: nn.Module) -> None:
         """Non-main ranks: run the same ZeRO-3 gathers as the main process (no-op otherwise)."""
-        for _ in iter_gathered_params(model):
-            pass
+        if not _is_peft(model):
+            for _ in iter_gathered_params(model):
+                pass
 
     def close(self) -> None:
         if self._nccl is not None:

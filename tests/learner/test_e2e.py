@@ -269,3 +269,63 @@ def test_colocated_mode_sleeps_the_server_while_training(tmp_path, level):
     assert [r["weight_version/min"] for r in records] == [0.0, 1.0, 2.0]
     log = (run_dir / "rollout_server.log").read_text()
     assert log.count("POST /sleep") == 3 and log.count("POST /wake_up") == 6
+
+
+def test_overlap_never_exceeds_the_staleness_bound(tmp_path):
+    run_dir = tmp_path / "overlap"
+    proc = subprocess.run(
+        _learner(
+            run_dir,
+            "--set",
+            "run.steps=6",
+            "--set",
+            "run.progress_bar=false",
+            "--set",
+            "rollout.max_staleness=1",
+        ),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(run_dir)
+    staleness = [r["staleness"] for r in records]
+    assert max(staleness) <= 1
+    assert staleness[0] == 0 and staleness.count(1) >= 4  # generation really ran ahead
+    # each batch was generated one version behind the weights it was trained from
+    assert [r["weight_version/min"] for r in records] == [0, 0, 1, 2, 3, 4]
+    cfg = load_config(DEMO)
+    stream = PromptStream(
+        load_rows(cfg.data.path, cfg.data.prompt_column),
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle,
+    )
+    expected = [rows_fingerprint(stream.take(cfg.grpo.prompts_per_step)) for _ in range(6)]
+    assert [int(r["data/fingerprint"]) for r in records] == expected
+
+
+def test_lora_run_syncs_merged_weights_to_the_server(tmp_path):
+    run_dir = tmp_path / "lora"
+    proc = subprocess.run(
+        _learner(
+            run_dir,
+            "--set",
+            "run.steps=3",
+            "--set",
+            "run.progress_bar=false",
+            "--set",
+            "model.lora.r=4",
+            "--set",
+            "grpo.beta=0.05",
+        ),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(run_dir)
+    assert [r["weight_version"] for r in records] == [1, 2, 3]
+    assert all("kl" in r for r in records)
+    assert (run_dir / "final" / "adapter_config.json").exists()  # checkpoints hold the adapter

@@ -1,0 +1,59 @@
+"""Build the trainable policy (optionally PEFT LoRA, with gradient checkpointing) and its reference.
+
+The KL reference is, in order of preference: none (beta = 0); the same model with its LoRA
+adapters disabled (no second copy of the weights); a frozen copy of the initial model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from learner.config import LearnerConfig
+from learner.policy import PolicyLogprobs
+
+
+def build_models(
+    cfg: LearnerConfig, model_path: str
+) -> tuple[PolicyLogprobs, PolicyLogprobs | None]:
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {}
+    if cfg.model.attn_implementation:
+        kwargs["attn_implementation"] = cfg.model.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path,
+        dtype=getattr(torch, cfg.model.dtype),
+        trust_remote_code=cfg.model.trust_remote_code,
+        **kwargs,
+    )
+    model.config.use_cache = False
+    ref = None
+    if cfg.grpo.beta > 0 and cfg.model.lora is None:
+        ref = copy.deepcopy(model).eval().requires_grad_(False)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.model.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lc = cfg.model.lora
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lc.r,
+                lora_alpha=lc.alpha,
+                lora_dropout=lc.dropout,
+                target_modules=lc.target_modules,
+                task_type="CAUSAL_LM",
+            ),
+        )
+        if cfg.model.gradient_checkpointing:
+            model.enable_input_require_grads()
+    chunk = cfg.grpo.logprob_chunk_size
+    temperature = cfg.sampling.temperature
+    policy = PolicyLogprobs(model, temperature=temperature, chunk_size=chunk)
+    ref_policy = (
+        PolicyLogprobs(ref, temperature=temperature, chunk_size=chunk) if ref is not None else None
+    )
+    return policy, ref_policy

@@ -1,0 +1,82 @@
+"""Memory and throughput helpers: model FLOPs per token (for MFU) and activation offloading."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+# Dense bf16 tensor-core peaks (TFLOP/s) by device-name fragment; MFU is reported against these.
+PEAK_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+
+def peak_tflops(override: float | None = None) -> float | None:
+    if override:
+        return override
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def train_flops_per_token(config: Any, seq_len: float) -> float:
+    """Model FLOPs of one trained token (forward + backward = 3x forward), from the architecture.
+
+    Forward per token: 2 FLOPs per weight of every matmul (attention projections, MLP, LM head)
+    plus attention scores and values, 4 * layers * seq_len * (heads * head_dim), averaged over
+    causal positions (seq_len / 2 keys on average)."""
+    h = config.hidden_size
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", heads)
+    hd = getattr(config, "head_dim", None) or h // heads
+    inter = config.intermediate_size
+    attn_proj = h * heads * hd * 2 + h * kv * hd * 2  # q, o and k, v
+    mlp = 3 * h * inter  # gate, up, down (SwiGLU)
+    matmul_weights = layers * (attn_proj + mlp) + config.vocab_size * h
+    attention = 4 * layers * heads * hd * (seq_len / 2)
+    return 3 * (2 * matmul_weights + attention)
+
+
+class ActivationOffload:
+    """Saved-tensor hooks that park activations in (pinned) CPU memory during the forward and
+    bring them back for the backward, copying on a side CUDA stream so the transfers overlap
+    compute. Small tensors (< ``min_bytes``) stay where they are: their copies cost more than
+    they save. On CPU the hooks still copy (so tests exercise the same path)."""
+
+    def __init__(self, min_bytes: int = 1 << 20) -> None:
+        self.min_bytes = min_bytes
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if t.numel() * t.element_size() < self.min_bytes:
+            return t
+        if t.is_cuda and self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            t.record_stream(self.stream)
+            return ("cuda", t.device, host, event)
+        return ("cpu", t.device, t.detach().clone(), None)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        kind, device, host, event = packed
+        if kind == "cpu":
+            return host
+        event.synchronize()
+        with torch.cuda.stream(self.stream):
+            out = host.to(device, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return out
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield

@@ -1,0 +1,162 @@
+"""One optimizer step over a batch of rollouts: micro-batches, the chunked GRPO loss, backward.
+
+Micro-batches are padded rows (grouped by length) or packed rows (padding-free,
+``learner.packing``). Either way the policy returns flat per-token log-probs at the loss
+positions, which are regrouped into ``[B, L]`` per-sequence tensors before the loss, so every
+loss type sees exactly the same numbers whatever the layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+
+from learner.batch import Rollout, TrainBatch, collate, micro_batches
+from learner.loss import LossConfig, LossInputs, grpo_loss
+from learner.packing import PackedBatch, pack, packed_micro_batches
+from learner.perf import ActivationOffload
+
+
+@dataclass
+class StepOptions:
+    micro_batch_size: int
+    num_iterations: int = 1
+    max_grad_norm: float = 1.0
+    packing: bool = False
+    max_tokens_per_micro_batch: int = 4096
+    pad_to_multiple_of: int = 1
+    activation_offloading: bool = False
+    need_reference: bool = False  # beta > 0
+    reference_is_adapterless: bool = False  # LoRA: reference = adapters disabled
+
+
+def build_micro_batches(
+    rollouts: list[Rollout], opts: StepOptions, pad_id: int
+) -> list[TrainBatch]:
+    if opts.packing:
+        return [pack(g) for g in packed_micro_batches(rollouts, opts.max_tokens_per_micro_batch)]
+    return [
+        collate(mb, pad_id, opts.pad_to_multiple_of)
+        for mb in micro_batches(rollouts, opts.micro_batch_size)
+    ]
+
+
+def _seq_index(b: TrainBatch) -> torch.Tensor:
+    """The rollout (row of ``b.advantages``) of every loss position, flat ``[N]``."""
+    sel = b.loss_mask.bool()
+    if isinstance(b, PackedBatch):
+        assert b.seq_advantage_index is not None
+        return b.seq_advantage_index[None].expand_as(sel)[sel]
+    rows = torch.arange(sel.shape[0], device=sel.device)[:, None].expand_as(sel)
+    return rows[sel]
+
+
+def regroup(flat: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Flat per-token values ``[N]`` (each sequence's tokens contiguous, in order) -> ``[B, L]``
+    right-padded with zeros; differentiable."""
+    counts = torch.bincount(seq, minlength=num_seqs)  # [B]
+    starts = torch.cumsum(counts, 0) - counts  # [B]
+    col = torch.arange(seq.numel(), device=seq.device) - starts[seq]  # [N]
+    out = flat.new_zeros(num_seqs, int(counts.max().item()) if seq.numel() else 1)
+    return out.index_put((seq, col), flat)
+
+
+def _forward(policy, b: TrainBatch, **kw):  # type: ignore[no-untyped-def]
+    if isinstance(b, PackedBatch):
+        # flash-attention reads sequence starts from position_ids; SDPA/eager need the mask
+        return policy(b.input_ids, b.block_causal_mask(), b.loss_mask, b.position_ids, **kw)
+    return policy(b.input_ids, b.attention_mask, b.loss_mask, **kw)
+
+
+def train_on(
+    accelerator: Accelerator,
+    policy: torch.nn.Module,
+    ref_policy: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    loss_cfg: LossConfig,
+    batches: list[TrainBatch],
+    opts: StepOptions,
+) -> dict[str, float]:
+    """Forward/backward every micro-batch ``num_iterations`` times, stepping after each pass."""
+    dev = accelerator.device
+    batches = [b.to(dev) for b in batches]
+    # The loss normaliser is global: every token of the step on every rank (DAPO).
+    local_tokens = torch.tensor(float(sum(b.num_loss_tokens for b in batches)), device=dev)
+    global_tokens = float(accelerator.reduce(local_tokens, reduction="sum"))
+    seqs = [_seq_index(b) for b in batches]
+    group = [
+        functools.partial(regroup, seq=s, num_seqs=b.advantages.numel())
+        for s, b in zip(seqs, batches, strict=True)
+    ]
+
+    olds: list[torch.Tensor | None] = [None] * len(batches)
+    refs: list[torch.Tensor | None] = [None] * len(batches)
+    with torch.no_grad():
+        for i, b in enumerate(batches):
+            if opts.num_iterations > 1:
+                olds[i] = group[i](_forward(policy, b)[0])
+            if opts.need_reference:
+                if opts.reference_is_adapterless:
+                    lp = _forward(accelerator.unwrap_model(policy), b, reference=True)[0]
+                else:
+                    assert ref_policy is not None
+                    lp = _forward(ref_policy, b)[0]
+                refs[i] = group[i](lp)
+
+    offload = ActivationOffload() if opts.activation_offloading else None
+    sums: dict[str, float] = {}
+    grad_norm = torch.tensor(0.0)
+    total_loss = 0.0
+    for _ in range(opts.num_iterations):
+        for i, b in enumerate(batches):
+            sync = accelerator.no_sync(policy) if i < len(batches) - 1 else contextlib.nullcontext()
+            saved = offload() if offload is not None else contextlib.nullcontext()
+            with sync, saved:
+                lp_flat, ent_flat = _forward(policy, b, with_entropy=True)
+                logprobs = group[i](lp_flat)
+                mask = group[i](torch.ones_like(lp_flat))
+                inputs = LossInputs(
+                    logprobs=logprobs,
+                    old_logprobs=olds[i] if olds[i] is not None else logprobs.detach(),
+                    advantages=b.advantages,
+                    mask=mask,
+                    sampling_logprobs=group[i](b.sampling_logprobs[b.loss_mask.bool()])
+                    if loss_cfg.tis_cap
+                    else None,
+                    ref_logprobs=refs[i],
+                    entropy=group[i](ent_flat) if ent_flat is not None else None,
+                    num_items_in_batch=global_tokens,
+                    dp_world_size=accelerator.num_processes,
+                    num_micro_batches=len(batches),
+                )
+                loss, m = grpo_loss(inputs, loss_cfg)
+                accelerator.backward(loss)
+            total_loss += float(loss.detach())
+            weight = float(b.num_loss_tokens)
+            for k, v in m.items():
+                if k != "num_tokens":
+                    sums[k] = sums.get(k, 0.0) + float(v) * weight
+        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), opts.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    local_w = max(1.0, float(local_tokens)) * opts.num_iterations
+    out = {k: v / local_w for k, v in sums.items()}
+    out["loss"] = total_loss / opts.num_iterations
+    out["grad_norm"] = float(grad_norm)
+    out["tokens/trained"] = global_tokens
+    out["tokens/padded"] = float(sum(b.input_ids.numel() for b in batches))
+    return out
+
+
+def reduce_metrics(accelerator: Accelerator, metrics: dict[str, float]) -> dict[str, float]:
+    """Mean of each metric over ranks (every rank has equal work)."""
+    if accelerator.num_processes == 1:
+        return metrics
+    keys = sorted(metrics)
+    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=accelerator.device)
+    t = accelerator.reduce(t, reduction="mean")
+    return dict(zip(keys, t.tolist(), strict=True))

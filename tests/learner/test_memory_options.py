@@ -1,0 +1,192 @@
+"""Issue 7's learner options on CPU: LoRA, packing, checkpointing/offloading, MFU, truncation.
+
+Each option must be a pure memory/throughput trade: the same loss and gradients as the plain path
+(packing, checkpointing, offloading), or exactly the documented behaviour (LoRA trains only the
+adapters and its reference is the base model).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from learner.batch import Rollout, collate
+from learner.config import load_config
+from learner.loss import LossConfig, LossInputs, grpo_loss
+from learner.model_setup import build_models
+from learner.packing import best_fit_decreasing, pack
+from learner.perf import ActivationOffload, train_flops_per_token
+from learner.policy import PolicyLogprobs
+from learner.sync import merged_lora_weights, sync_specs
+from learner.train_step import _forward, _seq_index, regroup
+
+
+def _rollouts(n: int = 5, seed: int = 0) -> list[Rollout]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p, c = rng.randint(2, 7), rng.randint(1, 9)
+        mask = [1] * c
+        if c > 3:
+            mask[1] = 0  # a tool token inside the completion
+        out.append(
+            Rollout(
+                [rng.randrange(5, 250) for _ in range(p)],
+                [rng.randrange(5, 250) for _ in range(c)],
+                [-rng.random() for _ in range(c)],
+                mask,
+                advantage=rng.uniform(-1, 1),
+            )
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+
+def _loss(policy, batch, loss_type="grpo"):
+    flat, ent = _forward(policy, batch, with_entropy=True)
+    seq = _seq_index(batch)
+    n = batch.advantages.numel()
+    lp = regroup(flat, seq, n)
+    inputs = LossInputs(
+        logprobs=lp,
+        old_logprobs=lp.detach() + 0.05,  # ratio != 1: exercise the clip path too
+        advantages=batch.advantages,
+        mask=regroup(torch.ones_like(flat), seq, n),
+        sampling_logprobs=regroup(batch.sampling_logprobs[batch.loss_mask.bool()], seq, n),
+        entropy=regroup(ent, seq, n),
+    )
+    return grpo_loss(inputs, LossConfig(loss_type=loss_type, max_completion_length=16))[0]
+
+
+def _grads(model, fn):
+    model.zero_grad(set_to_none=True)
+    loss = fn()
+    loss.backward()
+    return loss.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
+
+
+def _assert_same(a, b, atol=1e-5):
+    (la, ga), (lb, gb) = a, b
+    torch.testing.assert_close(la, lb, atol=atol, rtol=1e-5)
+    assert ga.keys() == gb.keys()
+    for k in ga:
+        torch.testing.assert_close(ga[k], gb[k], atol=atol, rtol=1e-4, msg=k)
+
+
+def test_best_fit_decreasing_by_hand():
+    # lengths 7,5,4,3,1 into budget 8: 7->A(1 left), 5->B(3), 4->C(4), 3->B (best fit: 3 left
+    # beats 4 left) , 1->A (1 left is the tightest)
+    assert best_fit_decreasing([3, 7, 1, 5, 4], 8) == [[1, 2], [3, 0], [4]]
+    assert best_fit_decreasing([10], 4) == [[0]]  # too long for any bin: its own bin
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_packed_and_padded_give_the_same_loss_and_gradients(model, loss_type):
+    rs = _rollouts()
+    policy = PolicyLogprobs(model)
+    padded = _grads(model, lambda: _loss(policy, collate(rs, pad_id=0), loss_type))
+    packed = _grads(model, lambda: _loss(policy, pack(rs), loss_type))
+    _assert_same(padded, packed)
+    assert pack(rs).input_ids.numel() < collate(rs, pad_id=0).input_ids.numel()
+
+
+def test_checkpointing_and_offloading_give_the_same_gradients(tiny_model_dir):
+    rs = _rollouts(seed=1)
+    batch = collate(rs, pad_id=0)
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    m.train()
+    policy = PolicyLogprobs(m)
+    plain = _grads(m, lambda: _loss(policy, batch))
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt = _grads(m, lambda: _loss(policy, batch))
+    _assert_same(plain, ckpt)
+    m.gradient_checkpointing_disable()
+    offload = ActivationOffload(min_bytes=0)  # offload every saved tensor
+    packed_calls = []
+    orig = offload._pack
+
+    def counting(t):
+        packed_calls.append(t.shape)
+        return orig(t)
+
+    offload._pack = counting
+
+    def with_offload():
+        with offload():
+            return _loss(policy, batch)
+
+    _assert_same(plain, _grads(m, with_offload))
+    assert len(packed_calls) > 10  # the hooks really parked the activations
+
+
+def test_lora_trains_only_adapters_and_reference_is_the_base_model(tmp_path, tiny_model_dir):
+    cfg = load_config(
+        None,
+        [
+            'data.path="x.jsonl"',
+            'rewards=[{name="length"}]',
+            "model.lora.r=4",
+            "grpo.beta=0.1",
+            "model.gradient_checkpointing=true",
+        ],
+    )
+    policy, ref = build_models(cfg, str(tiny_model_dir))
+    assert ref is None  # no second model: the reference is the adapter-less base
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = collate(_rollouts(seed=2), pad_id=0)
+    with torch.no_grad():
+        ref_lp = _forward(policy, batch, reference=True)[0]
+        base_lp = _forward(PolicyLogprobs(base), batch)[0]
+    torch.testing.assert_close(ref_lp, base_lp, atol=1e-6, rtol=1e-6)
+
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):  # lora_B starts at 0: the second step moves lora_A too
+        _loss(policy, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed), sorted(changed)[:5]
+    assert any("lora_A" in n for n in changed) and any("lora_B" in n for n in changed)
+
+    # The servers get merged weights under the base names: equal to peft's own merge.
+    merged = dict(merged_lora_weights(policy.model))
+    reference = policy.model.merge_and_unload().state_dict()
+    assert set(merged) == {n for n, _ in base.named_parameters()}
+    for name, t in merged.items():
+        torch.testing.assert_close(t, reference[name], atol=1e-6, rtol=1e-6, msg=name)
+    specs = sync_specs(policy.model, "float32")
+    assert [s.name for s in specs] == list(merged)
+
+
+def test_flops_per_token_by_hand():
+    class C:  # hidden 8, 2 layers, 2 heads of 4, 1 kv head, MLP 16, vocab 10
+        hidden_size, num_hidden_layers, num_attention_heads = 8, 2, 2
+        num_key_value_heads, head_dim, intermediate_size, vocab_size = 1, 4, 16, 10
+
+    # per layer: q,o 8*8*2 = 128, k,v 8*4*2 = 64, MLP 3*8*16 = 384 -> 576; x2 layers = 1152;
+    # + LM head 80 = 1232 weights -> 2464 forward FLOPs; attention 4*2*2*4*(6/2) = 192;
+    # training = 3 * (2464 + 192) = 7968
+    assert train_flops_per_token(C, seq_len=6) == 7968
+
+
+def test_prompt_truncation_keeps_the_end_and_flags_it(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from learner.rollouts import truncate_prompts
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids, overlong = truncate_prompts(["abcdefghij", "xy"], tok, 4, {})
+    assert overlong == [True, False]
+    assert tok.decode(ids[0]) == "ghij" and tok.decode(ids[1]) == "xy"
