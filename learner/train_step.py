@@ -108,12 +108,20 @@ def train_on(
                 refs[i] = group[i](lp)
 
     offload = ActivationOffload() if opts.activation_offloading else None
+    # DeepSpeed owns accumulation and the optimizer step: tell its engine where the step ends
+    # (accelerate's backward would step it after every micro-batch).
+    engine = policy if hasattr(policy, "set_gradient_accumulation_boundary") else None
     sums: dict[str, float] = {}
     grad_norm = torch.tensor(0.0)
     total_loss = 0.0
     for _ in range(opts.num_iterations):
         for i, b in enumerate(batches):
-            sync = accelerator.no_sync(policy) if i < len(batches) - 1 else contextlib.nullcontext()
+            last = i == len(batches) - 1
+            if engine is not None:
+                engine.set_gradient_accumulation_boundary(last)
+                sync = contextlib.nullcontext()
+            else:
+                sync = accelerator.no_sync(policy) if not last else contextlib.nullcontext()
             saved = offload() if offload is not None else contextlib.nullcontext()
             with sync, saved:
                 lp_flat, ent_flat = _forward(policy, b, with_entropy=True)
@@ -134,15 +142,22 @@ def train_on(
                     num_micro_batches=len(batches),
                 )
                 loss, m = grpo_loss(inputs, loss_cfg)
-                accelerator.backward(loss)
+                if engine is not None:
+                    engine.backward(loss)  # gradient_accumulation_steps = 1: no extra scaling
+                else:
+                    accelerator.backward(loss)
             total_loss += float(loss.detach())
             weight = float(b.num_loss_tokens)
             for k, v in m.items():
                 if k != "num_tokens":
                     sums[k] = sums.get(k, 0.0) + float(v) * weight
-        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), opts.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if engine is not None:  # clips with the DeepSpeed config's gradient_clipping
+            engine.step()
+            grad_norm = torch.tensor(float(engine.get_global_grad_norm() or 0.0))
+        else:
+            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), opts.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     local_w = max(1.0, float(local_tokens)) * opts.num_iterations
     out = {k: v / local_w for k, v in sums.items()}
     out["loss"] = total_loss / opts.num_iterations

@@ -154,6 +154,16 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     set_seed(cfg.run.seed)
 
+    ds = accelerator.state.deepspeed_plugin
+    if ds is not None:
+        # No dataloader goes through prepare(): DeepSpeed still wants a micro-batch size.
+        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+        ds.deepspeed_config["gradient_accumulation_steps"] = 1
+        if ds.zero_stage == 3 and cfg.grpo.beta > 0 and cfg.model.lora is None:
+            raise ValueError(
+                "grpo.beta > 0 under ZeRO-3 needs model.lora (the reference is the adapter-less "
+                "model); a frozen full copy is not supported with ZeRO-3 — or set grpo.beta = 0"
+            )
     model_path = _model_path(cfg, run_dir, accelerator)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -352,9 +362,11 @@ def rows_fingerprint(rows: list[dict[str, Any]]) -> int:
 
 def _check_ranks_agree(accelerator: Accelerator, policy: torch.nn.Module, run_dir: Path) -> None:
     """Every rank must end with identical weights; write the checksums and fail loudly if not."""
-    with torch.no_grad():
-        params = accelerator.unwrap_model(policy).parameters()
-        local = sum(float(p.double().abs().sum()) for p in params)
+    from learner.sync.zero3 import iter_gathered_params
+
+    with torch.no_grad():  # ZeRO-3: every rank gathers the same full tensors, bucket by bucket
+        params = iter_gathered_params(accelerator.unwrap_model(policy))
+        local = sum(float(p.double().abs().sum()) for _, p in params)
     sums = accelerator.gather(torch.tensor([local], dtype=torch.float64, device=accelerator.device))
     values = sums.tolist()
     if accelerator.is_main_process:

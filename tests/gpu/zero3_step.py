@@ -1,0 +1,66 @@
+"""One GRPO learner step on fixed rollouts under ``accelerate launch`` (ZeRO-3 on GPU).
+
+Run by tests/gpu/test_zero3_step.py with 1 and 2 processes: the loss and the global gradient
+norm must agree (each rank trains on its share of the same rollouts; the DAPO normaliser is
+global, so the sharding must not change the numbers). Prints one JSON line on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import torch
+from accelerate import Accelerator
+
+from learner.batch import Rollout
+from learner.config import load_config
+from learner.loss import LossConfig
+from learner.model_setup import build_models
+from learner.train_step import StepOptions, build_micro_batches, reduce_metrics, train_on
+
+
+def rollouts(n: int, vocab: int, seed: int = 0) -> list[Rollout]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p, c = rng.randint(32, 96), rng.randint(64, 192)
+        out.append(
+            Rollout(
+                [rng.randrange(vocab) for _ in range(p)],
+                [rng.randrange(vocab) for _ in range(c)],
+                [-rng.random() * 5 for _ in range(c)],
+                [1] * c,
+                advantage=rng.uniform(-1, 1),
+            )
+        )
+    return out
+
+
+def main(model_dir: str) -> None:
+    acc = Accelerator()
+    ds = acc.state.deepspeed_plugin
+    if ds is not None:
+        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+        ds.deepspeed_config["gradient_accumulation_steps"] = 1
+    cfg = load_config(
+        None,
+        [f'data.path="{model_dir}"', 'rewards=[{name="length"}]', 'model.dtype="bfloat16"'],
+    )
+    policy, _ = build_models(cfg, model_dir)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6)
+    policy, opt = acc.prepare(policy, opt)
+    vocab = 256  # ids every tokenizer/model of the suite has
+    mine = rollouts(16, vocab)[acc.process_index :: acc.num_processes]
+    opts = StepOptions(micro_batch_size=4)
+    batches = build_micro_batches(mine, opts, pad_id=0)
+    m = train_on(acc, policy, None, opt, LossConfig(loss_type="dapo"), batches, opts)
+    m = reduce_metrics(acc, {"loss": m["loss"], "grad_norm": m["grad_norm"]})
+    if acc.is_main_process:
+        print(json.dumps({"world": acc.num_processes, **m}), flush=True)
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
