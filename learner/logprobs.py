@@ -83,11 +83,14 @@ def _check_inputs(
             f"targets must be an integer tensor of shape [{hidden.shape[0]}], got "
             f"{tuple(targets.shape)} {targets.dtype}"
         )
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= weight.shape[0]):
-        raise ValueError(
-            f"targets must lie in [0, {weight.shape[0]}); got min {int(targets.min())}, max "
-            f"{int(targets.max())} (replace ignore-index padding such as -100 by 0 and mask it)"
-        )
+    if targets.numel():
+        lo, hi = torch.aminmax(targets)
+        lo, hi = int(lo), int(hi)  # one host sync for both
+        if lo < 0 or hi >= weight.shape[0]:
+            raise ValueError(
+                f"targets must lie in [0, {weight.shape[0]}); got min {lo}, max {hi} "
+                "(replace ignore-index padding such as -100 by 0 and mask it)"
+            )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
