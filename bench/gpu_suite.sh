@@ -7,12 +7,15 @@
 # Steps: setup (vLLM bundle from /tmp/parts into /tmp/site, project installed editable),
 # model (random-weight Qwen3-0.6B-shaped model, kept in $WORK while the machine stays up),
 # tests (pytest -m gpu), bench_rollout (bench/bench_rollout_gpu.py), bench_loss
-# (bench/bench_loss_gpu.py). Each step has its own time limit and its own log; a failing step
-# does not stop the others; the whole run stays inside SUITE_BUDGET_S (steps that no longer
-# fit are skipped and say so). Results in $OUT (few files, as the device tool returns at most 8):
+# (bench/bench_loss_gpu.py), e2e (end-to-end GRPO steps: TRL's GRPOTrainer with colocated vLLM,
+# then ours colocated on GPU 0, then ours split over 2 GPUs; not in the default list: it needs
+# the 2-GPU machine and ~6 min, SUITE_STEPS="setup model e2e"). Each step has its own time
+# limit and its own log; a failing step does not stop the others; the whole run stays inside
+# SUITE_BUDGET_S (steps that no longer fit are skipped and say so). Results in $OUT (few files, as the device tool returns at most 8):
 #   summary.json  steps (status, seconds, exit code), test counts, benchmark verdicts
 #   gpu_tests.xml  junit report of pytest -m gpu
 #   bench_rollout_gpu.json  throughput / sleep / sync numbers
+#   bench_grpo_e2e.json  e2e: TRL vs colocated vs split, median s/step and phases, verdicts
 #   logs.tar.gz  every step log, server logs, the offline-baseline log, bench_loss outputs
 set -u
 cd "$(dirname "$0")/.."
@@ -79,6 +82,27 @@ step_bench_loss() {
   python3 bench/bench_loss_gpu.py --out-dir "$WORK/bench_loss"
 }
 
+step_e2e() {
+  # TRL 1.16 first (vLLM in its process, GPU 0), then bench_grpo_e2e.py: colocated (server and
+  # learner on GPU 0, sleep mode), split (server GPU 1, ZeRO-3 learner GPU 0, NCCL sync). Each
+  # run has its own limit; the TRL result (or its absence) goes into the verdicts.
+  local d=$WORK/e2e rc
+  rm -rf "$d" && mkdir -p "$d" "$LOGS/e2e"
+  echo "-- trl (limit ${T_E2E_TRL:-170}s, ${E2E_TRL_STEPS:-8} steps) -> $LOGS/e2e/trl.log"
+  timeout -k 10 "${T_E2E_TRL:-170}" python3 bench/bench_trl_grpo.py --model "$GRPO_GPU_MODEL" \
+    --out "$d/trl.json" --steps "${E2E_TRL_STEPS:-8}" ${E2E_TRL_ARGS:-} > "$LOGS/e2e/trl.log" 2>&1
+  rc=$?
+  echo "-- trl: rc $rc"; tail -n 8 "$LOGS/e2e/trl.log"
+  [ -f "$d/trl.json" ] || echo "{\"status\": \"error\", \"error\": \"TRL run: rc $rc (timeout: 124/137), see logs/e2e/trl.log\"}" > "$d/trl.json"
+  python3 bench/bench_grpo_e2e.py --model "$GRPO_GPU_MODEL" --trl-json "$d/trl.json" \
+    --out "$d/bench_grpo_e2e.json" --log-dir "$LOGS/e2e" --work-dir "$d/runs" \
+    --steps-colocated "${E2E_COLOCATED_STEPS:-8}" --steps-split "${E2E_SPLIT_STEPS:-20}" \
+    --timeout "${T_E2E_MODE:-190}" --server-timeout 150 ${E2E_ARGS:-}
+  rc=$?
+  cp "$d/bench_grpo_e2e.json" "$OUT/" 2>/dev/null
+  return $rc
+}
+
 stop_leftover_servers() {
   # A timed-out step leaves its rollout servers (own sessions) holding GPU memory: end each
   # recorded server's process group (its pid is the group id: started with a new session).
@@ -100,6 +124,7 @@ limit_for() {  # seconds allowed for a step: its own limit, capped by what is le
     tests) own=${T_TESTS:-420} ;;
     bench_rollout) own=${T_BENCH_ROLLOUT:-420} ;;
     bench_loss) own=${T_BENCH_LOSS:-240} ;;
+    e2e) own=${T_E2E:-480} ;;
     *) own=60 ;;
   esac
   local left=$(( SUITE_BUDGET_S - ($(date +%s) - START) - 15 ))
@@ -172,6 +197,17 @@ if bench.is_file():
     summary["bench_rollout_verdicts"] = data.get("verdicts", [])
     summary["bench_rollout_errors"] = {k: v["error"] for k, v in data.items()
                                        if isinstance(v, dict) and "error" in v}
+e2e = out / "bench_grpo_e2e.json"
+if e2e.is_file():
+    data = json.loads(e2e.read_text())
+    summary["e2e_verdicts"] = data.get("verdicts", [])
+    summary["e2e_median_step_s"] = {}
+    for k in ("trl", "colocated", "split"):
+        run = data.get(k)
+        if isinstance(run, dict):
+            ok = run.get("status") == "ok"
+            summary["e2e_median_step_s"][k] = (
+                run["summary"]["step_s"]["median"] if ok else run.get("error"))
 (out / "summary.json").write_text(json.dumps(summary, indent=2))
 print(json.dumps({k: v for k, v in summary.items() if k != "test_cases"}, indent=1))
 for c in summary.get("test_cases", []):

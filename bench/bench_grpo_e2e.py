@@ -1,0 +1,457 @@
+"""End-to-end GRPO steps of this project on GPUs, with the per-phase time breakdown.
+
+    python bench/bench_grpo_e2e.py --model DIR --out e2e.json [--trl-json trl.json]
+        [--modes colocated,split] [--steps-colocated 8] [--steps-split 20] [--warmup 2]
+
+Workload (the issue's, same as bench_trl_grpo.py): random-weight Qwen3-0.6B shape, bf16,
+16 chat prompts x 8 samples x up to 256 completion tokens per optimizer step, the built-in
+``length`` reward (characters, target 64). The learner has no ignore-EOS option, so lengths
+are not forced; a random-weight model over a 151,936-token vocabulary almost never samples
+EOS, and the mean completion length is reported to show it.
+
+Modes, each a real rollout server process and a real learner process:
+- ``colocated`` (one GPU): ``rollout-server --engine vllm`` on GPU 0 with sleep mode and a
+  modest ``--gpu-memory-utilization``, started first; then ``python -m learner`` on the same
+  GPU with ``rollout.sleep_while_training`` (the server sleeps while the learner trains) and
+  weight sync over ``file`` (a safetensors file in /dev/shm) or ``http``: NCCL cannot join two
+  ranks on one GPU.
+- ``split`` (two GPUs): the server on GPU 1, the learner on GPU 0 under
+  ``accelerate launch --config_file deploy/accelerate/zero3.yaml --num_processes 1`` with
+  ``rollout.sync = "nccl"``; both start at once (the learner waits for the server).
+
+Every step's metrics come from the learner's own ``metrics.jsonl``; the first ``--warmup``
+steps are dropped and medians taken over the rest. Once the last step is logged the learner is
+stopped (its final checkpoint is not part of the benchmark). Logs, configs and metrics go to
+``--log-dir``; every process started here runs in its own session and is ended by process
+group, on success, failure, timeout or SIGTERM. With ``--engine transformers`` the same
+plumbing runs on CPU with a tiny model (the CPU test uses it); numbers from it mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_common import (
+    MAX_MODEL_LEN,
+    MAX_TOKENS,
+    NUM_GENERATIONS,
+    PROMPTS_PER_STEP,
+    REWARD_TARGET_CHARS,
+    BenchError,
+    prompt_rows,
+    read_json,
+    summarize_learner,
+    table,
+    toml_text,
+    verdict_lines,
+    verdicts,
+    workload,
+    write_jsonl,
+)
+from gpu_common import API_KEY, ROOT, ServerProcess, free_port, gpu_env
+
+MODES = ("colocated", "split")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench_grpo_e2e.py",
+        description="End-to-end GRPO steps (rollout server + learner), colocated and split.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="model directory (Qwen3-0.6B shape on GPU)")
+    p.add_argument("--out", type=Path, required=True, help="result JSON")
+    p.add_argument("--modes", default="colocated,split", help="comma-separated: colocated,split")
+    p.add_argument("--trl-json", type=Path, help="bench_trl_grpo.py's result, for the verdicts")
+    p.add_argument("--log-dir", type=Path, help="logs, configs, metrics (default: next to --out)")
+    p.add_argument("--work-dir", type=Path, help="run directories (default: a temp dir)")
+    p.add_argument("--keep-run-dirs", action="store_true", help="keep checkpoints and models")
+    p.add_argument("--engine", choices=["vllm", "transformers"], default="vllm")
+    p.add_argument("--steps-colocated", type=int, default=8)
+    p.add_argument("--steps-split", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    p.add_argument("--prompts-per-step", type=int, default=PROMPTS_PER_STEP)
+    p.add_argument("--num-generations", type=int, default=NUM_GENERATIONS)
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    p.add_argument("--micro-batch-size", type=int, default=32, help="grpo.micro_batch_size")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--colocated-gpu-mem", type=float, default=0.3, help="server, colocated")
+    p.add_argument("--split-gpu-mem", type=float, default=0.5, help="server, split (own GPU)")
+    p.add_argument("--sleep-level", type=int, choices=[1, 2], default=1, help="colocated")
+    p.add_argument("--colocated-sync", choices=["file", "http"], default="file")
+    p.add_argument("--split-sync", choices=["nccl", "http", "file"], default="nccl")
+    p.add_argument("--colocated-launcher", choices=["python", "zero3"], default="python")
+    p.add_argument("--split-launcher", choices=["python", "zero3"], default="zero3")
+    p.add_argument("--bucket-mb", type=int, default=1024, help="weight-sync bucket size")
+    p.add_argument(
+        "--learner-set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="extra learner override for every mode (repeatable)",
+    )
+    p.add_argument("--server-args", default="", help="extra rollout-server flags (one string)")
+    p.add_argument("--server-timeout", type=float, default=240.0, help="s until /ready")
+    p.add_argument("--timeout", type=float, default=240.0, help="s per mode, start to last step")
+    return p
+
+
+# -- what each mode runs (pure) ------------------------------------------------------------
+
+
+def learner_config(
+    args: argparse.Namespace, mode: str, url: str, run_dir: Path, data: Path, sync_dir: Path
+) -> dict[str, Any]:
+    """The learner's TOML config for ``mode`` as a dict (written next to the logs)."""
+    cpu = args.engine == "transformers"
+    sync = args.colocated_sync if mode == "colocated" else args.split_sync
+    steps = args.steps_colocated if mode == "colocated" else args.steps_split
+    return {
+        "model": {
+            "name_or_path": str(args.model),
+            "dtype": "float32" if cpu else "bfloat16",
+            "gradient_checkpointing": args.gradient_checkpointing,
+        },
+        "data": {"path": str(data), "seed": 0},
+        "rollout": {
+            "servers": [url],
+            "sync": sync,
+            "sync_dir": str(sync_dir) if sync == "file" else None,
+            "bucket_mb": args.bucket_mb,
+            "ready_timeout_s": args.server_timeout,
+            "sleep_while_training": args.sleep_level if mode == "colocated" else None,
+        },
+        "sampling": {
+            "num_generations": args.num_generations,
+            "max_tokens": args.max_tokens,
+            "temperature": 1.0,
+        },
+        "rewards": [{"name": "length", "kwargs": {"target": REWARD_TARGET_CHARS, "unit": "chars"}}],
+        "grpo": {
+            "prompts_per_step": args.prompts_per_step,
+            "micro_batch_size": args.micro_batch_size,
+        },
+        "optim": {"lr": 1e-6},
+        "run": {
+            "steps": steps,
+            "run_dir": str(run_dir),
+            "checkpoint_every": 1_000_000,  # only the final one, which the bench cuts short
+            "tensorboard": False,
+            "progress_bar": False,
+        },
+    }
+
+
+def learner_argv(args: argparse.Namespace, mode: str, config: Path) -> list[str]:
+    launcher = args.colocated_launcher if mode == "colocated" else args.split_launcher
+    if args.engine == "transformers":
+        launcher = "python"  # the CPU smoke run: no DeepSpeed
+    head = [sys.executable, "-m", "learner"]
+    if launcher == "zero3":
+        head = [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", str(ROOT / "deploy/accelerate/zero3.yaml"),
+            "--num_processes", "1", "--main_process_port", str(free_port()),
+            "-m", "learner",
+        ]  # fmt: skip
+    tail = [f"--set={o}" for o in args.learner_set]
+    return [*head, "--config", str(config), *tail]
+
+
+def server_options(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """``ServerProcess`` keyword arguments: GPU, memory share and flags of this mode's server."""
+    extra = ["--dtype", "bfloat16"]
+    if mode == "colocated":
+        extra.append("--enable-sleep-mode")
+    if args.engine == "transformers":  # argparse keeps the last --engine / --dtype given
+        extra = ["--engine", "transformers", "--dtype", "float32", "--device", "cpu"]
+    extra += shlex.split(args.server_args)
+    return {
+        "gpu": "0" if mode == "colocated" else "1",
+        "gpu_memory_utilization": args.colocated_gpu_mem
+        if mode == "colocated"
+        else args.split_gpu_mem,
+        "max_model_len": args.max_model_len,
+        "extra_args": extra,
+    }
+
+
+# -- processes -------------------------------------------------------------------------------
+
+
+def stop_group(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
+    """SIGTERM a process group (its leader started with a new session), SIGKILL what is left
+    after ``grace_s``, and wait until no member remains (so the GPU memory is free)."""
+    if proc is None:
+        return
+    pgid = proc.pid
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)  # any member of the group left?
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+
+
+def start_process(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as f:
+        proc = subprocess.Popen(
+            argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+        )
+    if pidfile := os.environ.get("GRPO_GPU_PIDFILE"):  # the GPU suite ends leftovers by pid
+        with open(pidfile, "a") as f:
+            f.write(f"{proc.pid}\n")
+    return proc
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def ram_dir(need_bytes: int) -> str | None:
+    """/dev/shm when it has room (the colocated file sync never touches a disk), else None
+    (the default temp directory)."""
+    with contextlib.suppress(OSError):
+        if shutil.disk_usage("/dev/shm").free > need_bytes:
+            return "/dev/shm"
+    return None
+
+
+def gpu_names() -> list[str]:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
+        return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    return []
+
+
+def logged_steps(run_dir: Path) -> int:
+    with contextlib.suppress(OSError):
+        return sum(1 for line in (run_dir / "metrics.jsonl").open() if line.strip())
+    return 0
+
+
+def wait_for_steps(
+    learner: subprocess.Popen, server: ServerProcess, run_dir: Path, steps: int, deadline: float
+) -> bool:
+    """Until ``steps`` metric records exist; True if the learner was still running then (it is
+    saving its final checkpoint). A dead learner or server, or the deadline, raises."""
+    while True:
+        rc = learner.poll()
+        done = logged_steps(run_dir)
+        if done >= steps:
+            return rc is None
+        if rc is not None:
+            raise BenchError(f"the learner exited with code {rc} after {done} of {steps} steps")
+        if server.proc is not None and (rc := server.proc.poll()) is not None:
+            raise BenchError(f"the rollout server exited with code {rc}")
+        if time.monotonic() > deadline:
+            raise BenchError(f"timed out with {logged_steps(run_dir)} of {steps} steps logged")
+        time.sleep(0.5)
+
+
+def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dict[str, Any]:
+    from learner.metrics import read_metrics
+
+    t_start = time.monotonic()
+    deadline = t_start + args.timeout
+    run_dir, mode_logs = work / mode, logs / mode
+    mode_logs.mkdir(parents=True, exist_ok=True)
+    sync_dir = Path(tempfile.mkdtemp(prefix=f"grpo-e2e-{mode}-", dir=ram_dir(4 << 30)))
+    data = write_jsonl(prompt_rows(512), work / "prompts.jsonl")
+    opts = server_options(args, mode)
+    server = ServerProcess(args.model, log_path=mode_logs / "server.log", **opts)
+    config = learner_config(args, mode, server.url, run_dir, data, sync_dir)
+    config_path = mode_logs / "learner.toml"
+    config_path.write_text(toml_text(config))
+    learner_log = mode_logs / "learner.log"
+    argv = learner_argv(args, mode, config_path)
+    env = gpu_env(
+        None if args.engine == "transformers" else "0",
+        ROLLOUT_API_KEY=API_KEY,
+        TOKENIZERS_PARALLELISM="false",
+    )
+    result: dict[str, Any] = {
+        "mode": mode,
+        "learner_argv": argv,
+        "server_argv": server.argv,
+        "server_gpu": opts["gpu"],
+        "learner_gpu": "0",
+        "config": config,
+    }
+    learner: subprocess.Popen | None = None
+    steps = config["run"]["steps"]
+    try:
+        if mode == "colocated":  # vLLM sizes its memory share from what is free at start
+            server.start(ready_timeout_s=args.server_timeout)
+            result["server_ready_s"] = time.monotonic() - t_start
+            learner = start_process(argv, env, learner_log)
+        else:  # separate GPUs: load both at once
+            learner = start_process(argv, env, learner_log)
+            server.start(ready_timeout_s=args.server_timeout)
+            result["server_ready_s"] = time.monotonic() - t_start
+        result["learner_cut_short"] = wait_for_steps(learner, server, run_dir, steps, deadline)
+        result["wall_s"] = time.monotonic() - t_start
+        records = read_metrics(run_dir)
+        result["summary"] = summarize_learner(records, args.warmup)
+        result["status"] = "ok"
+    except (BenchError, RuntimeError, TimeoutError, ValueError, KeyboardInterrupt) as e:
+        result.update(status="error", error=f"{type(e).__name__}: {e}")
+        result["learner_log_tail"] = tail(learner_log)
+        result["server_log_tail"] = server.tail(40)
+        print(
+            f"== {mode}: {result['error']}\n-- learner log ({learner_log}):\n"
+            f"{result['learner_log_tail']}\n-- server log ({server.log_path}):\n"
+            f"{result['server_log_tail']}",
+            file=sys.stderr,
+        )
+        if isinstance(e, KeyboardInterrupt):
+            raise
+    finally:
+        stop_group(learner, grace_s=5.0)
+        stop_group(server.proc, grace_s=10.0)
+        server.stop()  # closes its HTTP client; the group is already gone
+        for name in ("metrics.jsonl", "config.json"):
+            with contextlib.suppress(OSError):
+                shutil.copy(run_dir / name, mode_logs / name)
+        shutil.rmtree(sync_dir, ignore_errors=True)
+        if not args.keep_run_dirs:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+# -- checks and main -------------------------------------------------------------------------
+
+
+def check_environment(args: argparse.Namespace, modes: list[str]) -> None:
+    """Fail before starting anything, with what to do about it."""
+    if not (Path(args.model) / "config.json").is_file():
+        raise BenchError(
+            f"--model {args.model} has no config.json: write one with "
+            "`python -m rollout_server.tiny DIR --qwen3-0.6b-shape`"
+        )
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise BenchError(f"--modes: unknown {bad}; choose from {list(MODES)}")
+    if args.engine == "transformers":
+        if args.split_sync == "nccl" and "split" in modes:
+            raise BenchError("--engine transformers (CPU) cannot sync over NCCL: --split-sync http")
+        return
+    from gpu_common import gpu_count
+
+    gpus = gpu_count()
+    if gpus == 0:
+        raise BenchError(
+            "no CUDA GPU visible: run this on the GPU machine (or --engine "
+            "transformers for a CPU smoke run)"
+        )
+    if "split" in modes and gpus < 2:
+        raise BenchError(
+            f"mode split needs 2 GPUs (server on GPU 1, learner on GPU 0); "
+            f"{gpus} visible: use --modes colocated or the 2-GPU machine"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        raise BenchError(
+            "vLLM is not importable: on the GPU machine export PYTHONPATH=/tmp/site "
+            "(bench/gpu_suite.sh step setup installs it there)"
+        )
+    zero3 = args.split_launcher == "zero3" and "split" in modes
+    zero3 |= args.colocated_launcher == "zero3" and "colocated" in modes
+    if zero3 and importlib.util.find_spec("deepspeed") is None:
+        raise BenchError(
+            "the zero3 launcher needs DeepSpeed: export PYTHONPATH=/tmp/site, or "
+            "--split-launcher python"
+        )
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    try:
+        check_environment(args, modes)
+    except BenchError as e:
+        print(f"bench_grpo_e2e: error: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # `timeout` -> clean up the process groups
+    logs = args.log_dir or args.out.parent / "e2e_logs"
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="grpo-e2e-"))
+    results: dict[str, Any] = {
+        "trl": read_json(args.trl_json) if args.trl_json else None,
+        "workload": {
+            **workload(args.prompts_per_step, args.num_generations, args.max_tokens),
+            "model": str(args.model),
+            "engine": args.engine,
+            "forced_lengths": False,  # the learner has no ignore_eos option
+            "warmup_steps_dropped": args.warmup,
+            "gpus": gpu_names(),
+        },
+    }
+    try:
+        for mode in modes:
+            print(f"== {mode}: starting (limit {args.timeout:.0f} s)", flush=True)
+            results[mode] = run_mode(args, mode, work, logs)
+            print(f"== {mode}: {results[mode]['status']}", flush=True)
+    except KeyboardInterrupt as e:
+        results["interrupted"] = str(e)
+    finally:
+        if args.work_dir is None and not args.keep_run_dirs:
+            shutil.rmtree(work, ignore_errors=True)
+    runs = {k: results.get(k) for k in ("trl", *MODES)}
+    ours = workload(args.prompts_per_step, args.num_generations, args.max_tokens)
+    trl_workload = (results["trl"] or {}).get("workload")
+    if trl_workload is not None and trl_workload != ours:
+        results["trl_note"] = f"TRL ran {trl_workload}, ours {ours}: not compared"
+    if args.engine == "vllm":
+        results["verdicts"] = verdicts(runs, same_workload=trl_workload in (None, ours))
+    else:
+        results["verdicts"] = []
+        results["note"] = "CPU smoke run (--engine transformers): the numbers mean nothing"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(table(runs))
+    print(verdict_lines(results["verdicts"]))
+    for key in ("trl_note", "note"):
+        if key in results:
+            print(results[key])
+    print(f"results: {args.out}; logs: {logs}")
+    failed = [m for m in modes if (results.get(m) or {}).get("status") != "ok"]
+    return 1 if failed or "interrupted" in results else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

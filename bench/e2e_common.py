@@ -1,0 +1,245 @@
+"""Shared by the end-to-end GRPO benchmarks (bench_grpo_e2e.py: ours; bench_trl_grpo.py: TRL).
+
+Pure helpers, no torch: the workload both sides run (synthetic chat prompts, the reward), the
+medians that become the reported numbers, the comparison verdicts and the printed table. Kept
+apart from the process plumbing so a CPU test can check the arithmetic on hand-made metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+# The workload of the issue: random-weight Qwen3-0.6B shape, bf16, 16 prompts x 8 samples x
+# 256 completion tokens per optimizer step. The reference figure is TRL 1.16's median on an H200.
+PROMPTS_PER_STEP = 16
+NUM_GENERATIONS = 8
+MAX_TOKENS = 256
+MAX_MODEL_LEN = 1024  # prompts are ~120 tokens: room for 256 more, same for both sides
+REWARD_TARGET_CHARS = 64
+TRL_REFERENCE_S = 3.88  # TRL 1.16 GRPOTrainer + colocated vLLM, H200 (issue); 3.99 with Liger
+DESIGN_TARGET_COLOCATED_S = 2.6  # docs: DESIGN.md "Performance targets"
+
+# Phase timings of one learner step (metrics.jsonl keys, learner/trainer.py and rollouts.py).
+# wait_generate = what the training thread waited for generate + score + advantages.
+PHASES = ("time/wait_generate", "time/generate", "time/score", "time/train", "time/sync")
+
+_TOPICS = ("a lighthouse", "a robot", "the sea", "a mountain", "a library", "a garden", "a comet")
+_VERBS = ("describe", "explain", "write a poem about", "tell a story about", "list facts about")
+
+
+class BenchError(RuntimeError):
+    """A benchmark run failed; the message says which phase and carries the log tails."""
+
+
+def prompt_rows(n: int) -> list[dict[str, Any]]:
+    """``n`` distinct chat prompts (~90-120 tokens with the template, byte-level tokenizer).
+
+    Chat messages, so both sides apply the same chat template; a random-weight model answers
+    anything with the same cost, so the text only has to be realistic in length."""
+    rows = []
+    for i in range(n):
+        verb, topic = _VERBS[i % len(_VERBS)], _TOPICS[(i // len(_VERBS)) % len(_TOPICS)]
+        text = f"Prompt {i}: please {verb} {topic}, in plain words, in about fifty words."
+        rows.append({"prompt": [{"role": "user", "content": text}]})
+    return rows
+
+
+def write_jsonl(rows: Iterable[dict[str, Any]], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def toml_value(v: Any) -> str:
+    """A TOML value: strings, numbers, booleans, lists and inline tables (JSON's escapes are
+    valid TOML basic-string escapes)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def toml_text(config: dict[str, Any]) -> str:
+    """``{section: {field: value}}`` as TOML; a list of dicts becomes an array of tables."""
+    out: list[str] = []
+    for section, body in config.items():
+        if isinstance(body, list):
+            for item in body:
+                out.append(f"[[{section}]]")
+                out += [f"{k} = {toml_value(v)}" for k, v in item.items()]
+        else:
+            out.append(f"[{section}]")
+            out += [f"{k} = {toml_value(v)}" for k, v in body.items() if v is not None]
+        out.append("")
+    return "\n".join(out)
+
+
+def completion_text(completion: Any) -> str:
+    """TRL hands conversational completions as ``[{"role": "assistant", "content": ...}]``."""
+    if isinstance(completion, list):
+        return "".join(str(m.get("content") or "") for m in completion)
+    return str(completion)
+
+
+def seconds_stats(xs: Sequence[float]) -> dict[str, float]:
+    if not xs:
+        raise ValueError("no measured steps: run more steps than --warmup")
+    return {
+        "median": statistics.median(xs),
+        "mean": statistics.fmean(xs),
+        "min": min(xs),
+        "max": max(xs),
+        "n": len(xs),
+    }
+
+
+def _median_of(records: Sequence[dict[str, Any]], key: str) -> float | None:
+    values = [float(r[key]) for r in records if key in r]
+    return statistics.median(values) if values else None
+
+
+def _mean_of(records: Sequence[dict[str, Any]], key: str) -> float | None:
+    values = [float(r[key]) for r in records if key in r]
+    return statistics.fmean(values) if values else None
+
+
+def summarize_learner(records: Sequence[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """The reported numbers of one learner run, from its ``metrics.jsonl`` records (in step
+    order). The first ``warmup`` steps (NCCL group set-up, kernel compilation, allocator growth)
+    are left out; every figure is a median over the remaining steps.
+
+    ``other`` is what a step spent outside the measured phases (sleep/wake calls, batch
+    building, metric reduction); ``wall_interval`` is the wall-clock gap between consecutive
+    metric records, i.e. the step including logging."""
+    if warmup < 0:
+        raise ValueError(f"warmup={warmup} must be >= 0")
+    if len(records) <= warmup:
+        raise ValueError(
+            f"{len(records)} steps logged, {warmup} of them warm-up: nothing left to measure"
+        )
+    measured = list(records[warmup:])
+    steps = [float(r["time/step"]) for r in measured]
+    other = [
+        float(r["time/step"])
+        - sum(float(r.get(k, 0.0)) for k in ("time/wait_generate", "time/train", "time/sync"))
+        for r in measured
+    ]
+    intervals = [
+        float(records[i]["time"]) - float(records[i - 1]["time"])
+        for i in range(max(warmup, 1), len(records))
+        if "time" in records[i] and "time" in records[i - 1]
+    ]
+    phases = {k.removeprefix("time/"): _median_of(measured, k) for k in PHASES}
+    phases["other"] = statistics.median(other)
+    gen_tokens = _median_of(measured, "tokens/generated")
+    step_median = statistics.median(steps)
+    return {
+        "steps_logged": len(records),
+        "warmup": warmup,
+        "step_s": seconds_stats(steps),
+        "phase_median_s": {k: v for k, v in phases.items() if v is not None},
+        "wall_interval_s": seconds_stats(intervals) if intervals else None,
+        "completion_len_mean": _mean_of(measured, "completion/len_mean"),
+        "completion_truncated_frac": _mean_of(measured, "completion/truncated_frac"),
+        "tokens_generated_per_step": gen_tokens,
+        "generated_tokens_per_step_s": gen_tokens / step_median if gen_tokens else None,
+        "gen_tokens_per_s": _median_of(measured, "throughput/gen_tokens_per_s"),
+        "train_tokens_per_s": _median_of(measured, "throughput/train_tokens_per_s"),
+        "mfu": _median_of(measured, "mfu"),
+        "reward_mean": _mean_of(measured, "reward/mean"),
+    }
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return {"status": "error", "error": f"cannot read {path}: {e}"}
+
+
+def median_step(result: dict[str, Any] | None) -> float | None:
+    """The headline number of a run's result (ours or TRL's), or None if it did not finish."""
+    if not result or result.get("status") != "ok":
+        return None
+    return result["summary"]["step_s"]["median"]
+
+
+def workload(prompts_per_step: int, num_generations: int, max_tokens: int) -> dict[str, int]:
+    """What one optimizer step does; both benchmarks record it, the TRL verdict needs a match."""
+    return {
+        "prompts_per_step": prompts_per_step,
+        "num_generations": num_generations,
+        "max_tokens": max_tokens,
+    }
+
+
+def verdicts(
+    results: dict[str, dict[str, Any] | None], *, same_workload: bool = True
+) -> list[dict[str, Any]]:
+    """The issue's acceptance checks on ``{"trl": …, "colocated": …, "split": …}``; the TRL
+    comparison is only made when TRL ran the same workload (``same_workload``)."""
+    trl, colo, split = (median_step(results.get(k)) for k in ("trl", "colocated", "split"))
+    if not same_workload:
+        trl = None
+    checks: list[dict[str, Any]] = []
+
+    def add(check: str, measured: float | None, bound: float | None, what: str) -> None:
+        ok = None if measured is None or bound is None else measured < bound
+        checks.append(
+            {"check": check, "measured_s": measured, "bound_s": bound, "vs": what, "ok": ok}
+        )
+
+    add("colocated faster than TRL (same GPU, this run)", colo, trl, "TRL median, this run")
+    add("split faster than colocated", split, colo, "colocated median, this run")
+    add("colocated faster than TRL reference", colo, TRL_REFERENCE_S, "3.88 s (issue, H200)")
+    add("colocated within design target", colo, DESIGN_TARGET_COLOCATED_S, "2.6 s (DESIGN.md)")
+    return checks
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(results: dict[str, dict[str, Any] | None]) -> str:
+    """A fixed-width table: one row per run, median seconds per step and per phase."""
+    head = (
+        f"{'run':10} {'status':7} {'steps':>5} {'s/step':>7} {'gen':>6} {'score':>6} "
+        f"{'train':>6} {'sync':>6} {'other':>6} {'wall':>6} {'len':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for name, r in results.items():
+        if r is None:
+            continue
+        if r.get("status") != "ok":
+            lines.append(f"{name:10} {r.get('status', '?'):7} {r.get('error', '')[:80]}")
+            continue
+        s = r["summary"]
+        ph = s.get("phase_median_s", {})
+        wall = (s.get("wall_interval_s") or {}).get("median")
+        lines.append(
+            f"{name:10} {'ok':7} {s['step_s']['n']:>5} {_fmt(s['step_s']['median']):>7} "
+            f"{_fmt(ph.get('generate')):>6} {_fmt(ph.get('score'), '.3f'):>6} "
+            f"{_fmt(ph.get('train')):>6} {_fmt(ph.get('sync')):>6} {_fmt(ph.get('other')):>6} "
+            f"{_fmt(wall):>6} {_fmt(s.get('completion_len_mean'), '.0f'):>6}"
+        )
+    return "\n".join(lines)
+
+
+def verdict_lines(checks: list[dict[str, Any]]) -> str:
+    word = {True: "PASS", False: "FAIL", None: "n/a"}
+    return "\n".join(
+        f"{word[c['ok']]:4}  {c['check']}: {_fmt(c['measured_s'])} s vs {_fmt(c['bound_s'])} s "
+        f"({c['vs']})"
+        for c in checks
+    )
