@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sleep-level", type=int, choices=[1, 2], default=1, help="colocated")
     p.add_argument("--colocated-sync", choices=["file", "http"], default="file")
     p.add_argument("--split-sync", choices=["nccl", "http", "file"], default="nccl")
+    p.add_argument(
+        "--split-max-staleness",
+        type=int,
+        default=0,
+        help="split: rollout.max_staleness (1 = generate the next batch while training)",
+    )
     p.add_argument("--colocated-launcher", choices=["python", "zero3"], default="python")
     p.add_argument("--split-launcher", choices=["python", "zero3"], default="zero3")
     p.add_argument("--bucket-mb", type=int, default=1024, help="weight-sync bucket size")
@@ -135,6 +141,7 @@ def learner_config(
             "bucket_mb": args.bucket_mb,
             "ready_timeout_s": args.server_timeout,
             "sleep_while_training": args.sleep_level if mode == "colocated" else None,
+            "max_staleness": args.split_max_staleness if mode == "split" else 0,
         },
         "sampling": {
             "num_generations": args.num_generations,
@@ -324,6 +331,7 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dic
         result["learner_cut_short"] = wait_for_steps(learner, server, run_dir, steps, deadline)
         result["wall_s"] = time.monotonic() - t_start
         records = read_metrics(run_dir)
+        result["step_seconds"] = [r.get("time/step") for r in records]
         result["summary"] = summarize_learner(records, args.warmup)
         result["status"] = "ok"
     except (BenchError, RuntimeError, TimeoutError, ValueError, KeyboardInterrupt) as e:

@@ -71,7 +71,7 @@ def test_missing_model_and_cpu_nccl_are_refused_before_anything_starts(tmp_path)
 def test_learner_config_is_accepted_by_the_real_learner(mode, tmp_path):
     from learner.config import load_config
 
-    args = _args("--learner-set", "grpo.pad_to_multiple_of=8")
+    args = _args("--learner-set", "grpo.pad_to_multiple_of=8", "--split-max-staleness", "1")
     cfg = e2e.learner_config(
         args, mode, "http://127.0.0.1:9", tmp_path / "run", tmp_path / "p.jsonl", tmp_path / "s"
     )
@@ -89,9 +89,11 @@ def test_learner_config_is_accepted_by_the_real_learner(mode, tmp_path):
     assert loaded.rollout.servers == ["http://127.0.0.1:9"]
     if mode == "colocated":
         assert (loaded.rollout.sync, loaded.rollout.sleep_while_training) == ("file", 1)
+        assert loaded.rollout.max_staleness == 0  # no overlap while the server sleeps
         assert loaded.rollout.sync_dir == str(tmp_path / "s") and loaded.run.steps == 8
     else:
         assert (loaded.rollout.sync, loaded.rollout.sleep_while_training) == ("nccl", None)
+        assert loaded.rollout.max_staleness == 1
         assert loaded.run.steps == 20
 
 
