@@ -17,7 +17,9 @@ Modes, each a real rollout server process and a real learner process:
   ranks on one GPU.
 - ``split`` (two GPUs): the server on GPU 1, the learner on GPU 0 under
   ``accelerate launch --config_file deploy/accelerate/zero3.yaml --num_processes 1`` with
-  ``rollout.sync = "nccl"``; both start at once (the learner waits for the server).
+  ``rollout.sync = "nccl"``; both start at once (the learner waits for the server). Synchronous
+  by default, like the colocated run and TRL; ``--split-max-staleness 1`` lets the learner
+  generate the next batch while it trains (then ``wait_generate`` is the exposed part only).
 
 Every step's metrics come from the learner's own ``metrics.jsonl``; the first ``--warmup``
 steps are dropped and medians taken over the rest. Once the last step is logged the learner is
