@@ -1,0 +1,247 @@
+"""Triton chunk engine of `learner.fused_loss`: one pass over a chunk's logits, 2 bytes each.
+
+Per chunk of C tokens (the caller runs the per-token loss in between and the two gradient
+products with cuBLAS after):
+
+1. `_softmax_tiles_kernel`: logits tiles `hidden @ weight.T` on the tensor cores (fp32
+   accumulate), folded into an online log-sum-exp (running max m, Σ 2^(z-m), Σ 2^(z-m)·z per
+   vocab split, in base 2) and the target logit (a row dot with the gathered weight row); every
+   128-column tile is also stored as p̃ = 2^(z - m) in fp16 — the very values the online sum
+   adds, in (0, 1], so fp16 keeps 11 significant bits where it matters — and m per (token,
+   tile), `ref`. Logits rounded to 16 bits (bf16 errors of ±|z|·2⁻⁹ in z, i.e. several % in p)
+   would not do.
+2. The splits' partials are merged in PyTorch ([splits, C], tiny) into lse, log-prob and
+   entropy; the caller turns those into g_logp and g_ent.
+3. `_logits_grad_kernel`: p = p̃ · 2^(ref - lse) and ∂loss/∂logits from it, written in the
+   weight's dtype (bf16/fp16) over p̃ in the same buffer, so cuBLAS reads it directly.
+
+The buffer is C × V 2-byte values, the chunk's only large allocation; nothing N×V exists.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from learner.kernels.triton_logprobs import (
+    _MASKED,
+    _PRUNE,
+    LOG2E,
+    _configs,
+    _dot,
+    _num_sms,
+    _set_allocator,
+)
+
+TILE_V = 128  # vocab columns per stored tile (one `ref` value per token and tile)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+_TILE_CONFIGS = _configs(
+    [
+        ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
+        ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
+        ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
+        ({"BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
+    ],
+    {"BLOCK_N": 16, "BLOCK_K": 16},
+)
+
+
+@triton.autotune(configs=_TILE_CONFIGS, key=["H", "V", "IEEE"], prune_configs_by=_PRUNE)
+@triton.jit
+def _softmax_tiles_kernel(
+    h_ptr,  # [N, H] contiguous
+    w_ptr,  # [V, H] contiguous
+    tgt_ptr,  # [N]
+    pt_ptr,  # [N, P_STRIDE] fp16 out: 2^(z2 - ref) per column
+    ref_ptr,  # [N, REF_STRIDE] fp32 out: the running max (base 2) each tile was stored against
+    m_ptr,  # [S, PART_STRIDE] out: running max (base 2)
+    s_ptr,  # [S, PART_STRIDE] out: Σ 2^(z2 - m)
+    t_ptr,  # [S, PART_STRIDE] out: Σ 2^(z2 - m) · z2
+    tz_ptr,  # [N] out: target logit / T (natural units; written by split 0)
+    N,
+    V,
+    H,
+    P_STRIDE,
+    REF_STRIDE,
+    PART_STRIDE,
+    v_per_split,  # a multiple of TILE_V
+    inv_t2,  # log2(e) / T: z2 = logits · inv_t2 are base-2 logits
+    IEEE: tl.constexpr,
+    BLOCK_V: tl.constexpr,  # = TILE_V
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    h_desc = tl.make_tensor_descriptor(h_ptr, [N, H], [H, 1], [BLOCK_N, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, [V, H], [H, 1], [BLOCK_V, BLOCK_K])
+    row0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    m = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_N], tl.float32)
+    t = tl.zeros([BLOCK_N], tl.float32)
+    v_start = pid_s * v_per_split
+    v_end = tl.minimum(V, v_start + v_per_split)
+    for v0 in range(v_start, v_end, BLOCK_V):
+        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            acc = _dot(h_desc.load([row0, k0]), w_desc.load([v0, k0]).T, acc, IEEE)
+        z2 = acc * inv_t2
+        cols = v0 + tl.arange(0, BLOCK_V)
+        if v0 + BLOCK_V > V:
+            z2 = tl.where(cols[None, :] < V, z2, _MASKED)
+        m_new = tl.maximum(m, tl.max(z2, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(z2 - m_new[:, None])  # [BN, BV] in (0, 1]
+        s = s * alpha + tl.sum(p, 1)
+        t = t * alpha + tl.sum(p * z2, 1)
+        m = m_new
+        offs = rows[:, None].to(tl.int64) * P_STRIDE + cols[None, :]
+        tl.store(pt_ptr + offs, p.to(tl.float16), mask=row_ok[:, None] & (cols[None, :] < V))
+        tl.store(ref_ptr + rows * REF_STRIDE + v0 // BLOCK_V, m_new, mask=row_ok)
+    out = pid_s * PART_STRIDE + rows
+    tl.store(m_ptr + out, m, mask=row_ok)
+    tl.store(s_ptr + out, s, mask=row_ok)
+    tl.store(t_ptr + out, t, mask=row_ok)
+    if pid_s == 0:
+        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0)
+        offs_k = tl.arange(0, BLOCK_K)
+        tz = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + offs_k
+            a = h_desc.load([row0, k0]).to(tl.float32)
+            wt = tl.load(
+                w_ptr + tgt[:, None].to(tl.int64) * H + kk[None, :],
+                mask=row_ok[:, None] & (kk < H)[None, :],
+                other=0.0,
+            )
+            tz += tl.sum(a * wt.to(tl.float32), 1)
+        tl.store(tz_ptr + rows, tz * (inv_t2 * 0.6931471805599453), mask=row_ok)
+
+
+@triton.jit
+def _logits_grad_kernel(
+    buf_ptr,  # [N, STRIDE] int16: fp16 p̃ in, ∂loss/∂logits (bf16 or fp16 bits) out, in place
+    ref_ptr,  # [N, REF_STRIDE] fp32
+    lse2_ptr,  # [N] log-sum-exp of z, base 2
+    glp_ptr,  # [N] ∂loss/∂logp / T
+    gent_ptr,  # [N] ∂loss/∂entropy / T
+    ent_ptr,  # [N] entropy
+    tgt_ptr,  # [N]
+    N,
+    V,
+    STRIDE,
+    REF_STRIDE,
+    ENT_GRAD: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_V: tl.constexpr,  # = TILE_V
+):
+    pid_v = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < N
+    ok = row_ok[:, None] & (cols < V)[None, :]
+    offs = rows[:, None].to(tl.int64) * STRIDE + cols[None, :]
+    pt = tl.load(buf_ptr + offs, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+    ref = tl.load(ref_ptr + rows * REF_STRIDE + pid_v, mask=row_ok, other=0.0)
+    lse2 = tl.load(lse2_ptr + rows, mask=row_ok, other=0.0)
+    glp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
+    shift = ref - lse2  # [BM] log2 of p / p̃ (<= 0)
+    p = pt * tl.exp2(shift)[:, None]  # [BM, BV] softmax
+    g = -glp[:, None] * p
+    if ENT_GRAD:
+        gent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
+        ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+        # p̃ = 0 (underflow) contributes nothing; 0 · log 0 would be NaN
+        logp = (tl.log2(tl.maximum(pt, 1e-30)) + shift[:, None]) * 0.6931471805599453
+        g -= gent[:, None] * tl.where(pt > 0.0, p * (logp + ent[:, None]), 0.0)
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    g += tl.where(cols[None, :] == tgt[:, None], glp[:, None], 0.0)
+    if OUT_BF16:
+        bits = g.to(tl.bfloat16).to(tl.int16, bitcast=True)
+    else:
+        bits = g.to(tl.float16).to(tl.int16, bitcast=True)
+    tl.store(buf_ptr + offs, bits, mask=ok)
+
+
+class TritonChunks:
+    """Chunk engine with the interface of `fused_loss.TorchChunks`: `stats(s, e)` then
+    `logits_grad(g_logp, g_ent)` for the same chunk."""
+
+    def __init__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+        temperature: float, chunk_size: int,
+    ):  # fmt: skip
+        if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
+            raise ValueError(
+                f"the fused Triton path takes bf16/fp16 hidden and weight of one dtype, got "
+                f"{hidden.dtype} and {weight.dtype}; use impl='torch'"
+            )
+        _set_allocator()
+        self.h, self.w, self.tgt = hidden.contiguous(), weight.contiguous(), targets.contiguous()
+        n, _ = self.h.shape
+        v = self.w.shape[0]
+        self.inv_t = 1.0 / temperature
+        c = max(1, min(chunk_size, n))
+        n_tiles_v = triton.cdiv(v, TILE_V)
+        # Row stride a multiple of 8 entries (16 bytes) for cuBLAS and the bulk copies.
+        self.buf = torch.empty(c, n_tiles_v * TILE_V, dtype=torch.int16, device=hidden.device)
+        self.ref = torch.empty(c, n_tiles_v, dtype=torch.float32, device=hidden.device)
+        # Vocab splits: enough programs to fill the GPU ~4 times at 128 tokens a program.
+        n_tiles = triton.cdiv(c, 128)
+        splits = max(
+            1, min(triton.cdiv(4 * _num_sms(hidden.device), n_tiles), triton.cdiv(v, 2048))
+        )
+        self.v_per_split = triton.cdiv(triton.cdiv(v, splits), TILE_V) * TILE_V
+        self.splits = triton.cdiv(v, self.v_per_split)
+        self.parts = torch.empty(3, self.splits, c, dtype=torch.float32, device=hidden.device)
+        self.tz = torch.empty(c, dtype=torch.float32, device=hidden.device)
+        self._state: tuple | None = None
+
+    def stats(self, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        nb = e - s
+        v, hd = self.w.shape
+        m, sm, t = self.parts.unbind(0)  # [S, C] each
+
+        def grid(meta):
+            return (triton.cdiv(nb, meta["BLOCK_N"]), self.splits)
+
+        _softmax_tiles_kernel[grid](
+            self.h[s:e], self.w, self.tgt[s:e], self.buf.view(torch.float16), self.ref,
+            m, sm, t, self.tz, nb, v, hd, self.buf.shape[1], self.ref.shape[1], m.shape[1],
+            self.v_per_split, LOG2E * self.inv_t, IEEE=False, BLOCK_V=TILE_V,
+        )  # fmt: skip
+        m, sm, t = m[:, :nb], sm[:, :nb], t[:, :nb]  # [S, nb], base 2
+        big = m.max(dim=0).values  # [nb]
+        scale = torch.exp2(m - big)  # [S, nb]
+        total = (sm * scale).sum(0)
+        lse2 = big + torch.log2(total)  # [nb]
+        lse = lse2 * (1.0 / LOG2E)
+        ent = (lse2 - (t * scale).sum(0) / total) * (1.0 / LOG2E)
+        logp = (self.tz[:nb] - lse).clamp_max_(0.0)  # separate dot: clamp rounding above 0
+        self._state = (s, e, lse2, ent)
+        return logp, ent
+
+    def logits_grad(self, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> torch.Tensor:
+        assert self._state is not None
+        s, e, lse2, ent = self._state
+        self._state = None
+        nb = e - s
+        v = self.w.shape[0]
+        glp = g_lp.float() * self.inv_t if g_lp is not None else torch.zeros_like(lse2)
+        ent_grad = g_ent is not None
+        gent = g_ent.float() * self.inv_t if ent_grad else glp
+        block_m = 16 if _INTERPRET else 32
+        grid = (triton.cdiv(nb, block_m), triton.cdiv(v, TILE_V))
+        _logits_grad_kernel[grid](
+            self.buf, self.ref, lse2, glp, gent, ent, self.tgt[s:e], nb, v,
+            self.buf.shape[1], self.ref.shape[1], ENT_GRAD=ent_grad,
+            OUT_BF16=self.w.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_V=TILE_V, num_warps=4,
+        )  # fmt: skip
+        return self.buf.view(self.w.dtype)[:nb, :v]  # [nb, V], row stride a multiple of 128

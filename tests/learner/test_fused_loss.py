@@ -1,0 +1,310 @@
+"""The fused linear + GRPO loss against `grpo_loss(token_logprobs(...))` and float64 logits.
+
+The torch path runs here directly; the Triton path runs under Triton's interpreter in a
+subprocess (TRITON_INTERPRET must be set before triton is imported), and at realistic sizes on
+a GPU (`pytest -m gpu`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from learner.fused_loss import GRPOTokenLoss, fused_grpo_loss
+from learner.logprobs import token_logprobs
+from learner.loss import LOSS_TYPES, LossConfig, LossInputs, grpo_loss
+from learner.train_step import regroup
+
+LENS = [9, 0, 14, 5, 11]  # loss tokens per rollout: ragged, one rollout without any
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def make(dtype, lens=LENS, hd=16, v=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))  # [N]
+    n, b = seq.numel(), len(lens)
+    h = torch.randn(n, hd, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(v, hd, generator=g) * 0.7).to(dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    with torch.no_grad():
+        base = token_logprobs(h.double(), w.double(), t)[0]
+    old = regroup(base + 0.3 * torch.randn(n, generator=g, dtype=torch.float64), seq, b)
+    extra = {
+        "advantages": torch.randn(b, generator=g, dtype=torch.float64),
+        "old": old,  # [B, L], ratios far enough from 1 that both clip sides occur
+        "sampling": old - 0.5 * torch.rand(old.shape, generator=g, dtype=torch.float64),
+        "ref": old + 0.3 * torch.randn(old.shape, generator=g, dtype=torch.float64),
+    }
+    return h, w, t, seq, extra
+
+
+VARIANTS = {
+    "plain": ({"beta": 0.0, "tis_cap": None}, ()),
+    "kl": ({"beta": 0.1, "tis_cap": None}, ("ref",)),
+    "is": ({"beta": 0.0, "tis_cap": 1.5}, ("sampling",)),
+    "entropy": ({"beta": 0.0, "tis_cap": None, "entropy_coef": 0.3}, ()),
+    "all": ({"beta": 0.1, "tis_cap": 1.5, "entropy_coef": 0.3}, ("ref", "sampling")),
+}
+
+
+def reference_loss(h, w, t, seq, ex, cfg, uses, old, temperature, **kw):
+    """The learner's current path: chunked log-probs, regrouped, `grpo_loss`."""
+    b = ex["advantages"].numel()
+    lp, ent = token_logprobs(h.double(), w.double(), t, temperature=temperature, chunk_size=5)
+    lp_g = regroup(lp, seq, b)
+    inputs = LossInputs(
+        logprobs=lp_g,
+        old_logprobs=ex["old"] if old else lp_g.detach(),
+        advantages=ex["advantages"],
+        mask=regroup(torch.ones_like(lp), seq, b),
+        sampling_logprobs=ex["sampling"] if "sampling" in uses else None,
+        ref_logprobs=ex["ref"] if "ref" in uses else None,
+        entropy=regroup(ent, seq, b),
+        **kw,
+    )
+    loss, metrics = grpo_loss(inputs, cfg)
+    return loss, lp, ent, metrics
+
+
+def fused(h, w, t, seq, ex, cfg, uses, old, temperature, chunk_size=4, impl="torch", **kw):
+    token_loss = GRPOTokenLoss(
+        cfg,
+        seq,
+        ex["advantages"],
+        old_logprobs=ex["old"] if old else None,
+        sampling_logprobs=ex["sampling"] if "sampling" in uses else None,
+        ref_logprobs=ex["ref"] if "ref" in uses else None,
+        **kw,
+    )
+    loss, lp, ent = fused_grpo_loss(
+        h, w, t, token_loss, temperature=temperature, chunk_size=chunk_size, impl=impl
+    )
+    return loss, lp, ent, token_loss.metrics
+
+
+def grads_of(run, h, w):
+    h.grad = w.grad = None
+    loss, lp, ent, metrics = run()
+    loss.backward()
+    return loss.detach(), lp, ent, metrics, h.grad.clone(), w.grad.clone()
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-6), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_equals_grpo_loss_of_token_logprobs(loss_type, variant, dtype, tol):
+    over, uses = VARIANTS[variant]
+    cfg = LossConfig(loss_type=loss_type, max_completion_length=16, **over)
+    h, w, t, seq, ex = make(dtype)
+    old = variant != "plain"  # μ = 1 (old = current, detached) in the plain case
+    kw = {"num_items_in_batch": 70.0, "dp_world_size": 2, "num_micro_batches": 3}
+    args = (t, seq, ex, cfg, uses, old, 0.8)
+    ours = grads_of(lambda: fused(h, w, *args, **kw), h, w)
+    ref = grads_of(lambda: reference_loss(h, w, *args, **kw), h, w)
+    for name, a, r in zip(("loss", "logp", "entropy"), ours[:3], ref[:3], strict=True):
+        assert rel(a, r) < tol, name
+    assert ours[3].keys() == ref[3].keys()
+    for k in ref[3]:
+        assert abs(float(ours[3][k]) - float(ref[3][k])) < tol, k
+    assert ours[4].dtype == h.dtype and ours[5].dtype == w.dtype
+    assert rel(ours[4], ref[4]) < tol, "grad_hidden"
+    assert rel(ours[5], ref[5]) < tol, "grad_weight"
+    assert not ours[1].requires_grad and not ours[2].requires_grad
+
+
+def full_logits(h, w, t, temperature):
+    z = (h.double() @ w.double().T) / temperature  # [N, V]
+    lp = torch.log_softmax(z, dim=-1)
+    return lp.gather(1, t[:, None]).squeeze(1), -(lp.exp() * lp).sum(-1)
+
+
+def separable(cl, ce):
+    """Σ cl·logp + Σ ce·entropy (a term left out where its weights are None): a separable token
+    loss whose random per-token weights exercise every gradient path."""
+
+    def token_loss(lp, ent):
+        out = (lp.double() * cl).sum() if cl is not None else 0.0
+        return out + (ent.double() * ce).sum() if ce is not None else out
+
+    return token_loss
+
+
+def run_full(h, w, t, token_loss, temperature):
+    lp, ent = full_logits(h, w, t, temperature)
+    return token_loss(lp, ent), lp, ent, {}
+
+
+def run_fused(h, w, t, token_loss, **kw):
+    return (*fused_grpo_loss(h, w, t, token_loss, **kw), {})
+
+
+@pytest.mark.parametrize("terms", ["both", "logp", "entropy"])
+@pytest.mark.parametrize("chunk_size", [1, 7, 1000])
+def test_any_separable_loss_matches_float64_full_logits(terms, chunk_size):
+    h, w, t, _, _ = make(torch.float64, seed=1)
+    g = torch.Generator().manual_seed(2)
+    cl, ce = torch.randn(t.numel(), generator=g), torch.randn(t.numel(), generator=g)
+    token_loss = separable(cl if terms != "entropy" else None, ce if terms != "logp" else None)
+    ours = grads_of(functools.partial(run_fused, h, w, t, token_loss, chunk_size=chunk_size), h, w)
+    ref = grads_of(functools.partial(run_full, h, w, t, token_loss, 1.0), h, w)
+    for i in (0, 1, 2, 4, 5):
+        assert rel(ours[i], ref[i]) < 1e-10, i
+
+
+def test_scaled_backward_partial_grads_and_no_grad():
+    h, w, t, seq, ex = make(torch.float64, seed=3)
+    cfg = LossConfig(beta=0.1)
+    args = (t, seq, ex, cfg, ("ref",), True, 1.0)
+    _, _, _, _, rh, rw = grads_of(lambda: reference_loss(h, w, *args), h, w)
+    h.grad = w.grad = None
+    (2.5 * fused(h, w, *args)[0]).backward()  # grad_output 2.5 scales both gradients
+    assert rel(h.grad, 2.5 * rh) < 1e-10 and rel(w.grad, 2.5 * rw) < 1e-10
+    h.grad = w.grad = None
+    w.requires_grad_(False)  # LoRA: frozen head, only grad_hidden
+    fused(h, w, *args)[0].backward()
+    assert w.grad is None and rel(h.grad, rh) < 1e-10
+    w.requires_grad_(True)
+    h2 = h.detach()  # only the head's gradient
+    fused(h2, w, *args)[0].backward()
+    assert rel(w.grad, rw) < 1e-10
+    with torch.no_grad():
+        loss, lp, _, _ = fused(h, w, *args)
+    assert loss.grad_fn is None and rel(lp, token_logprobs(h.double(), w.double(), t)[0]) < 1e-12
+
+
+def test_second_backward_is_refused():
+    h, w, t, seq, ex = make(torch.float64)
+    loss = fused(h, w, t, seq, ex, LossConfig(), (), True, 1.0)[0]
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_no_loss_tokens():
+    h, w, t, seq, ex = make(torch.float64, lens=[0, 0])
+    loss, lp, _, _ = fused(h, w, t, seq, ex, LossConfig(), (), True, 1.0)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and lp.shape == (0,)
+    assert h.grad.shape == (0, 16) and float(w.grad.abs().max()) == 0.0
+
+
+def test_token_loss_regroups_like_train_step_and_checks_shapes():
+    _, _, _, seq, ex = make(torch.float64)
+    tl = GRPOTokenLoss(LossConfig(), seq, ex["advantages"], old_logprobs=ex["old"])
+    flat = torch.randn(seq.numel(), dtype=torch.float64)
+    assert torch.equal(tl.regroup(flat), regroup(flat, seq, len(LENS)))
+    mask_flat = ex["old"][regroup(torch.ones_like(flat), seq, len(LENS)).bool()]
+    tl2 = GRPOTokenLoss(LossConfig(), seq, ex["advantages"], old_logprobs=mask_flat)  # flat [N]
+    assert torch.equal(tl2.old, ex["old"] * tl.mask)
+    with pytest.raises(ValueError, match="ref_logprobs has shape"):
+        GRPOTokenLoss(LossConfig(), seq, ex["advantages"], ref_logprobs=torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="rollout ids"):
+        GRPOTokenLoss(LossConfig(), seq, ex["advantages"][:2])
+
+
+def test_bf16_gradients_and_fp32_weight_grad_accumulation():
+    # 512 tokens in 64 chunks: grad_weight is rounded to bf16 64 times unless accumulated in
+    # fp32, in which case it is as accurate as with a single chunk (one rounding).
+    h, w, t, _, _ = make(torch.bfloat16, lens=[512], hd=64, v=256, seed=4)
+    g = torch.Generator().manual_seed(5)
+    cl = torch.randn(t.numel(), generator=g) / t.numel()
+    token_loss = separable(cl, 0.1 * cl)
+    ref = grads_of(functools.partial(run_full, h, w, t, token_loss, 0.9), h, w)
+    errs = {}
+    for chunk, fp32 in ((512, False), (8, False), (8, True)):
+        run = functools.partial(
+            run_fused, h, w, t, token_loss, temperature=0.9, chunk_size=chunk,
+            fp32_weight_grad=fp32,
+        )  # fmt: skip
+        ours = grads_of(run, h, w)
+        assert ours[4].dtype == ours[5].dtype == torch.bfloat16
+        assert rel(ours[0], ref[0]) < 1e-4 and rel(ours[4], ref[4]) < 1e-2
+        errs[chunk, fp32] = rel(ours[5], ref[5])
+    one_chunk = errs[512, False]
+    assert abs(errs[8, True] - one_chunk) < 0.02 * one_chunk, errs
+    assert 1.5 * one_chunk < errs[8, False] < 1e-2, errs
+
+
+def test_rejects_bad_inputs():
+    h, w, t, seq, ex = make(torch.float64)
+    tl = GRPOTokenLoss(LossConfig(), seq, ex["advantages"])
+    with pytest.raises(ValueError, match="targets must lie"):
+        fused_grpo_loss(h, w, t + 100, tl)
+    with pytest.raises(ValueError, match="impl must be"):
+        fused_grpo_loss(h, w, t, tl, impl="cuda")
+
+
+def run_triton_checks(device, n_lens, hd, v, chunk_sizes, temperature=0.8, seed=0):
+    """[(name, error, tolerance)]: the Triton path in bf16/fp16 vs float64 on the same inputs."""
+    out = []
+    for dtype in (torch.bfloat16, torch.float16):
+        h, w, t, seq, ex = make(dtype, lens=n_lens, hd=hd, v=v, seed=seed)
+        h, w = h.detach().to(device).requires_grad_(), w.detach().to(device).requires_grad_()
+        t, seq = t.to(device), seq.to(device)
+        ex = {k: x.to(device) for k, x in ex.items()}
+        g = torch.Generator().manual_seed(seed + 1)
+        cl = torch.randn(t.numel(), generator=g, dtype=torch.float64).to(device)
+        ce = torch.randn(t.numel(), generator=g, dtype=torch.float64).to(device)
+        for with_ent in (False, True):
+            token_loss = separable(cl, ce if with_ent else None)
+            ref = grads_of(functools.partial(run_full, h, w, t, token_loss, temperature), h, w)
+            for cs in chunk_sizes:
+                tag = f"{dtype} entropy term={with_ent} chunk={cs}"
+                run = functools.partial(
+                    run_fused, h, w, t, token_loss, temperature=temperature, chunk_size=cs,
+                    impl="triton",
+                )  # fmt: skip
+                ours = grads_of(run, h, w)
+                for i, name in enumerate(("loss", "logp", "entropy")):
+                    out.append((f"{name} {tag}", rel(ours[i], ref[i]), 1e-4))
+                out.append((f"grad_hidden {tag}", rel(ours[4], ref[4]), 1e-2))
+                out.append((f"grad_weight {tag}", rel(ours[5], ref[5]), 1e-2))
+                out.append((f"logp<=0 {tag}", float(ours[1].max().clamp_min(0)), 1e-30))
+                finite = all(bool(torch.isfinite(x).all()) for x in (*ours[1:3], *ours[4:]))
+                out.append((f"finite {tag}", float(not finite), 0.5))
+        cfg = LossConfig(loss_type="grpo", beta=0.1, tis_cap=1.5, entropy_coef=0.3)
+        args = (h, w, t, seq, ex, cfg, ("ref", "sampling"), True, temperature)
+        run = functools.partial(fused, *args, chunk_size=chunk_sizes[0], impl="triton")
+        ours = grads_of(run, h, w)
+        ref = grads_of(functools.partial(reference_loss, *args), h, w)
+        for i, name in ((0, "loss"), (4, "grad_hidden"), (5, "grad_weight")):
+            out.append((f"grpo_loss {name} {dtype}", rel(ours[i], ref[i]), 1e-2))
+    return out
+
+
+def _assert_all(results):
+    bad = [f"{name}: {err:.3g} > {tol:g}" for name, err, tol in results if not err <= tol]
+    assert not bad, "\n".join(bad)
+
+
+def test_triton_path_under_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) > 50
+    _assert_all(results)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_path_on_gpu():
+    # Odd sizes: hidden 520, vocab 50_001 (partial last tile), 2000 tokens in 4 ragged rollouts.
+    _assert_all(run_triton_checks("cuda", [700, 0, 900, 400], 520, 50_001, [512, 2000]))
+
+
+if __name__ == "__main__":  # the interpreter run: tiny sizes, CPU
+    print(json.dumps(run_triton_checks("cpu", [13, 0, 11], 32, 300, [10, 24])))
