@@ -1,7 +1,8 @@
-"""GRPO loss through the LM head on a GPU: full logits vs Liger vs ours (fwd+bwd, bf16).
+"""GRPO loss through the LM head on a GPU: full logits vs Liger vs ours vs fused (fwd+bwd, bf16).
 
     python bench/bench_loss_gpu.py --out-dir $OUT            # both heads, token sweep, plot
     python bench/bench_loss_gpu.py --breakdown               # time each kernel of ours
+    python bench/bench_loss_gpu.py --breakdown --variants fused   # ... of fused, per chunk
 
 Variants, all computing the same DAPO loss (beta 0.04 with reference log-probs, clip
 0.2/0.28, temperature 0.9) and gradients w.r.t. hidden states and LM-head weight:
@@ -9,7 +10,13 @@ Variants, all computing the same DAPO loss (beta 0.04 with reference log-probs, 
 - full:  logits = hidden @ W.T materialised in bf16, divided by T, log-softmax (bf16) and
          gather, entropy from it under no_grad (a metric, as TRL logs it).
 - liger: liger-kernel 0.8.5 `LigerFusedLinearGRPOLoss` (defaults: compiled, chunk_size=1).
-- ours:  `token_logprobs(impl="triton")` + `grpo_loss`.
+- ours:  `token_logprobs(impl="triton")` + `grpo_loss` (4 N·H·V products).
+- fused: `fused_grpo_loss(impl="triton")` with `GRPOTokenLoss` (3 products: both gradients
+         in the forward, `--fused-chunk` tokens' logits at a time, 2 bytes an entry).
+
+Accuracy (`fused` and `ours`, at each head's largest token count): loss and gradients against
+float64 (`token_logprobs(impl="torch")` on float64 copies of the same bf16 inputs); the bar
+is a relative error <= 1e-2 for the gradients.
 
 Time: median of CUDA-event-timed fwd+bwd iterations after warm-up. Memory: peak
 `torch.cuda.max_memory_allocated()` during one fwd+bwd minus the memory allocated just before
@@ -21,6 +28,7 @@ grad_weight) at the measured bf16 matmul rate.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -48,7 +56,7 @@ def make_inputs(b, t, hd, seed=0):
     return h.requires_grad_(), w.requires_grad_(), ids, old, ref, adv, mask
 
 
-def run_full(h, w, ids, old, ref, adv, mask):
+def run_full(h, w, ids, old, ref, adv, mask):  # each run_* returns its loss, detached
     from learner.loss import LossConfig, LossInputs, grpo_loss
 
     logits = h @ w.T  # [B, T, V] bf16, materialised
@@ -62,6 +70,7 @@ def run_full(h, w, ids, old, ref, adv, mask):
     inputs = LossInputs(logp, old, adv, mask, ref_logprobs=ref, entropy=ent.view(logp.shape))
     loss, _ = grpo_loss(inputs, LossConfig(beta=0.04))
     loss.backward()
+    return loss.detach()
 
 
 def run_ours(h, w, ids, old, ref, adv, mask):
@@ -73,6 +82,25 @@ def run_ours(h, w, ids, old, ref, adv, mask):
     inputs = LossInputs(lp.view(b, t), old, adv, mask, ref_logprobs=ref, entropy=ent.view(b, t))
     loss, _ = grpo_loss(inputs, LossConfig(beta=0.04))
     loss.backward()
+    return loss.detach()
+
+
+FUSED_CHUNK = {"size": 1024}  # --fused-chunk
+
+
+def run_fused(h, w, ids, old, ref, adv, mask):
+    from learner.fused_loss import GRPOTokenLoss, fused_grpo_loss
+    from learner.loss import LossConfig
+
+    b, t, hd = h.shape
+    seq = torch.arange(b, device=h.device).repeat_interleave(t)  # [N] rollout of each token
+    token_loss = GRPOTokenLoss(LossConfig(beta=0.04), seq, adv, old_logprobs=old, ref_logprobs=ref)
+    loss, _, _ = fused_grpo_loss(
+        h.view(-1, hd), w, ids.view(-1), token_loss, temperature=TEMP,
+        chunk_size=FUSED_CHUNK["size"], impl="triton",
+    )  # fmt: skip
+    loss.backward()
+    return loss.detach()
 
 
 _LIGER = {}
@@ -87,9 +115,10 @@ def run_liger(h, w, ids, old, ref, adv, mask):
         )
     loss, _ = _LIGER["loss"](h, w, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)
     loss.backward()
+    return loss.detach()
 
 
-VARIANTS = {"full": run_full, "liger": run_liger, "ours": run_ours}
+VARIANTS = {"full": run_full, "liger": run_liger, "ours": run_ours, "fused": run_fused}
 
 
 def measure(fn, inputs, iters):
@@ -113,6 +142,46 @@ def measure(fn, inputs, iters):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times), peak / 1e9
+
+
+def accuracy(hd, b, t, variants):
+    """Relative errors of each variant's loss and gradients against float64 on the same inputs."""
+    from learner.logprobs import token_logprobs
+    from learner.loss import LossConfig, LossInputs, grpo_loss
+
+    inputs = make_inputs(b, t, hd, seed=1)
+    h, w, ids, old, ref, adv, mask = inputs
+    h64 = h.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    lp, ent = token_logprobs(h64.view(-1, hd), w64, ids.view(-1), temperature=TEMP, impl="torch")
+    ins = LossInputs(lp.view(b, t), old, adv, mask, ref_logprobs=ref, entropy=ent.view(b, t))
+    want, _ = grpo_loss(ins, LossConfig(beta=0.04))
+    want.backward()
+    want = want.detach()
+    rows = []
+    for name in variants:
+        h.grad = w.grad = None
+        got = VARIANTS[name](*inputs)
+        errs = {
+            "loss": _rel(got, want),
+            "grad_hidden": _rel(h.grad, h64.grad),
+            "grad_weight": _rel(w.grad, w64.grad),
+        }
+        rows.append({"variant": name, "hidden": hd, "tokens": b * t, **errs})
+        ok = errs["grad_hidden"] <= 1e-2 and errs["grad_weight"] <= 1e-2
+        print(
+            f"accuracy H={hd} N={b * t} {name:<6} vs float64: loss {errs['loss']:.2e}, "
+            f"grad_hidden {errs['grad_hidden']:.2e}, grad_weight {errs['grad_weight']:.2e}  "
+            f"({'ok' if ok else 'OVER 1e-2'})",
+            flush=True,
+        )
+    h.grad = w.grad = None
+    return rows
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def matmul_tflops():
@@ -184,6 +253,63 @@ def breakdown(hd, b, t):
     return rows
 
 
+def breakdown_fused(hd, b, t, chunk):
+    """Time each stage of one chunk of fused (and the whole fwd+bwd) at one shape."""
+    from learner.fused_loss import GRPOTokenLoss, _token_grads
+    from learner.kernels.triton_fused import TritonChunks, _softmax_tiles_kernel
+    from learner.loss import LossConfig
+
+    h, w, ids, old, ref, adv, _ = make_inputs(b, t, hd)
+    n = b * t
+    h2, w2, ids2 = h.detach().view(-1, hd), w.detach(), ids.view(-1)
+    seq = torch.arange(b, device="cuda").repeat_interleave(t)
+    token_loss = GRPOTokenLoss(LossConfig(beta=0.04), seq, adv, old_logprobs=old, ref_logprobs=ref)
+    chunks = TritonChunks(h2, w2, ids2, TEMP, chunk)
+    c = min(chunk, n)
+    logp = torch.zeros(n, device="cuda")
+    ent = torch.zeros(n, device="cuda")
+    logp[:c], ent[:c] = chunks.stats(0, c)
+    g_lp, g_ent = _token_grads(token_loss, logp, ent, 0, c)
+    g = chunks.logits_grad(g_lp, g_ent)
+    grad_w = torch.empty_like(w2)
+    gh = torch.empty(c, hd, device="cuda", dtype=h2.dtype)
+
+    def ev(fn, iters=10):
+        fn()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(iters):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        return s.elapsed_time(e) / iters
+
+    def stats_and_grad():
+        chunks.stats(0, c)
+        chunks.logits_grad(g_lp, g_ent)
+
+    stats_ms = ev(lambda: chunks.stats(0, c))
+    rows = [  # (stage, ms, is an N·H·V product)
+        ("softmax tiles + merge", stats_ms, True),
+        ("token loss gradients (autograd)", ev(lambda: _token_grads(token_loss, logp, ent, 0, c)), False),
+        ("dlogits in place", ev(stats_and_grad) - stats_ms, False),
+        ("grad_hidden = G @ W (cuBLAS)", ev(lambda: torch.mm(g, w2, out=gh)), True),
+        ("grad_weight += Gᵀ @ h (cuBLAS)", ev(lambda: grad_w.addmm_(g.T, h2[:c])), True),
+    ]  # fmt: skip
+    flop = 2 * c * hd * VOCAB
+    nchunks = -(-n // c)
+    print(f"fused breakdown H={hd} N={n}, chunk {c} ({nchunks} chunks), per chunk:")
+    for name, ms, product in rows:
+        rate = f"({flop / ms / 1e9:4.0f} TFLOP/s)" if product else ""
+        print(f"  {name:<36}{ms:8.3f} ms  x{nchunks} = {ms * nchunks:7.1f} ms {rate}")
+    print(f"  sum x chunks: {sum(r[1] for r in rows) * nchunks:.1f} ms")
+    h.grad = w.grad = None
+    print(f"  whole fwd+bwd (median): {measure(run_fused, make_inputs(b, t, hd), 5)[0]:.1f} ms")
+    print(f"  softmax tiles kernel config: {getattr(_softmax_tiles_kernel, 'best_config', None)}")
+    return rows
+
+
 def plot(results, path):
     import matplotlib
 
@@ -226,11 +352,22 @@ def main():
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--no-sweep", action="store_true", help="only the headline token count")
     p.add_argument("--breakdown", action="store_true", help="time the stages of ours and exit")
+    p.add_argument("--fused-chunk", type=int, default=1024, help="tokens per chunk of fused")
+    p.add_argument("--no-accuracy", action="store_true", help="skip the float64 comparison")
     args = p.parse_args()
+    FUSED_CHUNK["size"] = args.fused_chunk
+    if "liger" in args.variants and importlib.util.find_spec("liger_kernel") is None:
+        print(
+            "liger-kernel is not installed: skipping the liger variant (pip install liger-kernel)"
+        )
+        args.variants = [v for v in args.variants if v != "liger"]
     if args.breakdown:
         for head in args.heads:
             hd, t, bs = HEADS[head]
-            breakdown(hd, bs[-1], t)
+            if "fused" in args.variants:
+                breakdown_fused(hd, bs[-1], t, args.fused_chunk)
+            if "ours" in args.variants:
+                breakdown(hd, bs[-1], t)
         return
     tflops = matmul_tflops()
     print(f"device: {torch.cuda.get_device_name()}, bf16 8192^3 matmul: {tflops:.0f} TFLOP/s")
@@ -260,9 +397,17 @@ def main():
                     f"  (floor {floor_ms:.1f} ms)",
                     flush=True,
                 )
+    checked = [v for v in ("ours", "fused") if v in args.variants]
+    acc = []
+    if checked and not args.no_accuracy:
+        for head in args.heads:
+            hd, t, batches = HEADS[head]
+            acc += [{"head": head, **r} for r in accuracy(hd, batches[-1], t, checked)]
+            torch.cuda.empty_cache()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "matmul_tflops": tflops}
     meta |= {"torch": torch.__version__, "temperature": TEMP, "results": results}
+    meta |= {"fused_chunk": args.fused_chunk, "accuracy": acc}
     meta["persistent_grad_kernel"] = os.environ.get("GRPO_TRITON_PERSISTENT", "1") != "0"
     (args.out_dir / "loss_gpu.json").write_text(json.dumps(meta, indent=2) + "\n")
     plot(results, args.out_dir / "loss_gpu.png")
@@ -270,6 +415,14 @@ def main():
     print("|---|---|---|---|---|")
     for r in results:
         print(f"| {r['head']} | {r['variant']} | {r['tokens']} | {r['ms']:.1f} | {r['gb']:.2f} |")
+    if acc:
+        print("\n| head | variant | tokens | loss rel err | grad_hidden | grad_weight |")
+        print("|---|---|---|---|---|---|")
+        for r in acc:
+            print(
+                f"| {r['head']} | {r['variant']} | {r['tokens']} | {r['loss']:.1e} | "
+                f"{r['grad_hidden']:.1e} | {r['grad_weight']:.1e} |"
+            )
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from learner.batch import TrainBatch
 from learner.logprobs import _check_inputs, _scaled_logits, compute_dtype, logits_grad
 from learner.loss import LossConfig, LossInputs, grpo_loss
 
@@ -96,6 +97,33 @@ class GRPOTokenLoss:
         self.dp_world_size = dp_world_size
         self.num_micro_batches = num_micro_batches
         self.metrics: dict[str, Tensor] = {}
+
+    @classmethod
+    def for_batch(
+        cls,
+        cfg: LossConfig,
+        batch: TrainBatch,
+        seq: Tensor,  # [N] `train_step._seq_index(batch)`
+        *,
+        old_logprobs: Tensor | None,
+        ref_logprobs: Tensor | None,
+        num_items_in_batch: float | None,
+        dp_world_size: int,
+        num_micro_batches: int,
+    ) -> GRPOTokenLoss:
+        """The token loss of one micro-batch, from what `train_step.train_on` holds."""
+        sampling = batch.sampling_logprobs[batch.loss_mask.bool()] if cfg.tis_cap else None
+        return cls(
+            cfg,
+            seq,
+            batch.advantages,
+            old_logprobs=old_logprobs,
+            sampling_logprobs=sampling,
+            ref_logprobs=ref_logprobs,
+            num_items_in_batch=num_items_in_batch,
+            dp_world_size=dp_world_size,
+            num_micro_batches=num_micro_batches,
+        )
 
     def regroup(self, flat: Tensor) -> Tensor:
         """Flat `[N]` -> `[B, L]`, right-padded with zeros (as `train_step.regroup`)."""

@@ -10,16 +10,20 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from learner.batch import Rollout, collate
 from learner.fused_loss import GRPOTokenLoss, fused_grpo_loss
 from learner.logprobs import token_logprobs
 from learner.loss import LOSS_TYPES, LossConfig, LossInputs, grpo_loss
-from learner.train_step import regroup
+from learner.packing import PackedBatch, pack
+from learner.policy import PolicyLogprobs
+from learner.train_step import _forward, _seq_index, regroup
 
 LENS = [9, 0, 14, 5, 11]  # loss tokens per rollout: ragged, one rollout without any
 
@@ -233,6 +237,87 @@ def test_bf16_gradients_and_fp32_weight_grad_accumulation():
     one_chunk = errs[512, False]
     assert abs(errs[8, True] - one_chunk) < 0.02 * one_chunk, errs
     assert 1.5 * one_chunk < errs[8, False] < 1e-2, errs
+
+
+def _rollouts(n=5, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p, c = rng.randint(2, 7), rng.randint(1, 9)
+        mask = [1] * c
+        if c > 3:
+            mask[1] = 0  # a tool token inside the completion: context, not loss
+        logps = [-rng.random() for _ in range(c)]
+        out.append(Rollout([rng.randrange(5, 250) for _ in range(p)],
+                           [rng.randrange(5, 250) for _ in range(c)], logps, mask,
+                           advantage=rng.uniform(-1, 1)))  # fmt: skip
+    return out
+
+
+def fused_forward(policy, b, token_loss):
+    """What `PolicyLogprobs.forward(..., token_loss=...)` does once wired (see the module's
+    docstring): the decoder as in `PolicyLogprobs.forward`, then the fused head + loss."""
+    kw = {"position_ids": b.position_ids} if isinstance(b, PackedBatch) else {}
+    mask = b.block_causal_mask() if isinstance(b, PackedBatch) else b.attention_mask
+    hidden = policy.model.get_decoder()(input_ids=b.input_ids, attention_mask=mask, **kw)
+    hidden = hidden.last_hidden_state[:, :-1]  # [B, T-1, H]
+    sel = b.loss_mask.bool()
+    weight = policy.model.get_output_embeddings().weight
+    return fused_grpo_loss(
+        hidden[sel], weight, b.input_ids[:, 1:][sel], token_loss,
+        temperature=policy.temperature, chunk_size=policy.chunk_size,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_whole_model_gradients_equal_the_learner_path(tiny_model_dir, packed, loss_type):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    policy = PolicyLogprobs(model, temperature=0.9, chunk_size=6)
+    rs = _rollouts()
+    b = pack(rs) if packed else collate(rs, pad_id=0)
+    seq, n = _seq_index(b), b.advantages.numel()
+    cfg = LossConfig(loss_type=loss_type, beta=0.1, entropy_coef=0.05, max_completion_length=16)
+    with torch.no_grad():
+        lp0 = regroup(_forward(policy, b)[0], seq, n)
+    g = torch.Generator().manual_seed(1)
+    old = lp0 + 0.1 * torch.randn(lp0.shape, generator=g)  # num_iterations > 1: ratio != 1
+    ref = lp0 + 0.1 * torch.randn(lp0.shape, generator=g)
+    sampling = regroup(b.sampling_logprobs[b.loss_mask.bool()], seq, n)
+    common = {"num_items_in_batch": 40.0, "num_micro_batches": 2}
+
+    def learner_path():  # train_step.train_on today
+        flat, ent = _forward(policy, b, with_entropy=True)
+        lp = regroup(flat, seq, n)
+        inputs = LossInputs(lp, old, b.advantages, regroup(torch.ones_like(flat), seq, n),
+                            sampling_logprobs=sampling, ref_logprobs=ref,
+                            entropy=regroup(ent, seq, n), **common)  # fmt: skip
+        return grpo_loss(inputs, cfg)
+
+    def fused_path():
+        token_loss = GRPOTokenLoss.for_batch(  # the call train_step.train_on makes
+            cfg, b, seq, old_logprobs=old, ref_logprobs=ref, dp_world_size=1, **common
+        )
+        loss, _, _ = fused_forward(policy, b, token_loss)
+        return loss, token_loss.metrics
+
+    results = []
+    for path in (learner_path, fused_path):
+        model.zero_grad(set_to_none=True)
+        loss, metrics = path()
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), metrics, grads))
+    (la, ma, ga), (lb, mb, gb) = results
+    torch.testing.assert_close(lb, la, atol=1e-6, rtol=1e-5)
+    assert ma.keys() == mb.keys() and ga.keys() == gb.keys() and len(ga) > 10
+    for k in ma:
+        torch.testing.assert_close(mb[k], ma[k], atol=1e-6, rtol=1e-5, msg=k)
+    for k in ga:
+        torch.testing.assert_close(gb[k], ga[k], atol=1e-6, rtol=1e-4, msg=k)
 
 
 def test_rejects_bad_inputs():
