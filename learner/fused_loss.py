@@ -29,6 +29,10 @@ at H=1024).
 `token_loss` must be separable as above: its gradient w.r.t. one token's (log-prob, entropy)
 may depend only on that token's values. Tokens of later chunks hold zeros while earlier chunks
 differentiate it; the returned loss and metrics come from one last call with every token filled.
+Differentiating it costs ~100 small kernels; a token loss whose gradient does not depend on the
+values at all sets `constant_grads = True` and is differentiated once instead of once per chunk
+(`GRPOTokenLoss` with μ = 1, no KL and no IS weight: the ratio exp(logp - logp.detach()) is 1
+whatever logp is, and the entropy bonus is linear).
 """
 
 from __future__ import annotations
@@ -97,6 +101,11 @@ class GRPOTokenLoss:
         self.dp_world_size = dp_world_size
         self.num_micro_batches = num_micro_batches
         self.metrics: dict[str, Tensor] = {}
+        # Gradients independent of the values (see the module docstring): the fused loss
+        # differentiates once for all chunks. With μ > 1 (ratio != 1), the KL term or the IS
+        # weight (exp(old - sampling) with old = logp) they depend on logp.
+        no_is = self.sampling is None or cfg.tis_cap is None
+        self.constant_grads = self.old is None and cfg.beta == 0.0 and no_is
 
     @classmethod
     def for_batch(
@@ -221,12 +230,19 @@ class FusedLinearLoss(torch.autograd.Function):
         dw_dtype = torch.float32 if fp32_dw and weight.dtype != cdtype else weight.dtype
         grad_w = torch.empty(weight.shape, dtype=dw_dtype, device=weight.device) if need_w else None
         dw_empty = True  # grad_w holds no chunk yet: the first product writes it (no memset)
+        const = (need_h or need_w) and getattr(token_loss, "constant_grads", False)
+        if const:  # once, at any values (zeros)
+            g_lp_all, g_ent_all = _token_grads(token_loss, logp, ent, 0, n)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             logp[s:e], ent[s:e] = chunks.stats(s, e)
             if not (need_h or need_w):
                 continue
-            g_lp, g_ent = _token_grads(token_loss, logp, ent, s, e)
+            if const:
+                g_lp = None if g_lp_all is None else g_lp_all[s:e]
+                g_ent = None if g_ent_all is None else g_ent_all[s:e]
+            else:
+                g_lp, g_ent = _token_grads(token_loss, logp, ent, s, e)
             if g_lp is None and g_ent is None:
                 continue
             g = chunks.logits_grad(g_lp, g_ent)  # [C, V] ∂loss/∂logits in the matmul dtype
@@ -284,20 +300,29 @@ def _accumulate(acc: Tensor, a: Tensor, b: Tensor, *, first: bool) -> None:
         else:
             acc.addmm_(a, b)
         return
-    if acc.is_cuda:
-        try:  # bf16 inputs, fp32 output: no fp32 copies of a and b
-            if first:
-                torch.mm(a, b, out_dtype=acc.dtype, out=acc)
-            else:
-                torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-            return
-        except (TypeError, RuntimeError):  # torch without mm/addmm(out_dtype=)
-            pass
-    a, b = a.to(acc.dtype), b.to(acc.dtype)
+    if _fp32_output_mm_works(acc.device, a.dtype):  # bf16 inputs, fp32 output: no fp32 copies
+        if first:
+            torch.mm(a, b, out_dtype=acc.dtype, out=acc)
+        else:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        return
+    a, b = a.to(acc.dtype), b.to(acc.dtype)  # fp32 copies (CPU, or torch without out_dtype)
     if first:
         torch.mm(a, b, out=acc)
     else:
         acc.addmm_(a, b)
+
+
+def _fp32_output_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """cuBLAS `addmm(out_dtype=float32)` probed once by the Triton module (it checks that the
+    accumulation into `out` is right, not only that the call exists)."""
+    if device.type != "cuda":
+        return False
+    try:
+        from learner.kernels.triton_logprobs import _cublas_fp32_addmm_works
+    except ImportError:
+        return False
+    return _cublas_fp32_addmm_works(device, dtype)
 
 
 class TorchChunks:

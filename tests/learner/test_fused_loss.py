@@ -104,13 +104,13 @@ def grads_of(run, h, w):
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-6), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("old", [True, False])  # False: μ = 1, old = current log-probs detached
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_equals_grpo_loss_of_token_logprobs(loss_type, variant, dtype, tol):
+def test_equals_grpo_loss_of_token_logprobs(loss_type, variant, old, dtype, tol):
     over, uses = VARIANTS[variant]
     cfg = LossConfig(loss_type=loss_type, max_completion_length=16, **over)
     h, w, t, seq, ex = make(dtype)
-    old = variant != "plain"  # μ = 1 (old = current, detached) in the plain case
     kw = {"num_items_in_batch": 70.0, "dp_world_size": 2, "num_micro_batches": 3}
     args = (t, seq, ex, cfg, uses, old, 0.8)
     ours = grads_of(lambda: fused(h, w, *args, **kw), h, w)
@@ -124,6 +124,27 @@ def test_equals_grpo_loss_of_token_logprobs(loss_type, variant, dtype, tol):
     assert rel(ours[4], ref[4]) < tol, "grad_hidden"
     assert rel(ours[5], ref[5]) < tol, "grad_weight"
     assert not ours[1].requires_grad and not ours[2].requires_grad
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_constant_grads_only_where_the_gradient_ignores_the_values(loss_type):
+    _, _, _, seq, ex = make(torch.float64)
+    g = torch.Generator().manual_seed(7)
+    values = [torch.randn(2, seq.numel(), generator=g, dtype=torch.float64) - 2 for _ in "ab"]
+    cases = [  # (old log-probs, beta, tis_cap): only the first has value-independent gradients
+        (None, 0.0, None), (ex["old"], 0.0, None), (None, 0.1, None), (None, 0.0, 2.0),
+    ]  # fmt: skip
+    for i, (old, beta, cap) in enumerate(cases):
+        cfg = LossConfig(loss_type=loss_type, beta=beta, tis_cap=cap, entropy_coef=0.2,
+                         max_completion_length=16)  # fmt: skip
+        tl = GRPOTokenLoss(cfg, seq, ex["advantages"], old_logprobs=old,
+                           sampling_logprobs=ex["sampling"], ref_logprobs=ex["ref"])  # fmt: skip
+        grads = []
+        for lp, ent in values:
+            lp, ent = lp.requires_grad_(), ent.requires_grad_()
+            grads.append(torch.autograd.grad(tl(lp, ent), (lp, ent)))
+        same = all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+        assert tl.constant_grads == same == (i == 0), i
 
 
 def full_logits(h, w, t, temperature):
@@ -343,11 +364,11 @@ def run_triton_checks(device, n_lens, hd, v, chunk_sizes, temperature=0.8, seed=
         for with_ent in (False, True):
             token_loss = separable(cl, ce if with_ent else None)
             ref = grads_of(functools.partial(run_full, h, w, t, token_loss, temperature), h, w)
-            for cs in chunk_sizes:
-                tag = f"{dtype} entropy term={with_ent} chunk={cs}"
+            for cs, fp32 in [(c, False) for c in chunk_sizes] + [(chunk_sizes[0], True)]:
+                tag = f"{dtype} entropy term={with_ent} chunk={cs} fp32 dW={fp32}"
                 run = functools.partial(
                     run_fused, h, w, t, token_loss, temperature=temperature, chunk_size=cs,
-                    impl="triton",
+                    fp32_weight_grad=fp32, impl="triton",
                 )  # fmt: skip
                 ours = grads_of(run, h, w)
                 for i, name in enumerate(("loss", "logp", "entropy")):
@@ -380,7 +401,7 @@ def test_triton_path_under_interpreter():
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) > 50
+    assert len(results) > 80
     _assert_all(results)
 
 
