@@ -23,8 +23,8 @@ accumulates in fp32 inside cuBLAS, but the running sum lives in the weight's dty
 rounding per chunk. Measured on CPU (N=16384, H=256, V=8192, DAPO-like per-token gradients,
 relative error of dW vs float64): 0.29 % for one chunk, 0.47 % for 16, 0.58 % for 32, 0.71 % for
 64 (an fp32 accumulator stays at 0.24 %, the floor set by bf16 G). `fp32_weight_grad=True`
-accumulates in an fp32 [V, H] buffer instead, for 2·V·H more bytes (0.62 GB for the Qwen3 head
-at H=1024).
+accumulates in an fp32 [V, H] buffer instead: 4·V·H bytes instead of 2·V·H (0.62 GB instead of
+0.31 GB for the Qwen3 head at H=1024), plus the bf16 copy made at the end.
 
 `token_loss` must be separable as above: its gradient w.r.t. one token's (log-prob, entropy)
 may depend only on that token's values. Tokens of later chunks hold zeros while earlier chunks
