@@ -341,6 +341,41 @@ def test_whole_model_gradients_equal_the_learner_path(tiny_model_dir, packed, lo
         torch.testing.assert_close(gb[k], ga[k], atol=1e-6, rtol=1e-4, msg=k)
 
 
+@pytest.mark.parametrize(("packing", "num_iterations"), [(False, 1), (True, 2)])
+def test_train_on_with_fused_loss_equals_the_plain_step(tiny_model_dir, packing, num_iterations):
+    """The learner switch (grpo.fused_loss -> StepOptions.fused_loss): one optimizer step with a
+    frozen reference (beta > 0) gives the same metrics and weights either way."""
+    import copy
+
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from learner.train_step import StepOptions, build_micro_batches, train_on
+
+    if "fused_loss" not in StepOptions.__dataclass_fields__:
+        pytest.skip("StepOptions.fused_loss is not wired yet (the lead's part)")
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ref = PolicyLogprobs(copy.deepcopy(base), chunk_size=5)
+    cfg = LossConfig(loss_type="grpo", beta=0.05, entropy_coef=0.01, max_completion_length=16)
+    out = []
+    for fused in (False, True):
+        model = copy.deepcopy(base)
+        policy = PolicyLogprobs(model, chunk_size=5, temperature=0.9)
+        opts = StepOptions(micro_batch_size=3, num_iterations=num_iterations, packing=packing,
+                           max_tokens_per_micro_batch=30, need_reference=True, fused_loss=fused)  # fmt: skip
+        batches = build_micro_batches(_rollouts(6), opts, pad_id=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        metrics = train_on(Accelerator(cpu=True), policy, ref, opt, cfg, batches, opts)
+        out.append((metrics, {k: p.detach().clone() for k, p in model.named_parameters()}))
+    (ma, pa), (mb, pb) = out
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        assert abs(ma[k] - mb[k]) <= 1e-5 * max(1.0, abs(ma[k])), (k, ma[k], mb[k])
+    for k in pa:
+        torch.testing.assert_close(pb[k], pa[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
 def test_rejects_bad_inputs():
     h, w, t, seq, ex = make(torch.float64)
     tl = GRPOTokenLoss(LossConfig(), seq, ex["advantages"])
