@@ -308,6 +308,8 @@ def run_part(results: dict[str, Any], name: str, fn: Any, *a: Any) -> Any:
         }
         print(f"[bench] {name} FAILED: {exc}", flush=True)
     print(f"[bench] {name} done in {time.perf_counter() - t0:.0f}s", flush=True)
+    # each part's numbers as soon as they exist: a step cut by its time limit still reports them
+    print(f"[bench] {name} result: {json.dumps(results[name], default=str)[:2000]}", flush=True)
     return results[name]
 
 
