@@ -21,6 +21,7 @@ import contextlib
 import torch
 from torch import nn
 
+from learner.fused_loss import TokenLoss, fused_grpo_loss
 from learner.logprobs import token_logprobs
 
 
@@ -54,9 +55,11 @@ class PolicyLogprobs(nn.Module):
         position_ids: torch.Tensor | None = None,  # [B, T], restarting per packed sequence
         with_entropy: bool = False,
         reference: bool = False,
+        token_loss: TokenLoss | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) of the targets at ``loss_mask``, flat ``[N]`` fp32 in
-        row-major order of the mask."""
+        row-major order of the mask. With ``token_loss`` (``grpo.fused_loss``): the fused head
+        and loss instead, ``(loss, logp, entropy)`` (``learner.fused_loss``)."""
         if reference and not is_peft(self.model):
             raise ValueError("reference=True needs a PEFT model (adapters disabled = reference)")
         ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
@@ -68,6 +71,11 @@ class PolicyLogprobs(nn.Module):
             hidden = hidden[:, :-1]  # [B, T-1, H]: position t predicts token t+1
             sel = loss_mask.bool()
             weight = self.model.get_output_embeddings().weight  # [V, H]
+            if token_loss is not None:
+                return fused_grpo_loss(
+                    hidden[sel], weight, input_ids[:, 1:][sel], token_loss,
+                    temperature=self.temperature, chunk_size=self.chunk_size,
+                )  # fmt: skip
             return token_logprobs(
                 hidden[sel],  # [N, H]
                 weight,

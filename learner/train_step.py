@@ -16,6 +16,7 @@ import torch
 from accelerate import Accelerator
 
 from learner.batch import Rollout, TrainBatch, collate, micro_batches
+from learner.fused_loss import GRPOTokenLoss
 from learner.loss import LossConfig, LossInputs, grpo_loss
 from learner.packing import PackedBatch, pack, packed_micro_batches
 from learner.perf import ActivationOffload
@@ -27,6 +28,7 @@ class StepOptions:
     num_iterations: int = 1
     max_grad_norm: float = 1.0
     packing: bool = False
+    fused_loss: bool = False  # grpo.fused_loss
     max_tokens_per_micro_batch: int = 4096
     pad_to_multiple_of: int = 1
     activation_offloading: bool = False
@@ -124,24 +126,38 @@ def train_on(
                 sync = accelerator.no_sync(policy) if not last else contextlib.nullcontext()
             saved = offload() if offload is not None else contextlib.nullcontext()
             with sync, saved:
-                lp_flat, ent_flat = _forward(policy, b, with_entropy=True)
-                logprobs = group[i](lp_flat)
-                mask = group[i](torch.ones_like(lp_flat))
-                inputs = LossInputs(
-                    logprobs=logprobs,
-                    old_logprobs=olds[i] if olds[i] is not None else logprobs.detach(),
-                    advantages=b.advantages,
-                    mask=mask,
-                    sampling_logprobs=group[i](b.sampling_logprobs[b.loss_mask.bool()])
-                    if loss_cfg.tis_cap
-                    else None,
-                    ref_logprobs=refs[i],
-                    entropy=group[i](ent_flat) if ent_flat is not None else None,
-                    num_items_in_batch=global_tokens,
-                    dp_world_size=accelerator.num_processes,
-                    num_micro_batches=len(batches),
-                )
-                loss, m = grpo_loss(inputs, loss_cfg)
+                if opts.fused_loss:  # loss fused with the LM head, gradients in the forward
+                    token_loss = GRPOTokenLoss.for_batch(
+                        loss_cfg,
+                        b,
+                        seqs[i],
+                        old_logprobs=olds[i],
+                        ref_logprobs=refs[i],
+                        num_items_in_batch=global_tokens,
+                        dp_world_size=accelerator.num_processes,
+                        num_micro_batches=len(batches),
+                    )
+                    loss = _forward(policy, b, token_loss=token_loss)[0]
+                    m = token_loss.metrics
+                else:
+                    lp_flat, ent_flat = _forward(policy, b, with_entropy=True)
+                    logprobs = group[i](lp_flat)
+                    mask = group[i](torch.ones_like(lp_flat))
+                    inputs = LossInputs(
+                        logprobs=logprobs,
+                        old_logprobs=olds[i] if olds[i] is not None else logprobs.detach(),
+                        advantages=b.advantages,
+                        mask=mask,
+                        sampling_logprobs=group[i](b.sampling_logprobs[b.loss_mask.bool()])
+                        if loss_cfg.tis_cap
+                        else None,
+                        ref_logprobs=refs[i],
+                        entropy=group[i](ent_flat) if ent_flat is not None else None,
+                        num_items_in_batch=global_tokens,
+                        dp_world_size=accelerator.num_processes,
+                        num_micro_batches=len(batches),
+                    )
+                    loss, m = grpo_loss(inputs, loss_cfg)
                 if engine is not None:
                     engine.backward(loss)  # gradient_accumulation_steps = 1: no extra scaling
                 else:

@@ -131,6 +131,7 @@ def _step_options(cfg: LearnerConfig) -> StepOptions:
         num_iterations=g.num_iterations,
         max_grad_norm=cfg.optim.max_grad_norm,
         packing=g.packing,
+        fused_loss=g.fused_loss,
         max_tokens_per_micro_batch=g.max_tokens_per_micro_batch,
         pad_to_multiple_of=g.pad_to_multiple_of,
         activation_offloading=cfg.model.activation_offloading,
