@@ -193,7 +193,7 @@ def nccl_peer(args: argparse.Namespace) -> None:
     """Runs in its own process on the server's GPU: rank 1 of a bandwidth-test group."""
     import torch
 
-    from rollout_server.engine.vllm_worker import join_group
+    from rollout_server.nccl_wire import join_group
 
     comm = join_group("127.0.0.1", args.port, 1, 2, torch.device("cuda:0"), 120.0)
     buf = torch.empty(args.nbytes // 2, dtype=torch.bfloat16, device="cuda:0")
@@ -207,7 +207,7 @@ def nccl_peer(args: argparse.Namespace) -> None:
 def measure_bandwidth(nbytes: int = 1 << 30, iters: int = 10) -> dict[str, Any]:
     import torch
 
-    from rollout_server.engine.vllm_worker import join_group, nccl_abort
+    from rollout_server.nccl_wire import join_group, nccl_abort
 
     port = free_port()
     peer = subprocess.Popen(

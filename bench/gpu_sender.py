@@ -39,7 +39,7 @@ def load_model(model_dir: str, perturb_seed: int | None = None) -> Any:
 
 def reference_checksum(model: Any) -> float:
     """sum(x) + sum(x*x) over every parameter, tensor by tensor (independent of the buckets)."""
-    from rollout_server.engine.vllm_worker import flat_checksum
+    from rollout_server.nccl_wire import flat_checksum
 
     return float(sum(flat_checksum(p.detach().reshape(-1)) for p in model.parameters()))
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollout_server.client import RolloutClient, RolloutError, WeightSyncError
-from rollout_server.engine.vllm_worker import (
+from rollout_server.nccl_wire import (
     NcclGroupError,
     bucket_layout,
     flat_checksum,

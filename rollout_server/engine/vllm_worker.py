@@ -22,153 +22,26 @@ Import-safe without vLLM or a GPU: vLLM is imported only inside the methods.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rollout_server.nccl_wire import (  # the wire format, shared with the learner
+    Bucket,
+    NcclGroupError,
+    bucket_layout,
+    flat_checksum,
+    join_group,
+    nccl_abort,
+    unflatten,
+    wait_event,
+)
+
 log = logging.getLogger(__name__)
 
-# One float64 checksum per update: sum(x) + sum(x*x) over every element of every bucket, summed
-# bucket by bucket in chunks of CHECKSUM_CHUNK elements. The learner computes it the same way
-# (learner.sync.nccl.flat_checksum) over the same flat buffers, so equal numbers mean equal bytes.
-CHECKSUM_CHUNK = 1 << 26
-_POLL_S = 0.0005
 _GPU_STAGING_MARGIN = 1 << 30  # leave this much free memory when staging buckets on the GPU
-
-
-def flat_checksum(flat: torch.Tensor, chunk: int = CHECKSUM_CHUNK) -> torch.Tensor:
-    """Float64 ``sum(x) + sum(x*x)`` of a 1-D tensor, as a 0-d tensor (no host sync)."""
-    total = torch.zeros((), dtype=torch.float64, device=flat.device)
-    for start in range(0, flat.numel(), chunk):
-        part = flat[start : start + chunk].double()  # [<=chunk]
-        total += part.sum() + part.square().sum()
-    return total
-
-
-@dataclass(frozen=True)
-class BucketEntry:
-    name: str
-    shape: tuple[int, ...]
-    offset: int  # elements into the bucket's flat buffer
-    numel: int
-
-
-@dataclass(frozen=True)
-class Bucket:
-    dtype: torch.dtype
-    entries: tuple[BucketEntry, ...]
-    numel: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
-
-
-def bucket_layout(
-    tensors: list[dict[str, Any]], buckets: list[list[int]], bucket_dtypes: list[str]
-) -> list[Bucket]:
-    """Offsets of every tensor inside its bucket, from an announce (already validated by the
-    service: every index once, dtypes matching). Pure: the learner builds the same layout."""
-    out = []
-    for indices, dtype_name in zip(buckets, bucket_dtypes, strict=True):
-        entries, offset = [], 0
-        for i in indices:
-            spec = tensors[i]
-            shape = tuple(int(d) for d in spec["shape"])
-            numel = math.prod(shape)
-            entries.append(BucketEntry(spec["name"], shape, offset, numel))
-            offset += numel
-        out.append(Bucket(getattr(torch, dtype_name), tuple(entries), offset))
-    return out
-
-
-def unflatten(flat: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
-    """Views of the bucket's tensors into its flat buffer (no copies)."""
-    return [(e.name, flat.narrow(0, e.offset, e.numel).view(e.shape)) for e in bucket.entries]
-
-
-class NcclGroupError(RuntimeError):
-    """The weight-sync communicator failed or timed out and was aborted; re-initialize it."""
-
-
-def nccl_abort(comm: Any) -> None:
-    """``ncclCommAbort`` through vLLM's loaded libnccl (vLLM's wrapper does not export it).
-
-    Unlike ``ncclCommDestroy`` it is not collective: it returns even when the peer is gone and
-    makes kernels stuck waiting on that peer exit. The communicator is unusable afterwards."""
-    handle = getattr(comm, "comm", None)
-    lib = getattr(getattr(comm, "nccl", None), "lib", None)
-    if handle is None or lib is None:
-        return
-    fn = lib.ncclCommAbort
-    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p]
-    result = fn(handle)
-    if result != 0:
-        log.warning("ncclCommAbort returned %d", result)
-    comm.comm = None
-    comm.available, comm.disabled = False, True
-
-
-def nccl_async_error(comm: Any) -> int:
-    """``ncclCommGetAsyncError``: 0 while the communicator is healthy (e.g. no remote error)."""
-    lib = getattr(getattr(comm, "nccl", None), "lib", None)
-    if lib is None or getattr(comm, "comm", None) is None:
-        return 0
-    fn = lib.ncclCommGetAsyncError
-    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
-    err = ctypes.c_int(0)
-    fn(comm.comm, ctypes.byref(err))
-    return err.value
-
-
-def wait_event(
-    event: torch.cuda.Event, comm: Any, timeout_s: float, what: str, stop: Any = None
-) -> None:
-    """Block until ``event`` completes, polling so that a dead peer cannot hang us forever.
-
-    On timeout, a NCCL async error, or ``stop`` being set (a threading.Event), the communicator
-    is aborted and ``NcclGroupError`` raised."""
-    deadline = time.monotonic() + timeout_s
-    while not event.query():
-        reason = None
-        if stop is not None and stop.is_set():
-            reason = "the update was cancelled by the other side"
-        elif (err := nccl_async_error(comm)) != 0:
-            reason = f"NCCL reported error {err}"
-        elif time.monotonic() > deadline:
-            reason = f"no progress for {timeout_s:.0f} s (is the other side alive?)"
-        if reason:
-            nccl_abort(comm)
-            raise NcclGroupError(f"{what}: {reason}; the weight-sync group was aborted")
-        time.sleep(_POLL_S)
-
-
-def join_group(
-    master_address: str, master_port: int, rank: int, world_size: int, device: Any, timeout_s: float
-) -> Any:
-    """Join the weight-sync group (rank 0 hosts the TCP rendezvous) and return the enabled
-    ``PyNcclCommunicator``. Used by the workers here and by the learner's sender."""
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-    from vllm.distributed.utils import StatelessProcessGroup
-
-    group = StatelessProcessGroup.create(
-        host=master_address,
-        port=master_port,
-        rank=rank,
-        world_size=world_size,
-        store_timeout=max(1, int(timeout_s)),
-    )
-    comm = PyNcclCommunicator(group, device=device)
-    if not getattr(comm, "available", True):
-        raise NcclGroupError("vLLM could not load libnccl; NCCL weight sync needs CUDA GPUs")
-    # Some vLLM releases leave a fresh communicator disabled (for CUDA-graph capture only).
-    comm.disabled = False
-    return comm
 
 
 def _pick_rank(worker: Any, rank_offset: int) -> int:

@@ -12,7 +12,7 @@ import torch
 from learner.sync.nccl import _fill, plan_buckets
 from learner.sync.zero3 import iter_gathered_params, param_specs, strip_wrappers
 from rollout_server.engine.vllm_engine import hf_weight_metadata
-from rollout_server.engine.vllm_worker import bucket_layout, flat_checksum, unflatten
+from rollout_server.nccl_wire import bucket_layout, flat_checksum, unflatten
 from rollout_server.protocol import NcclUpdateRequest, TensorSpec
 from rollout_server.weights import validate_nccl_announce
 
