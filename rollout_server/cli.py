@@ -7,6 +7,7 @@ answer at once; torch, transformers and vLLM are imported when the app is built.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import Any
@@ -55,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     engine.add_argument("--trust-remote-code", action="store_true")
+    engine.add_argument(
+        "--vllm-arg",
+        action="append",
+        metavar="KEY=VALUE",
+        help="extra vLLM engine argument (VALUE as JSON, else a string); repeatable, "
+        "e.g. --vllm-arg enforce_eager=true --vllm-arg max_num_batched_tokens=4096",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -62,9 +70,22 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     fields: dict[str, Any] = vars(args).copy()
     limits = {k: fields.pop(k) for k in _LIMIT_FLAGS if k in fields}
+    extra = fields.pop("vllm_arg", None) or []
+    if extra:
+        fields["vllm_engine_args"] = dict(_key_value(item) for item in extra)
     if limits:
         fields["limits"] = limits
     return ServerSettings.model_validate(fields)
+
+
+def _key_value(item: str) -> tuple[str, Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"rollout-server: error: --vllm-arg {item!r} must look like KEY=VALUE")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
 
 
 def _explain(exc: ValidationError) -> str:

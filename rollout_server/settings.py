@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -67,6 +67,11 @@ class ServerSettings(BaseModel):
         True, description="vLLM: reserve memory so /sleep can offload (transformers: always)"
     )
     enable_prefix_caching: bool = True
+    vllm_engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="more vLLM AsyncEngineArgs, e.g. {'enforce_eager': True, "
+        "'max_num_batched_tokens': 4096}; they override the ones derived above",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @model_validator(mode="after")

@@ -132,3 +132,21 @@ def test_checkpoint_metadata_agrees_with_the_config_metadata(tiny_model_dir) -> 
     assert all(files[k] == config[k] for k in files)
     with pytest.raises(EngineError, match=r"no \.safetensors files"):
         checkpoint_metadata(tiny_model_dir / "nowhere", "float32")
+
+
+def test_extra_vllm_args_from_the_cli_reach_the_engine_kwargs():
+    from rollout_server.cli import build_parser, settings_from_args
+    from rollout_server.engine.vllm_engine import engine_kwargs
+
+    args = build_parser().parse_args(
+        ["--model", "m", "--engine", "vllm", "--gpu-memory-utilization", "0.4",
+         "--vllm-arg", "enforce_eager=true", "--vllm-arg", "max_num_batched_tokens=4096",
+         "--vllm-arg", "kv_cache_dtype=fp8", "--vllm-arg", "gpu_memory_utilization=0.3"]
+    )  # fmt: skip
+    kwargs = engine_kwargs(settings_from_args(args))
+    assert kwargs["enforce_eager"] is True
+    assert kwargs["max_num_batched_tokens"] == 4096
+    assert kwargs["kv_cache_dtype"] == "fp8"
+    assert kwargs["gpu_memory_utilization"] == 0.3  # the explicit extra argument wins
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        settings_from_args(build_parser().parse_args(["--model", "m", "--vllm-arg", "oops"]))
