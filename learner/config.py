@@ -52,7 +52,9 @@ class DataConfig(_Section):
 
 
 class EmbeddedServerConfig(_Section):
-    engine: Literal["transformers"] = "transformers"
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers", description="vllm: the server shares the learner's GPU (colocated)"
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     startup_timeout_s: float = Field(120.0, gt=0)
     extra_args: list[str] = Field(default_factory=list, description="more rollout-server flags")
@@ -108,6 +110,7 @@ class SamplingConfig(_Section):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = Field(False, description="always generate max_tokens (benchmarks)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -181,6 +184,7 @@ class RunConfig(_Section):
     keep_checkpoints: int = Field(2, ge=1)
     tensorboard: bool = True
     progress_bar: bool = True
+    save_final: bool = Field(True, description="write RUN_DIR/final (model + tokenizer) at the end")
     peak_tflops: float | None = Field(
         None, description="for MFU; default: known GPUs' dense bf16 peak, none on CPU"
     )

@@ -43,6 +43,7 @@ def generate_request(cfg: LearnerConfig, prompts: list[Any]) -> GenerateRequest:
         min_p=s.min_p,
         repetition_penalty=s.repetition_penalty,
         stop=s.stop,
+        ignore_eos=s.ignore_eos,
         chat_template_kwargs=s.chat_template_kwargs,
     )
 

@@ -327,7 +327,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         if metrics_log is not None:
             metrics_log.close()
     _check_ranks_agree(accelerator, policy, run_dir)
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and cfg.run.save_final:
         final = run_dir / "final"
         accelerator.unwrap_model(policy).model.save_pretrained(final, safe_serialization=True)
         tokenizer.save_pretrained(final)

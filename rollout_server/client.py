@@ -27,6 +27,8 @@ from rollout_server.protocol import (
     GenerateRequest,
     GenerateResponse,
     InfoResponse,
+    NcclInitRequest,
+    NcclUpdateRequest,
     SleepRequest,
     SleepStatus,
     WakeUpRequest,
@@ -251,6 +253,17 @@ class RolloutClient:
         return await self._all(lambda s: self._json(s, "GET", "/is_sleeping", SleepStatus))
 
     # -- weights ---------------------------------------------------------------------------
+
+    async def nccl_init(self, server: str, request: NcclInitRequest) -> None:
+        """Ask one server's workers to join the NCCL weight-sync group (they block until the
+        learner, rank 0, joins too: run this concurrently with the learner's own join)."""
+        await self._call(server, "POST", "/weights/nccl/init", body=request, retry=False)
+
+    async def nccl_update(self, server: str, request: NcclUpdateRequest) -> WeightUpdateResponse:
+        """Announce one NCCL update to one server; answers once it loaded (or refused) it."""
+        return await self._json(
+            server, "POST", "/weights/nccl/update", WeightUpdateResponse, body=request, retry=False
+        )
 
     async def load_weights_file(
         self, path: str, version: int | None = None

@@ -183,7 +183,7 @@ class NcclWeightSender:
                 fields["rank_offset"] = offset
             body = NcclInitRequest(**fields)
             try:
-                await client._call(server, "POST", "/weights/nccl/init", body=body, retry=False)
+                await client.nccl_init(server, body)
             except RolloutError as e:
                 raise WeightSyncError(server, f"could not join the NCCL weight group: {e}") from e
 
@@ -283,14 +283,7 @@ class NcclWeightSender:
 
         async def one(server: str) -> WeightUpdateResponse:
             try:
-                return await client._json(
-                    server,
-                    "POST",
-                    "/weights/nccl/update",
-                    WeightUpdateResponse,
-                    body=request,
-                    retry=False,
-                )
+                return await client.nccl_update(server, request)
             except RolloutError as e:
                 raise WeightSyncError(
                     server, f"NCCL update failed, its previous weights still serve: {e}"

@@ -329,3 +329,29 @@ def test_lora_run_syncs_merged_weights_to_the_server(tmp_path):
     assert [r["weight_version"] for r in records] == [1, 2, 3]
     assert all("kl" in r for r in records)
     assert (run_dir / "final" / "adapter_config.json").exists()  # checkpoints hold the adapter
+
+
+def test_ignore_eos_and_no_final_save(tmp_path):
+    run_dir = tmp_path / "fixed"
+    proc = subprocess.run(
+        _learner(
+            run_dir,
+            "--set",
+            "run.steps=2",
+            "--set",
+            "run.progress_bar=false",
+            "--set",
+            "sampling.ignore_eos=true",
+            "--set",
+            "run.save_final=false",
+        ),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(run_dir)
+    max_tokens = load_config(DEMO).sampling.max_tokens
+    assert all(r["completion/len_mean"] == max_tokens for r in records)  # EOS never stops one
+    assert not (run_dir / "final").exists()
