@@ -1,7 +1,10 @@
 """``python -m learner`` / ``accelerate launch -m learner``: train, or plot a run.
 
     python -m learner --config learner/configs/demo.toml [--run-dir DIR] [--resume] [--set k=v ...]
+    python -m learner sft --config learner/configs/sft_demo.toml [--run-dir DIR] [--resume] ...
     python -m learner plot RUN_DIR [--out FILE]
+
+A GRPO config with an [sft] section runs the SFT first (into RUN_DIR/sft) and starts GRPO from it.
 
 torch and transformers are imported only after the arguments parse, so ``--help`` is instant and
 a bad config fails before any model loads.
@@ -14,11 +17,14 @@ import logging
 import sys
 
 
-def _train_parser() -> argparse.ArgumentParser:
+def _train_parser(sft: bool = False) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m learner",
-        description="GRPO learner. Without rollout.servers in the config it starts its own "
-        "rollout server. Subcommand: `plot RUN_DIR` draws a run's curves.",
+        prog="python -m learner sft" if sft else "python -m learner",
+        description="Supervised fine-tuning on the config's [sft] data (chunked NLL)."
+        if sft
+        else "GRPO learner. Without rollout.servers in the config it starts its own rollout "
+        "server; an [sft] section runs a supervised warm start first. Subcommands: "
+        "`sft --config X` (SFT only), `plot RUN_DIR` (a run's curves).",
     )
     p.add_argument("--config", required=True, help="TOML config (see learner/configs/)")
     p.add_argument("--run-dir", help="overrides run.run_dir")
@@ -49,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         print(plot_run(args.run_dir, args.out))
         return 0
 
-    args = _train_parser().parse_args(argv)
+    sft = bool(argv) and argv[0] == "sft"
+    args = _train_parser(sft).parse_args(argv[1:] if sft else argv)
     from learner.config import ConfigError, load_config
 
     overrides = list(args.overrides)
@@ -59,6 +66,26 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(e, file=sys.stderr)
+        return 2
+    if sft:
+        if cfg.sft is None:
+            print(
+                f"{args.config} has no [sft] section: add one (see learner/configs/)",
+                file=sys.stderr,
+            )
+            return 2
+        from learner.sft import train_sft
+
+        last = train_sft(cfg, resume=args.resume)
+        if last:
+            print(f"done: SFT in {cfg.run.run_dir} (loss={last['loss']:.4g})")
+        return 0
+    if not cfg.has_grpo:
+        print(
+            f"{args.config} has only an [sft] section: run `python -m learner sft --config "
+            f"{args.config}`, or add [data] and [[rewards]] (or [environment]) for GRPO after it",
+            file=sys.stderr,
+        )
         return 2
     from learner.trainer import train
 

@@ -190,6 +190,33 @@ class RunConfig(_Section):
     )
 
 
+class SFTConfig(_Section):
+    """Supervised fine-tuning: ``python -m learner sft``, or a warm start before GRPO in one run.
+
+    Rows hold chat ``messages`` (the loss covers the assistant turns only) or ``prompt`` and
+    ``completion`` (the loss covers the completion only). Optimizer betas, weight decay and the
+    gradient-norm clip come from [optim]; checkpoint cadence, seed and logging from [run]."""
+
+    data: str = Field(description="a .jsonl file, or a directory saved by datasets.save_to_disk")
+    messages_column: str = "messages"
+    prompt_column: str = "prompt"
+    completion_column: str = "completion"
+    steps: int | None = Field(None, ge=1, description="optimizer steps (or give epochs)")
+    epochs: float | None = Field(None, gt=0, description="passes over the data; default 1")
+    batch_size: int = Field(8, ge=1, description="sequences per optimizer step (all ranks)")
+    micro_batch_size: int = Field(4, ge=1, description="sequences per forward/backward")
+    max_length: int = Field(2048, ge=2, description="longer sequences lose their end")
+    lr: float = Field(2e-5, gt=0)
+    schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> SFTConfig:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give sft.steps or sft.epochs, not both")
+        return self
+
+
 class LearnerConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig | None = None
@@ -201,9 +228,19 @@ class LearnerConfig(_Section):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    sft: SFTConfig | None = Field(
+        None, description="supervised warm start: runs before GRPO (or alone: `learner sft`)"
+    )
+
+    @property
+    def has_grpo(self) -> bool:
+        """False for an SFT-only config (no [data] or [environment] to run GRPO on)."""
+        return self.data is not None or self.environment is not None
 
     @model_validator(mode="after")
     def _one_source_of_rewards(self) -> LearnerConfig:
+        if self.sft is not None and not self.has_grpo and not self.rewards:
+            return self  # SFT only: `python -m learner sft`
         if self.environment is None:
             if self.data is None or not self.rewards:
                 raise ValueError(
@@ -270,11 +307,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     for o in overrides or []:
         apply_override(data, o)
     if isinstance(path, Path):  # relative data paths are relative to the config file
-        d = data.get("data")
-        if isinstance(d, dict) and isinstance(d.get("path"), str):
-            rel = path.parent / d["path"]
-            if not Path(d["path"]).is_absolute() and rel.exists():
-                d["path"] = str(rel.resolve())
+        for section, key in (("data", "path"), ("sft", "data")):
+            d = data.get(section)
+            if isinstance(d, dict) and isinstance(d.get(key), str):
+                rel = path.parent / d[key]
+                if not Path(d[key]).is_absolute() and rel.exists():
+                    d[key] = str(rel.resolve())
     try:
         return LearnerConfig.model_validate(data)
     except ValidationError as e:

@@ -166,6 +166,10 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 "model); a frozen full copy is not supported with ZeRO-3 — or set grpo.beta = 0"
             )
     model_path = _model_path(cfg, run_dir, accelerator)
+    if cfg.sft is not None:  # warm start: SFT first, GRPO starts from its weights (learner/sft.py)
+        from learner.sft import warm_start
+
+        model_path = warm_start(cfg, model_path, run_dir, resume=resume)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     policy, ref_policy = build_models(cfg, model_path)
@@ -242,7 +246,9 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             )
             loop.run(client.wait_ready(cfg.rollout.ready_timeout_s))
             syncer = WeightSyncer(cfg.rollout, client, device=accelerator.device)
-            if ckpt is not None:  # the servers must serve the checkpoint's weights, not the base
+            # The servers must serve the checkpoint's (or the SFT's) weights, not the base model's
+            # (an embedded server already starts from the SFT's).
+            if ckpt is not None or (cfg.sft is not None and cfg.rollout.servers):
                 _sync(accelerator, loop, syncer, policy, state)
             per_rank = cfg.grpo.prompts_per_step // world
             rank = accelerator.process_index

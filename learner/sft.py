@@ -1,0 +1,299 @@
+"""Supervised fine-tuning with the chunked NLL: ``python -m learner sft``, or a GRPO warm start.
+
+The loss is the mean negative log-likelihood of the assistant / completion tokens of a step
+(all ranks), computed from hidden states and the LM-head weight chunk by chunk
+(``learner.logprobs.chunked_nll``: Triton on CUDA, chunked PyTorch on CPU), so the
+``[tokens, vocab]`` logits never exist and prompt tokens never reach the head. As for GRPO, the
+head runs inside a module's forward (``NLLPolicy``), so DeepSpeed ZeRO-3 gathers its weight.
+
+Warm start: a config with an ``[sft]`` section *and* GRPO data runs SFT into ``RUN_DIR/sft``
+first (metrics, checkpoints, and ``RUN_DIR/sft/final``: the model with any LoRA merged, plus the
+tokenizer); GRPO then builds its policy from ``RUN_DIR/sft/final`` (an embedded rollout server
+starts from it; external servers receive it by a weight sync before the first generation). A
+``RUN_DIR/sft/final`` already there is reused, so a resumed run never repeats the SFT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch import nn
+from transformers import AutoTokenizer, get_scheduler
+
+from learner.batch import TrainBatch, collate, micro_batches
+from learner.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
+from learner.config import LearnerConfig
+from learner.data import PromptStream
+from learner.logprobs import chunked_nll
+from learner.metrics import MetricsLogger
+from learner.model_setup import build_models
+from learner.policy import PolicyLogprobs, is_peft
+from learner.sft_data import load_sft_rows, tokenize_row
+from learner.train_step import reduce_metrics
+
+logger = logging.getLogger(__name__)
+
+
+class NLLPolicy(PolicyLogprobs):
+    """The policy's decoder and a chunked-NLL head: ``forward`` returns the mean NLL of the
+    targets at ``loss_mask`` (fp32). Subclassing ``PolicyLogprobs`` keeps its ZeRO-3 external
+    registration of the head weight."""
+
+    def __init__(self, model: nn.Module, *, chunk_size: int = 1024):
+        super().__init__(model, temperature=1.0, chunk_size=chunk_size)
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        attention_mask: torch.Tensor,  # [B, T]
+        loss_mask: torch.Tensor,  # [B, T-1]
+    ) -> torch.Tensor:
+        hidden = self.model.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask
+        ).last_hidden_state  # [B, T, H]
+        return chunked_nll(
+            hidden[:, :-1],  # position t predicts token t+1
+            self.model.get_output_embeddings().weight,  # [V, H]
+            input_ids[:, 1:],
+            loss_mask,
+            chunk_size=self.chunk_size,
+        )
+
+
+def sft_steps(cfg: LearnerConfig, num_rows: int) -> int:
+    s = cfg.sft
+    assert s is not None
+    if s.steps is not None:
+        return s.steps
+    return max(1, math.ceil((s.epochs or 1.0) * num_rows / s.batch_size))
+
+
+def sft_step(
+    accelerator: Accelerator,
+    policy: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: list[TrainBatch],
+    max_grad_norm: float,
+) -> dict[str, float]:
+    """Forward/backward each micro-batch, one optimizer step. Each micro-batch's mean NLL is
+    weighted by its share of the step's targets on all ranks (times the world size, which the
+    gradient all-reduce divides back out): the step minimises the mean over every target."""
+    dev = accelerator.device
+    world = accelerator.num_processes
+    counts = [b.num_loss_tokens for b in batches]
+    total = float(accelerator.reduce(torch.tensor(float(sum(counts)), device=dev), "sum"))
+    engine = policy if hasattr(policy, "set_gradient_accumulation_boundary") else None
+    nll_sum = torch.zeros((), dtype=torch.float64, device=dev)
+    for i, b in enumerate(batches):
+        b = b.to(dev)
+        last = i == len(batches) - 1
+        if engine is not None:  # DeepSpeed owns accumulation: tell it where the step ends
+            engine.set_gradient_accumulation_boundary(last)
+            sync = contextlib.nullcontext()
+        else:
+            sync = accelerator.no_sync(policy) if not last else contextlib.nullcontext()
+        with sync:
+            nll = policy(b.input_ids, b.attention_mask, b.loss_mask)
+            loss = nll * (counts[i] * world / max(total, 1.0))
+            if engine is not None:
+                engine.backward(loss)
+            else:
+                accelerator.backward(loss)
+        nll_sum += nll.detach().double() * counts[i]
+    if engine is not None:  # clips with the DeepSpeed config's gradient_clipping
+        engine.step()
+        grad_norm = float(engine.get_global_grad_norm() or 0.0)
+    else:
+        grad_norm = float(accelerator.clip_grad_norm_(policy.parameters(), max_grad_norm))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    nll_total = float(accelerator.reduce(nll_sum, "sum"))
+    return {
+        "loss": nll_total / max(total, 1.0),
+        "grad_norm": grad_norm,
+        "tokens/trained": total,
+        "tokens/padded": float(sum(b.input_ids.numel() for b in batches)),
+    }
+
+
+def save_model(accelerator: Accelerator, policy: nn.Module, tokenizer: Any, path: Path) -> None:
+    """Write a plain Hugging Face model (LoRA merged) and the tokenizer, atomically: a complete
+    ``path`` appears at once, or none. Under ZeRO-3 every rank takes part in the gathers."""
+    from learner.sync.zero3 import is_partitioned, iter_gathered_params
+
+    model = accelerator.unwrap_model(policy).model
+    tmp = path.with_name(f".tmp-{path.name}")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if any(is_partitioned(p) for p in model.parameters()):
+        if is_peft(model):
+            raise ValueError("saving a LoRA model under ZeRO-3 is not supported: use ZeRO-2")
+        with torch.no_grad():
+            state = {n: t.cpu() for n, t in iter_gathered_params(model)}
+        if accelerator.is_main_process:
+            model.save_pretrained(tmp, state_dict=state)
+    elif accelerator.is_main_process:
+        if is_peft(model):
+            model = model.merge_and_unload()  # the run is over: merging in place is fine
+        model.save_pretrained(tmp)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(tmp)
+        _portable_tokenizer(tmp / "tokenizer_config.json")
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    accelerator.wait_for_everyone()
+
+
+def _portable_tokenizer(config_path: Path) -> None:
+    """transformers 5 saves a tokenizer built from tokenizer.json as ``TokenizersBackend``, which
+    transformers 4 (pinned by some vLLM releases, which serve this model next) cannot resolve."""
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        if config.get("tokenizer_class") == "TokenizersBackend":
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+            config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _accelerator() -> Accelerator:
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    ds = acc.state.deepspeed_plugin
+    if ds is not None:  # no dataloader goes through prepare(); we drive accumulation ourselves
+        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+        ds.deepspeed_config["gradient_accumulation_steps"] = 1
+    return acc
+
+
+def train_sft(
+    cfg: LearnerConfig,
+    *,
+    resume: bool = False,
+    out_dir: str | Path | None = None,
+    model_path: str | None = None,
+) -> dict[str, float]:
+    """SFT as configured into ``out_dir`` (default ``run.run_dir``): metrics, checkpoints and
+    ``out_dir/final``. Returns the last step's metrics (main process)."""
+    if cfg.sft is None:
+        raise ValueError("the config has no [sft] section: add one (see learner/configs/)")
+    s = cfg.sft
+    accelerator = _accelerator()
+    out = Path(out_dir if out_dir is not None else cfg.run.run_dir)
+    world = accelerator.num_processes
+    if s.batch_size % world:
+        raise ValueError(
+            f"sft.batch_size = {s.batch_size} must be divisible by the number of processes "
+            f"({world})"
+        )
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(cfg.model_dump_json(indent=2))
+    set_seed(cfg.run.seed)
+    if model_path is None:
+        from learner.trainer import _model_path
+
+        model_path = _model_path(cfg, out, accelerator)
+    rows, fmt = load_sft_rows(s)
+    steps = sft_steps(cfg, len(rows))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    no_ref = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"beta": 0.0})})
+    policy = NLLPolicy(
+        build_models(no_ref, model_path)[0].model, chunk_size=cfg.grpo.logprob_chunk_size
+    )
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(
+        [p for p in policy.parameters() if p.requires_grad],
+        lr=s.lr,
+        betas=o.betas,
+        weight_decay=o.weight_decay,
+    )
+    scheduler = get_scheduler(
+        s.schedule, optimizer, num_warmup_steps=s.warmup_steps, num_training_steps=steps
+    )
+    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+    stream = PromptStream(rows, seed=cfg.run.seed, shuffle=True)
+    state = TrainerState()
+    accelerator.register_for_checkpointing(stream, state)
+    ckpt = latest_checkpoint(out) if resume else None
+    if ckpt is not None:
+        accelerator.load_state(str(ckpt))
+        logger.info("SFT resumed from %s at step %d", ckpt, state.step)
+    log = (
+        MetricsLogger(
+            out,
+            total_steps=steps,
+            start_step=state.step,
+            tensorboard=cfg.run.tensorboard,
+            progress_bar=cfg.run.progress_bar,
+        )
+        if accelerator.is_main_process
+        else None
+    )
+    per_rank = s.batch_size // world
+    rank = accelerator.process_index
+    last: dict[str, float] = {}
+    try:
+        while state.step < steps:
+            t0 = time.perf_counter()
+            mine = stream.take(s.batch_size)[rank * per_rank : (rank + 1) * per_rank]
+            examples = [
+                tokenize_row(tokenizer, r, s, fmt, cfg.sampling.chat_template_kwargs) for r in mine
+            ]
+            truncated = sum(len(e.input_ids) > s.max_length for e in examples)
+            examples = [e.truncate(s.max_length) for e in examples]
+            empty = sum(e.num_targets == 0 for e in examples)
+            rollouts = [e.to_rollout(pad_id) for e in examples]
+            batches = [
+                collate(mb, pad_id, cfg.grpo.pad_to_multiple_of)
+                for mb in micro_batches(rollouts, s.micro_batch_size)
+            ]
+            m = sft_step(accelerator, policy, optimizer, batches, o.max_grad_norm)
+            scheduler.step()
+            state.step += 1
+            seconds = time.perf_counter() - t0
+            local = {
+                **m,
+                "lr": scheduler.get_last_lr()[0],
+                "time/step": seconds,
+                "throughput/train_tokens_per_s": m["tokens/trained"] / max(seconds, 1e-9),
+                "data/truncated": float(truncated),
+                "data/no_targets": float(empty),
+                "epoch": stream.position / len(rows),
+            }
+            last = reduce_metrics(accelerator, local)
+            if log is not None:
+                log.log(state.step, last)
+            if state.step % cfg.run.checkpoint_every == 0 or state.step == steps:
+                save_checkpoint(accelerator, out, state.step, cfg.run.keep_checkpoints)
+    finally:
+        if log is not None:
+            log.close()
+    save_model(accelerator, policy, tokenizer, out / "final")
+    accelerator.free_memory()
+    del policy, optimizer, scheduler
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return last if accelerator.is_main_process else {}
+
+
+def warm_start(cfg: LearnerConfig, model_path: str, run_dir: Path, *, resume: bool) -> str:
+    """SFT before GRPO: returns the path GRPO builds its policy from (``RUN_DIR/sft/final``)."""
+    out = run_dir / "sft"
+    final = out / "final"
+    if (final / "config.json").exists():
+        logger.info("SFT warm start: reusing %s (delete it to train the SFT again)", final)
+        return str(final)
+    logger.info("SFT warm start into %s", out)
+    train_sft(cfg, resume=resume, out_dir=out, model_path=model_path)
+    return str(final)
