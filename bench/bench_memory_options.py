@@ -1,0 +1,498 @@
+"""Peak learner memory and step time with each memory option on vs off (issue 7).
+
+    python bench/bench_memory_options.py --out memory.json [--model DIR]   # one CUDA GPU
+    python bench/bench_memory_options.py --cpu-smoke --out smoke.json       # same code, CPU
+
+One optimizer step of the real learner code path — ``learner.model_setup.build_models``, then
+``learner.train_step.build_micro_batches`` + ``train_on`` under a plain ``accelerate.Accelerator``
+with the model in bf16 — on a fixed, seeded synthetic batch (64 rollouts, prompts of 128–256 and
+completions of 256–1024 tokens, a Qwen3-0.6B-shaped random model), once per configuration:
+everything off (``baseline``, gradient checkpointing included), each option on alone, and all of
+them on. The learner's config is a real ``LearnerConfig``, mapped to the step options by the
+trainer's own functions, so the benchmark cannot drift from what ``python -m learner`` runs.
+
+Each configuration runs in a fresh subprocess: the CUDA caching allocator, pinned host buffers and
+``ru_maxrss`` never carry over from one configuration to the next. Reported per configuration:
+``torch.cuda.max_memory_allocated`` over each timed step (the peak; reset before every step, the
+warm-up excluded, so optimizer state is included and one-time compilation buffers are not), the
+memory allocated when the step starts (weights + optimizer state), the median step seconds
+(``build_micro_batches`` + ``train_on``, synchronised), and whether the decoder layers really
+recomputed their activations in the backward (a forward hook counts a layer's calls: 2 per
+micro-batch under checkpointing, 1 without).
+
+``--cpu-smoke`` runs the same code at a tiny shape on CPU and reports the rise of ``ru_maxrss``
+over the steps instead (the numbers mean nothing; a CPU test exercises the plumbing with it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+OPTIONS = ("gradient_checkpointing", "activation_offloading", "lora", "packing", "fused_loss")
+BASELINE: dict[str, Any] = {k: False for k in OPTIONS} | {"pad_to_multiple_of": 1}
+# name -> what differs from the baseline; the default list is the issue's.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "baseline": {},
+    **{k: {k: True} for k in OPTIONS},
+    "pad_to_multiple_of": {"pad_to_multiple_of": 64},
+    "all_on": {k: True for k in OPTIONS},
+}
+DEFAULT_CONFIGS = ("baseline", *OPTIONS, "all_on")
+LORA_RANK = 16
+RESULT_PREFIX = "RESULT "
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run here; the message says what to do."""
+
+
+# -- what each configuration runs (pure) -----------------------------------------------------
+
+
+def config_options(name: str) -> dict[str, Any]:
+    if name not in CONFIGS:
+        raise BenchError(f"unknown configuration {name!r}; choose from {list(CONFIGS)}")
+    return BASELINE | CONFIGS[name]
+
+
+def learner_config_dict(
+    options: dict[str, Any],
+    *,
+    dtype: str,
+    micro_batch_size: int,
+    packing_tokens: int,
+    attn_implementation: str | None = None,
+) -> dict[str, Any]:
+    """The ``LearnerConfig`` of one configuration as a dict. No data is read: [data] and
+    [[rewards]] only satisfy the validator (the batch is synthetic)."""
+    return {
+        "model": {
+            "dtype": dtype,
+            "gradient_checkpointing": options["gradient_checkpointing"],
+            "activation_offloading": options["activation_offloading"],
+            "lora": {"r": LORA_RANK, "alpha": 2 * LORA_RANK} if options["lora"] else None,
+            "attn_implementation": attn_implementation,
+        },
+        "data": {"path": "unused: synthetic rollouts"},
+        "rewards": [{"name": "length"}],
+        "grpo": {
+            "micro_batch_size": micro_batch_size,
+            "packing": options["packing"],
+            "max_tokens_per_micro_batch": packing_tokens,
+            "pad_to_multiple_of": options["pad_to_multiple_of"],
+            "fused_loss": options["fused_loss"],
+        },
+    }
+
+
+def sequence_lengths(
+    n: int, prompt: Sequence[int], completion: Sequence[int], seed: int
+) -> list[tuple[int, int]]:
+    """``n`` (prompt, completion) lengths, each uniform in its inclusive range, seeded."""
+    rng = random.Random(seed)
+    return [(rng.randint(*prompt), rng.randint(*completion)) for _ in range(n)]
+
+
+def packing_budget(lengths: list[tuple[int, int]], micro_batch_size: int) -> int:
+    """The packing token budget that holds as many real tokens as an average padded micro-batch
+    (``micro_batch_size`` mean-length sequences), rounded up to a multiple of 64; at least the
+    longest sequence, so no sequence gets a bin of its own for being too long."""
+    mean = sum(p + c for p, c in lengths) / len(lengths)
+    budget = max(micro_batch_size * mean, max(p + c for p, c in lengths))
+    return int(-(-budget // 64) * 64)
+
+
+def checks(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For every configuration but the baseline: is its peak below the baseline's? And where
+    gradient checkpointing is on: did the decoder layers really run again in the backward?"""
+    base = next((r for r in results if r["name"] == "baseline" and r["status"] == "ok"), None)
+    out = []
+    for r in results:
+        ok_run = r["status"] == "ok"
+        if r["name"] != "baseline":
+            peak = r.get("peak_bytes") if ok_run else None
+            bound = base["peak_bytes"] if base else None
+            out.append(
+                {"check": f"{r['name']} lowers peak memory", "peak_bytes": peak,
+                 "baseline_peak_bytes": bound,
+                 "ok": None if peak is None or bound is None else peak < bound}
+            )  # fmt: skip
+        if r["options"]["gradient_checkpointing"]:
+            seen = r.get("recomputes_activations") if ok_run else None
+            out.append(
+                {"check": f"{r['name']}: activations recomputed in the backward",
+                 "layer_forwards_per_micro_batch": r.get("layer_forwards_per_micro_batch"),
+                 "ok": seen}
+            )  # fmt: skip
+    return out
+
+
+def table(results: list[dict[str, Any]], unit: float, unit_name: str) -> str:
+    head = (
+        f"{'config':24} {'status':8} {'peak ' + unit_name:>9} {'vs base':>7} "
+        f"{'start ' + unit_name:>9} {'s/step':>7} {'µbatch':>6} {'padded':>7} {'recompute':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    base = next((r for r in results if r["name"] == "baseline" and r["status"] == "ok"), None)
+    for r in results:
+        if r["status"] != "ok":
+            last = (str(r.get("error", "")).strip().splitlines() or [""])[-1]
+            lines.append(f"{r['name']:24} {r['status']:8} {last[:100]}")
+            continue
+        ratio = f"{r['peak_bytes'] / base['peak_bytes']:.2f}" if base else "-"
+        start = r.get("step_start_bytes")
+        lines.append(
+            f"{r['name']:24} {'ok':8} {r['peak_bytes'] / unit:>9.2f} {ratio:>7} "
+            f"{'-' if start is None else format(start / unit, '.2f'):>9} "
+            f"{r['step_s']['median']:>7.3f} {r['micro_batches']:>6} {r['tokens_padded']:>7} "
+            f"{r.get('recomputes_activations', '-')!s:>9}"
+        )
+    return "\n".join(lines)
+
+
+# -- one configuration, in its own process -------------------------------------------------
+
+
+def _probe_layer_forwards(model: Any) -> list[int]:
+    """Count forward calls of the first decoder layer's first child (they repeat in backward
+    when the layer is checkpointed); an empty list stays empty if the model has no such layer."""
+    calls: list[int] = []
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return calls
+    layer = next((m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)), None)
+    child = next(iter(layer.children()), None) if layer is not None else None
+    if child is not None:
+        child.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def synthetic_rollouts(spec: dict[str, Any], vocab: int) -> list[Any]:
+    """The fixed batch: random token ids, server log-probs in [-3, -0.1], group-centred
+    advantages (groups of 8), all seeded."""
+    from learner.batch import Rollout
+
+    b = spec["batch"]
+    rng = random.Random(b["seed"] + 1)
+    rollouts = []
+    for p, c in sequence_lengths(b["sequences"], b["prompt"], b["completion"], b["seed"]):
+        rollouts.append(
+            Rollout(
+                prompt_ids=[rng.randrange(vocab) for _ in range(p)],
+                completion_ids=[rng.randrange(vocab) for _ in range(c)],
+                sampling_logprobs=[-rng.uniform(0.1, 3.0) for _ in range(c)],
+                completion_mask=[1] * c,
+                advantage=rng.gauss(0.0, 1.0),
+            )
+        )
+    for g in range(0, len(rollouts), 8):
+        group = rollouts[g : g + 8]
+        mean = statistics.fmean(r.advantage for r in group)
+        for r in group:
+            r.advantage -= mean
+    return rollouts
+
+
+def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build the model and run warm-up + timed steps of one configuration; the measurements."""
+    import resource
+
+    import torch
+    from accelerate import Accelerator
+
+    from learner.config import LearnerConfig
+    from learner.model_setup import build_models
+    from learner.train_step import build_micro_batches, train_on
+    from learner.trainer import _loss_config, _step_options
+
+    cuda = spec["device"] == "cuda"
+    cfg = LearnerConfig.model_validate(spec["learner_config"])
+    torch.manual_seed(spec["batch"]["seed"])
+    accelerator = Accelerator(cpu=not cuda)
+    policy, ref_policy = build_models(cfg, spec["model"])
+    hf = policy.model
+    vocab = hf.get_output_embeddings().weight.shape[0]
+    pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    params = sum(p.numel() for p in policy.parameters())
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-6, betas=cfg.optim.betas)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    loss_cfg, opts = _loss_config(cfg), _step_options(cfg)
+    rollouts = synthetic_rollouts(spec, vocab)
+    calls = _probe_layer_forwards(hf)
+
+    def rss() -> int:  # Linux: KiB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    steps, peaks, starts, seconds, layer_calls = [], [], [], [], []
+    rss_before = rss()
+    for _ in range(spec["warmup"] + spec["steps"]):
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            starts.append(torch.cuda.memory_allocated())
+        calls.clear()
+        t0 = time.perf_counter()
+        batches = build_micro_batches(rollouts, opts, pad_id)
+        metrics = train_on(accelerator, policy, ref_policy, optimizer, loss_cfg, batches, opts)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+        peaks.append(torch.cuda.max_memory_allocated() if cuda else 0)
+        layer_calls.append(len(calls) / (len(batches) * opts.num_iterations))
+        steps.append(metrics)
+    timed = slice(spec["warmup"], None)
+    last = steps[-1]
+    per_mb = statistics.median(layer_calls[timed]) if any(layer_calls) else None  # no probe: 0
+    loss_tokens = [b.num_loss_tokens for b in batches]
+    return {
+        "status": "ok",
+        "memory_metric": "cuda.max_memory_allocated" if cuda else "ru_maxrss rise over the steps",
+        "peak_bytes": max(peaks[timed]) if cuda else rss() - rss_before,
+        "step_start_bytes": statistics.median(starts[timed]) if cuda else None,
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None,
+        "host_maxrss_bytes": rss(),
+        "step_s": {
+            "median": statistics.median(seconds[timed]),
+            "all": seconds,
+            "warmup": spec["warmup"],
+        },
+        "micro_batches": len(batches),
+        "tokens_trained": int(last["tokens/trained"]),
+        "tokens_padded": int(last["tokens/padded"]),
+        "trained_tokens_per_s": last["tokens/trained"] / statistics.median(seconds[timed]),
+        "layer_forwards_per_micro_batch": per_mb,
+        "recomputes_activations": None if per_mb is None else per_mb > 1.5,
+        "full_logits_bytes": max(loss_tokens) * vocab * 4,  # what chunking avoids, not allocated
+        "params": params,
+        "trainable_params": sum(p.numel() for p in trainable),
+        "loss": last["loss"],
+        "grad_norm": last["grad_norm"],
+        "versions": _versions(),
+        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+    }
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("torch", "transformers", "accelerate", "peft", "triton"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "-"
+    return out
+
+
+def worker_main(spec_json: str) -> int:
+    spec = json.loads(spec_json)
+    try:
+        result = run_worker(spec)
+    except Exception as e:  # reported as this configuration's result, the parent goes on
+        import torch
+
+        status = "oom" if isinstance(e, torch.OutOfMemoryError) else "error"
+        result = {"status": status, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+        if torch.cuda.is_available():
+            result["peak_bytes_before_failure"] = torch.cuda.max_memory_allocated()
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
+# -- the parent: every configuration in turn -----------------------------------------------
+
+
+def run_config(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout", "error": f"no result within {timeout_s:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if not lines:
+        tail = "\n".join(proc.stderr.splitlines()[-15:])
+        return {"status": "error", "error": f"worker exited {proc.returncode}: {tail}"}
+    result = json.loads(lines[-1][len(RESULT_PREFIX) :])
+    result["process_s"] = time.monotonic() - t0
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench_memory_options.py",
+        description="Peak learner memory and step time with each memory option on vs off.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--out", type=Path, required=True, help="result JSON")
+    p.add_argument("--model", help="model dir (default: a random Qwen3-0.6B shape, built here)")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny model and batch on CPU")
+    p.add_argument(
+        "--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated of {list(CONFIGS)}"
+    )
+    p.add_argument("--sequences", type=int, help="rollouts in the batch (GPU 64, smoke 8)")
+    p.add_argument("--prompt-tokens", type=int, nargs=2, metavar=("MIN", "MAX"))
+    p.add_argument("--completion-tokens", type=int, nargs=2, metavar=("MIN", "MAX"))
+    p.add_argument("--micro-batch-size", type=int, help="grpo.micro_batch_size (GPU 16, smoke 4)")
+    p.add_argument("--packing-tokens", type=int, help="default: micro-batch size x mean length")
+    p.add_argument("--attn-implementation", help="model.attn_implementation (default: HF's)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=3, help="timed steps (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config-timeout", type=float, default=90.0, help="s per configuration")
+    p.add_argument("--budget-s", type=float, default=170.0, help="no configuration starts later")
+    return p
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    smoke = args.cpu_smoke
+    args.sequences = args.sequences or (8 if smoke else 64)
+    args.prompt_tokens = tuple(args.prompt_tokens or ((8, 16) if smoke else (128, 256)))
+    args.completion_tokens = tuple(args.completion_tokens or ((8, 32) if smoke else (256, 1024)))
+    args.micro_batch_size = args.micro_batch_size or (4 if smoke else 16)
+    args.dtype = "float32" if smoke else "bfloat16"
+    args.unit = (1e6, "MB") if smoke else (1e9, "GB")  # for the printed table
+
+
+def check_environment(args: argparse.Namespace, names: list[str]) -> None:
+    bad = [n for n in names if n not in CONFIGS]
+    if bad:
+        raise BenchError(f"--configs: unknown {bad}; choose from {list(CONFIGS)}")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        raise BenchError(
+            f"--model {args.model} has no config.json: write one with "
+            "`python -m rollout_server.tiny DIR --qwen3-0.6b-shape`, or leave --model out"
+        )
+    if args.warmup < 0 or args.steps < 1:
+        raise BenchError("need --warmup >= 0 and --steps >= 1")
+    if not args.cpu_smoke:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BenchError(
+                "no CUDA GPU visible: run this on the GPU machine, or add --cpu-smoke for the "
+                "tiny CPU run"
+            )
+
+
+def make_model(args: argparse.Namespace, tmp: Path) -> str:
+    from rollout_server.tiny import QWEN3_0_6B_SHAPE, save_tiny_model
+
+    if args.cpu_smoke:
+        return str(save_tiny_model(tmp / "model", seed=args.seed))
+    print("building a random-weight Qwen3-0.6B-shaped model (bf16) ...", flush=True)
+    return str(save_tiny_model(tmp / "model", seed=args.seed, dtype="bfloat16", **QWEN3_0_6B_SHAPE))
+
+
+def worker_spec(args: argparse.Namespace, options: dict[str, Any], model: str) -> dict[str, Any]:
+    """What one configuration's subprocess runs (JSON-serialisable)."""
+    return {
+        "device": "cpu" if args.cpu_smoke else "cuda",
+        "model": model,
+        "learner_config": learner_config_dict(
+            options,
+            dtype=args.dtype,
+            micro_batch_size=args.micro_batch_size,
+            packing_tokens=args.packing_tokens,
+            attn_implementation=args.attn_implementation,
+        ),
+        "batch": {
+            "sequences": args.sequences,
+            "seed": args.seed,
+            "prompt": list(args.prompt_tokens),
+            "completion": list(args.completion_tokens),
+        },
+        "warmup": args.warmup,
+        "steps": args.steps,
+    }
+
+
+def run_all(args: argparse.Namespace, names: list[str], model: str, argv: list[str]) -> dict:
+    """Every configuration in turn; the JSON is rewritten after each, so a kill keeps those done."""
+    t_start = time.monotonic()
+    lengths = sequence_lengths(
+        args.sequences, args.prompt_tokens, args.completion_tokens, args.seed
+    )
+    args.packing_tokens = args.packing_tokens or packing_budget(lengths, args.micro_batch_size)
+    report: dict[str, Any] = {
+        "bench": "memory_options",
+        "command": shlex.join(["python", "bench/bench_memory_options.py", *argv]),
+        "mode": "cpu-smoke" if args.cpu_smoke else "gpu",
+        "model": model,
+        "dtype": args.dtype,
+        "memory_unit": "bytes",
+        "batch": {
+            "sequences": args.sequences,
+            "prompt_tokens": list(args.prompt_tokens),
+            "completion_tokens": list(args.completion_tokens),
+            "total_tokens": sum(p + c for p, c in lengths),
+            "loss_tokens": sum(c for _, c in lengths),
+            "seed": args.seed,
+            "micro_batch_size": args.micro_batch_size,
+            "max_tokens_per_micro_batch": args.packing_tokens,
+        },
+        "configs": [],
+    }
+    for name in names:
+        options = config_options(name)
+        left = args.budget_s - (time.monotonic() - t_start)
+        row: dict[str, Any] = {"name": name, "options": options}
+        if left < 10:
+            row |= {"status": "skipped", "error": f"budget: {left:.0f} s left"}
+        else:
+            print(f"== {name}: {options}", flush=True)
+            spec = worker_spec(args, options, model)
+            row |= run_config(spec, min(args.config_timeout, left + 10))
+        report["configs"].append(row)
+        report["checks"] = checks(report["configs"])
+        report["wall_s"] = time.monotonic() - t_start
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(table([row], *args.unit).splitlines()[-1], flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:  # one configuration, started by run_config
+        return worker_main(argv[1])
+    args = build_parser().parse_args(argv)
+    _defaults(args)
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    try:
+        check_environment(args, names)
+    except BenchError as e:
+        print(f"bench_memory_options: error: {e}", file=sys.stderr)
+        return 2
+    tmp = Path(tempfile.mkdtemp(prefix="grpo-memory-"))
+    try:
+        report = run_all(args, names, args.model or make_model(args, tmp), argv)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(table(report["configs"], *args.unit))
+    for c in report["checks"]:
+        print(f"{ {True: 'PASS', False: 'FAIL', None: 'n/a'}[c['ok']]:4}  {c['check']}")
+    print(f"results: {args.out} ({report['wall_s']:.0f} s)")
+    return 0 if all(r["status"] == "ok" for r in report["configs"]) else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
