@@ -29,6 +29,9 @@ def build_models(
         **kwargs,
     )
     model.config.use_cache = False
+    # from_pretrained returns eval mode; HF's checkpointed layers (and dropout) only act in
+    # train mode, so without this gradient checkpointing would silently never recompute.
+    model.train()
     ref = None
     if cfg.grpo.beta > 0 and cfg.model.lora is None:
         ref = copy.deepcopy(model).eval().requires_grad_(False)

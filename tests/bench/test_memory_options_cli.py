@@ -191,12 +191,6 @@ def test_cpu_smoke_runs_and_reports_every_configuration(smoke):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="learner bug: from_pretrained leaves the HF model in eval mode and nothing calls "
-    ".train(), so HF's checkpointed layers never recompute (model.gradient_checkpointing is a "
-    "no-op); remove this marker once learner/model_setup.py puts the model in train mode",
-)
 def test_gradient_checkpointing_recomputes_the_layers_in_the_backward(smoke):
     proc, out = smoke
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -190,3 +190,12 @@ def test_prompt_truncation_keeps_the_end_and_flags_it(tiny_model_dir):
     ids, overlong = truncate_prompts(["abcdefghij", "xy"], tok, 4, {})
     assert overlong == [True, False]
     assert tok.decode(ids[0]) == "ghij" and tok.decode(ids[1]) == "xy"
+
+
+def test_build_models_leaves_the_policy_in_train_mode(tiny_model_dir):
+    # from_pretrained returns eval mode, where HF's checkpointed layers never recompute
+    cfg = load_config(None, ['data.path="x.jsonl"', 'rewards=[{name="length"}]'])
+    policy, _ = build_models(cfg, str(tiny_model_dir))
+    assert cfg.model.gradient_checkpointing
+    assert all(m.training for m in policy.modules())
+    assert policy.model.is_gradient_checkpointing
