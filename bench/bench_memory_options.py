@@ -465,7 +465,7 @@ def run_all(args: argparse.Namespace, names: list[str], model: str, argv: list[s
         report["wall_s"] = time.monotonic() - t_start
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
-        print(table([row], *args.unit).splitlines()[-1], flush=True)
+        print(table(report["configs"], *args.unit).splitlines()[-1], flush=True)
     return report
 
 

@@ -158,6 +158,7 @@ def summarize_learner(records: Sequence[dict[str, Any]], warmup: int) -> dict[st
         "train_tokens_per_s": _median_of(measured, "throughput/train_tokens_per_s"),
         "mfu": _median_of(measured, "mfu"),
         "reward_mean": _mean_of(measured, "reward/mean"),
+        "staleness_mean": _mean_of(measured, "staleness"),
     }
 
 
@@ -243,3 +244,78 @@ def verdict_lines(checks: list[dict[str, Any]]) -> str:
         f"({c['vs']})"
         for c in checks
     )
+
+
+# -- overlap vs synchronous (two split runs of bench_grpo_e2e.py) ------------------------------
+
+
+def _split_run(result: dict[str, Any]) -> dict[str, Any]:
+    """The ``split`` run of a bench_grpo_e2e.py result, or an error record saying why not."""
+    run = result.get("split")
+    if isinstance(run, dict):
+        return run
+    return {"status": "error", "error": result.get("error") or "no split run in the result"}
+
+
+def _overlap_view(run: dict[str, Any]) -> dict[str, Any]:
+    ok = run.get("status") == "ok"
+    s = run.get("summary") or {}
+    return {
+        "status": run.get("status"),
+        "max_staleness": ((run.get("config") or {}).get("rollout") or {}).get("max_staleness"),
+        "median_step_s": median_step(run),
+        "phase_median_s": s.get("phase_median_s") if ok else None,
+        "staleness_mean": s.get("staleness_mean") if ok else None,
+        "steps_timed": (s.get("step_s") or {}).get("n") if ok else None,
+        "step_seconds": run.get("step_seconds"),
+        "error": run.get("error"),
+    }
+
+
+def overlap_report(sync: dict[str, Any], overlap: dict[str, Any]) -> dict[str, Any]:
+    """Two bench_grpo_e2e.py results in mode ``split`` (``--split-max-staleness 0`` and ``1``,
+    same machine and workload) as one report with the issue's verdict: overlap faster than
+    synchronous. ``overlap_ran_ahead`` says whether the overlapped run really trained on samples
+    from older weights (mean staleness > 0); if not, its speed proves nothing about overlap."""
+    a, b = _overlap_view(_split_run(sync)), _overlap_view(_split_run(overlap))
+    if a["max_staleness"] not in (None, 0) or b["max_staleness"] == 0:
+        raise ValueError(
+            f"need the synchronous run first (max_staleness 0, got {a['max_staleness']}) and "
+            f"the overlapped one second (>= 1, got {b['max_staleness']})"
+        )
+    same = sync.get("workload") == overlap.get("workload")
+    sy, ov = (a["median_step_s"], b["median_step_s"]) if same else (None, None)
+    return {
+        "workload": sync.get("workload"),
+        "same_workload": same,
+        "synchronous": a,
+        "overlap": b,
+        "speedup": sy / ov if sy and ov else None,
+        "overlap_ran_ahead": None if b["staleness_mean"] is None else b["staleness_mean"] > 0,
+        "verdicts": [
+            {
+                "check": "overlap faster than synchronous (split, 2 GPUs)",
+                "measured_s": ov,
+                "bound_s": sy,
+                "vs": "synchronous median, this run",
+                "ok": None if sy is None or ov is None else ov < sy,
+            }
+        ],
+    }
+
+
+def write_overlap_report(sync_path: Path, overlap_path: Path, out: Path) -> dict[str, Any]:
+    """``overlap_report`` of two result files (a missing one counts as a failed run), written to
+    ``out`` and printed."""
+    report = overlap_report(read_json(Path(sync_path)), read_json(Path(overlap_path)))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2))
+    for name in ("synchronous", "overlap"):
+        v = report[name]
+        print(
+            f"{name:12} max_staleness={v['max_staleness']} {v['status']}: "
+            f"{_fmt(v['median_step_s'])} s/step (staleness mean {_fmt(v['staleness_mean'])})"
+            + (f" {v['error']}" if v["error"] else "")
+        )
+    print(verdict_lines(report["verdicts"]))
+    return report

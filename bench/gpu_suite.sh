@@ -9,14 +9,22 @@
 # tests (pytest -m gpu), bench_rollout (bench/bench_rollout_gpu.py), bench_loss
 # (bench/bench_loss_gpu.py), e2e (end-to-end GRPO steps: TRL's GRPOTrainer with colocated vLLM,
 # then ours colocated on GPU 0, then ours split over 2 GPUs; not in the default list: it needs
-# the 2-GPU machine and ~6 min, SUITE_STEPS="setup model e2e"). Each step has its own time
+# the 2-GPU machine and ~6 min, SUITE_STEPS="setup model e2e"), memory (issue 7: peak learner
+# memory and step time with each memory option on vs off, bench/bench_memory_options.py, one
+# GPU, no rollout server, ~2.5 min), overlap (issue 7: bench_grpo_e2e.py in mode split twice,
+# rollout.max_staleness 0 then 1, 12 steps each; needs the 2-GPU machine, ~4 min). Neither is
+# in the default list: SUITE_STEPS="setup model memory overlap" SUITE_BUDGET_S=590 on the
+# 2-GPU machine. Each step has its own time
 # limit and its own log; a failing step does not stop the others; the whole run stays inside
 # SUITE_BUDGET_S (steps that no longer fit are skipped and say so). Results in $OUT (few files, as the device tool returns at most 8):
 #   summary.json  steps (status, seconds, exit code), test counts, benchmark verdicts
 #   gpu_tests.xml  junit report of pytest -m gpu
 #   bench_rollout_gpu.json  throughput / sleep / sync numbers
 #   bench_grpo_e2e.json  e2e: TRL vs colocated vs split, median s/step and phases, verdicts
-#   logs.tar.gz  every step log, server logs, the offline-baseline log, bench_loss outputs
+#   bench_memory_options.json  memory: peak bytes, step seconds, recompute probe per option
+#   bench_overlap.json  overlap: synchronous vs overlapped split medians, the verdict
+#   logs.tar.gz  every step log, server logs, the offline-baseline log, bench_loss outputs,
+#                the two overlap runs' own result files
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -103,6 +111,42 @@ step_e2e() {
   return $rc
 }
 
+step_memory() {
+  # Peak learner memory (max_memory_allocated) and step time per memory option, one learner
+  # step of the real code path on a fixed synthetic batch, a fresh process per configuration;
+  # no configuration starts after MEMORY_BUDGET_S.
+  CUDA_VISIBLE_DEVICES=${MEMORY_GPU:-0} python3 bench/bench_memory_options.py \
+    --model "$GRPO_GPU_MODEL" --out "$WORK/memory/bench_memory_options.json" \
+    --budget-s "${MEMORY_BUDGET_S:-170}" ${MEMORY_ARGS:-}
+  local rc=$?
+  cp "$WORK/memory/bench_memory_options.json" "$OUT/" 2>/dev/null
+  return $rc
+}
+
+step_overlap() {
+  # Overlap vs synchronous: bench_grpo_e2e.py in mode split (server GPU 1, ZeRO-3 learner
+  # GPU 0, NCCL sync) with rollout.max_staleness 0, then 1, the same steps each; both medians
+  # and the verdict "overlap faster than synchronous" go into bench_overlap.json.
+  local d=$WORK/overlap s rc=0 limit=${T_OVERLAP_RUN:-150}
+  rm -rf "$d" && mkdir -p "$d" "$LOGS/overlap"
+  for s in 0 1; do
+    echo "-- max_staleness $s (limit ${limit}s, ${OVERLAP_STEPS:-12} steps)"
+    timeout -k 15 $(( limit + 40 )) python3 bench/bench_grpo_e2e.py --model "$GRPO_GPU_MODEL" \
+      --modes split --split-max-staleness "$s" --steps-split "${OVERLAP_STEPS:-12}" \
+      --out "$d/staleness$s.json" --log-dir "$LOGS/overlap/staleness$s" \
+      --work-dir "$d/runs$s" --timeout "$limit" --server-timeout 120 ${OVERLAP_ARGS:-} || rc=1
+    stop_leftover_servers
+  done
+  python3 - "$d/staleness0.json" "$d/staleness1.json" "$OUT/bench_overlap.json" <<'EOF' || rc=1
+import sys
+sys.path.insert(0, "bench")
+from e2e_common import write_overlap_report
+write_overlap_report(*sys.argv[1:])
+EOF
+  cp "$d"/staleness*.json "$LOGS/overlap/" 2>/dev/null
+  return $rc
+}
+
 stop_leftover_servers() {
   # A timed-out step leaves its rollout servers (own sessions) holding GPU memory: end each
   # recorded server's process group (its pid is the group id: started with a new session).
@@ -115,6 +159,7 @@ stop_leftover_servers() {
   done < "$GRPO_GPU_PIDFILE"
   : > "$GRPO_GPU_PIDFILE"
 }
+export -f stop_leftover_servers  # step_overlap calls it between its two runs
 
 limit_for() {  # seconds allowed for a step: its own limit, capped by what is left of the budget
   local own
@@ -125,6 +170,8 @@ limit_for() {  # seconds allowed for a step: its own limit, capped by what is le
     bench_rollout) own=${T_BENCH_ROLLOUT:-420} ;;
     bench_loss) own=${T_BENCH_LOSS:-240} ;;
     e2e) own=${T_E2E:-480} ;;
+    memory) own=${T_MEMORY:-200} ;;
+    overlap) own=${T_OVERLAP:-420} ;;
     *) own=60 ;;
   esac
   local left=$(( SUITE_BUDGET_S - ($(date +%s) - START) - 15 ))
@@ -208,6 +255,23 @@ if e2e.is_file():
             ok = run.get("status") == "ok"
             summary["e2e_median_step_s"][k] = (
                 run["summary"]["step_s"]["median"] if ok else run.get("error"))
+memory = out / "bench_memory_options.json"
+if memory.is_file():
+    data = json.loads(memory.read_text())
+    summary["memory_options"] = {
+        r["name"]: {"status": r["status"], "peak_gb": round(r["peak_bytes"] / 1e9, 3),
+                    "step_s": round(r["step_s"]["median"], 3),
+                    "recomputes": r.get("recomputes_activations")}
+        if r["status"] == "ok" else {"status": r["status"], "error": str(r.get("error"))[:300]}
+        for r in data.get("configs", [])}
+    summary["memory_checks"] = {c["check"]: c["ok"] for c in data.get("checks", [])}
+overlap = out / "bench_overlap.json"
+if overlap.is_file():
+    data = json.loads(overlap.read_text())
+    summary["overlap_verdicts"] = data.get("verdicts", [])
+    summary["overlap_median_step_s"] = {k: data[k]["median_step_s"] or data[k]["error"]
+                                        for k in ("synchronous", "overlap")}
+    summary["overlap_ran_ahead"] = data.get("overlap_ran_ahead")
 (out / "summary.json").write_text(json.dumps(summary, indent=2))
 print(json.dumps({k: v for k, v in summary.items() if k != "test_cases"}, indent=1))
 for c in summary.get("test_cases", []):

@@ -192,6 +192,9 @@ def test_cpu_smoke_runs_and_reports_every_configuration(smoke):
 
 @pytest.mark.slow
 def test_gradient_checkpointing_recomputes_the_layers_in_the_backward(smoke):
+    """The probe counts a decoder layer's calls: twice per micro-batch when checkpointed (forward
+    and recompute in the backward), once otherwise. A model left in eval mode makes HF skip the
+    checkpointing silently; this caught it."""
     proc, out = smoke
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["name"]: r for r in json.loads(out.read_text())["configs"]}
