@@ -277,6 +277,37 @@ def test_resume_continues_exactly(tmp_path, tiny_model_dir):
         assert torch.equal(a[k], c[k]), k
 
 
+def test_two_processes_match_one(tmp_path, tiny_model_dir):
+    """DDP (accelerate launch, gloo on CPU): each rank takes half of every step's rows; the loss
+    weighting over all ranks' targets makes the run equal to one process's."""
+    import os
+    import subprocess
+    import sys
+
+    from learner.embedded import free_port
+    from learner.metrics import read_metrics
+    from learner.sft import train_sft
+
+    common = ("sft.steps=3", "sft.batch_size=4", "sft.micro_batch_size=2")
+    one, two = tmp_path / "one", tmp_path / "two"
+    train_sft(_sft_cfg(one, tiny_model_dir, *common))
+    sets = [f'model.name_or_path="{tiny_model_dir}"', "run.progress_bar=false", *common]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"]
+    cmd += ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+    cmd += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    cmd += ["-m", "learner", "sft", "--config", str(SFT_DEMO), "--run-dir", str(two)]
+    cmd += [a for s in sets for a in ("--set", s)]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, c = read_metrics(one), read_metrics(two)
+    assert [r["tokens/trained"] for r in a] == [r["tokens/trained"] for r in c]
+    assert [r["loss"] for r in c] == pytest.approx([r["loss"] for r in a], rel=1e-5)
+    wa, wc = _weights(one / "final"), _weights(two / "final")
+    for k in wa:
+        torch.testing.assert_close(wc[k], wa[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
 def test_warm_start_then_grpo_from_the_sft_weights(tmp_path, tiny_model_dir, start_server):
     """GRPO after SFT starts from RUN_DIR/sft/final, and an external server receives it by a
     weight sync before the first generation (samples of step 1 have weight version 1)."""
