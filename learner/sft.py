@@ -10,7 +10,9 @@ Warm start: a config with an ``[sft]`` section *and* GRPO data runs SFT into ``R
 first (metrics, checkpoints, and ``RUN_DIR/sft/final``: the model with any LoRA merged, plus the
 tokenizer); GRPO then builds its policy from ``RUN_DIR/sft/final`` (an embedded rollout server
 starts from it; external servers receive it by a weight sync before the first generation). A
-``RUN_DIR/sft/final`` already there is reused, so a resumed run never repeats the SFT.
+``RUN_DIR/sft/final`` already there is reused, so a resumed run never repeats the SFT. The GRPO
+KL reference (``grpo.beta`` > 0) is then the SFT model, and LoRA adapters (``model.lora``) trained
+by the SFT are merged into it, so GRPO's adapters start fresh on top.
 """
 
 from __future__ import annotations
@@ -266,8 +268,8 @@ def train_sft(
                 "lr": scheduler.get_last_lr()[0],
                 "time/step": seconds,
                 "throughput/train_tokens_per_s": m["tokens/trained"] / max(seconds, 1e-9),
-                "data/truncated": float(truncated),
-                "data/no_targets": float(empty),
+                "data/truncated_fraction": truncated / len(examples),
+                "data/no_target_fraction": empty / len(examples),
                 "epoch": stream.position / len(rows),
             }
             last = reduce_metrics(accelerator, local)

@@ -260,6 +260,17 @@ def test_short_run_learns_and_writes_a_loadable_model(tmp_path, tiny_model_dir):
     )
 
 
+def test_lora_sft_saves_a_merged_plain_model(tmp_path, tiny_model_dir):
+    from learner.sft import train_sft
+
+    run = tmp_path / "lora"
+    train_sft(_sft_cfg(run, tiny_model_dir, "sft.steps=2", "model.lora.r=4"))
+    base, final = _weights(tiny_model_dir), _weights(run / "final")
+    assert final.keys() == base.keys()  # no adapter tensors: GRPO loads it as a base model
+    changed = [k for k in base if not torch.equal(base[k], final[k])]
+    assert changed and all(k.endswith("proj.weight") for k in changed), changed
+
+
 def test_resume_continues_exactly(tmp_path, tiny_model_dir):
     from learner.metrics import read_metrics
     from learner.sft import train_sft
