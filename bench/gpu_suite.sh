@@ -117,7 +117,7 @@ step_memory() {
   # no configuration starts after MEMORY_BUDGET_S.
   CUDA_VISIBLE_DEVICES=${MEMORY_GPU:-0} python3 bench/bench_memory_options.py \
     --model "$GRPO_GPU_MODEL" --out "$WORK/memory/bench_memory_options.json" \
-    --budget-s "${MEMORY_BUDGET_S:-170}" ${MEMORY_ARGS:-}
+    --budget-s "${MEMORY_BUDGET_S:-150}" ${MEMORY_ARGS:-}
   local rc=$?
   cp "$WORK/memory/bench_memory_options.json" "$OUT/" 2>/dev/null
   return $rc
