@@ -361,7 +361,7 @@ def test_warm_start_then_grpo_from_the_sft_weights(tmp_path, tiny_model_dir, sta
 
 def test_shipped_sft_config_parses_and_resolves_its_data():
     cfg = load_config(SFT_DEMO)
-    assert cfg.sft is not None and not cfg.has_grpo
+    assert cfg.sft is not None and cfg.has_grpo  # SFT alone, or a warm start before GRPO
     assert Path(cfg.sft.data).is_absolute() and Path(cfg.sft.data).is_file()
     rows, fmt = load_sft_rows(cfg.sft)
     assert fmt == "messages" and len(rows) >= 32
@@ -381,10 +381,22 @@ def test_config_errors_name_the_field(override, message):
         load_config(SFT_DEMO, [override])
 
 
-def test_cli_refuses_the_wrong_command_for_the_config(capsys):
+def test_sft_only_config_is_valid_but_not_for_grpo(tmp_path, capsys):
     from learner.cli import main
 
-    assert main(["--config", str(SFT_DEMO)]) == 2
+    path = tmp_path / "sft_only.toml"
+    path.write_text(f'[sft]\ndata = "{ROOT / "learner" / "data" / "sft_demo.jsonl"}"\n')
+    cfg = load_config(path)
+    assert cfg.sft is not None and not cfg.has_grpo
+    assert main(["--config", str(path)]) == 2
     assert "python -m learner sft --config" in capsys.readouterr().err
+    path.write_text("[run]\nsteps = 3\n")  # neither SFT nor GRPO data: the GRPO error stands
+    with pytest.raises(ConfigError, match=r"give either \[data\]"):
+        load_config(path)
+
+
+def test_cli_sft_needs_an_sft_section(capsys):
+    from learner.cli import main
+
     assert main(["sft", "--config", str(DEMO)]) == 2
     assert "has no [sft] section" in capsys.readouterr().err
