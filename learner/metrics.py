@@ -22,6 +22,7 @@ class MetricsLogger:
         start_step: int,
         tensorboard: bool,
         progress_bar: bool,
+        desc: str = "GRPO",
     ) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
@@ -32,9 +33,7 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
         self._bar = (
-            tqdm(
-                total=total_steps, initial=start_step, desc="GRPO", unit="step", dynamic_ncols=True
-            )
+            tqdm(total=total_steps, initial=start_step, desc=desc, unit="step", dynamic_ncols=True)
             if progress_bar
             else None
         )

@@ -41,7 +41,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         if len(keys) > 1:
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"GRPO run: {run_dir}")
+    fig.suptitle(f"run: {run_dir}")
     fig.tight_layout()
     out = Path(out) if out else run_dir / "curves.png"
     fig.savefig(out, dpi=100)

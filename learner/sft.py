@@ -237,6 +237,7 @@ def train_sft(
             start_step=state.step,
             tensorboard=cfg.run.tensorboard,
             progress_bar=cfg.run.progress_bar,
+            desc="SFT",
         )
         if accelerator.is_main_process
         else None
