@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
 from torch import nn
 from transformers import AutoTokenizer, get_scheduler
 
@@ -41,6 +40,7 @@ from learner.logprobs import chunked_nll
 from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
 from learner.policy import PolicyLogprobs, is_peft
+from learner.runtime import make_accelerator, start_run
 from learner.sft_data import load_sft_rows, tokenize_row
 from learner.train_step import reduce_metrics
 
@@ -167,15 +167,6 @@ def _portable_tokenizer(config_path: Path) -> None:
             config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _accelerator() -> Accelerator:
-    acc = Accelerator(cpu=not torch.cuda.is_available())
-    ds = acc.state.deepspeed_plugin
-    if ds is not None:  # no dataloader goes through prepare(); we drive accumulation ourselves
-        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
-        ds.deepspeed_config["gradient_accumulation_steps"] = 1
-    return acc
-
-
 def train_sft(
     cfg: LearnerConfig,
     *,
@@ -188,18 +179,10 @@ def train_sft(
     if cfg.sft is None:
         raise ValueError("the config has no [sft] section: add one (see learner/configs/)")
     s = cfg.sft
-    accelerator = _accelerator()
+    accelerator = make_accelerator()
     out = Path(out_dir if out_dir is not None else cfg.run.run_dir)
     world = accelerator.num_processes
-    if s.batch_size % world:
-        raise ValueError(
-            f"sft.batch_size = {s.batch_size} must be divisible by the number of processes "
-            f"({world})"
-        )
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(cfg.model_dump_json(indent=2))
-    set_seed(cfg.run.seed)
+    start_run(accelerator, out, cfg, cfg.run.seed, s.batch_size, "sft.batch_size")
     if model_path is None:
         from learner.trainer import _model_path
 

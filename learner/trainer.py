@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import broadcast_object_list
 from transformers import AutoTokenizer, get_scheduler
 
 from learner.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
@@ -41,6 +41,7 @@ from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
 from learner.perf import peak_tflops, train_flops_per_token
 from learner.rollouts import StepRollouts, collect, collect_episodes
+from learner.runtime import make_accelerator, start_run
 from learner.sync import WeightSyncer
 from learner.train_step import StepOptions, build_micro_batches, reduce_metrics, train_on
 from rewards.scoring import RewardRunner, RewardSpec
@@ -142,29 +143,18 @@ def _step_options(cfg: LearnerConfig) -> StepOptions:
 
 def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     """Run GRPO as configured; returns the last step's metrics (main process)."""
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = make_accelerator()
     run_dir = Path(cfg.run.run_dir)
     world = accelerator.num_processes
-    if cfg.grpo.prompts_per_step % world:
-        raise ValueError(
-            f"grpo.prompts_per_step = {cfg.grpo.prompts_per_step} must be divisible by the "
-            f"number of processes ({world})"
-        )
-    if accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-    set_seed(cfg.run.seed)
-
+    start_run(
+        accelerator, run_dir, cfg, cfg.run.seed, cfg.grpo.prompts_per_step, "grpo.prompts_per_step"
+    )
     ds = accelerator.state.deepspeed_plugin
-    if ds is not None:
-        # No dataloader goes through prepare(): DeepSpeed still wants a micro-batch size.
-        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
-        ds.deepspeed_config["gradient_accumulation_steps"] = 1
-        if ds.zero_stage == 3 and cfg.grpo.beta > 0 and cfg.model.lora is None:
-            raise ValueError(
-                "grpo.beta > 0 under ZeRO-3 needs model.lora (the reference is the adapter-less "
-                "model); a frozen full copy is not supported with ZeRO-3 — or set grpo.beta = 0"
-            )
+    if ds is not None and ds.zero_stage == 3 and cfg.grpo.beta > 0 and cfg.model.lora is None:
+        raise ValueError(
+            "grpo.beta > 0 under ZeRO-3 needs model.lora (the reference is the adapter-less "
+            "model); a frozen full copy is not supported with ZeRO-3 — or set grpo.beta = 0"
+        )
     model_path = _model_path(cfg, run_dir, accelerator)
     if cfg.sft is not None:  # warm start: SFT first, GRPO starts from its weights (learner/sft.py)
         from learner.sft import warm_start

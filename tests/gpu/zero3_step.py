@@ -12,12 +12,12 @@ import random
 import sys
 
 import torch
-from accelerate import Accelerator
 
 from learner.batch import Rollout
 from learner.config import load_config
 from learner.loss import LossConfig
 from learner.model_setup import build_models
+from learner.runtime import make_accelerator
 from learner.train_step import StepOptions, build_micro_batches, reduce_metrics, train_on
 
 
@@ -39,11 +39,7 @@ def rollouts(n: int, vocab: int, seed: int = 0) -> list[Rollout]:
 
 
 def main(model_dir: str) -> None:
-    acc = Accelerator()
-    ds = acc.state.deepspeed_plugin
-    if ds is not None:
-        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
-        ds.deepspeed_config["gradient_accumulation_steps"] = 1
+    acc = make_accelerator()
     cfg = load_config(
         None,
         [f'data.path="{model_dir}"', 'rewards=[{name="length"}]', 'model.dtype="bfloat16"'],

@@ -1,0 +1,37 @@
+"""Process setup shared by the GRPO trainer and the SFT stage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from pydantic import BaseModel
+
+
+def make_accelerator() -> Accelerator:
+    """An ``Accelerator`` (CPU when there is no GPU) ready for our own micro-batch loop.
+
+    No dataloader goes through ``prepare()`` and we set DeepSpeed's accumulation boundary
+    ourselves, so DeepSpeed is told one micro-batch per step and no accumulation."""
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    ds = acc.state.deepspeed_plugin
+    if ds is not None:
+        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
+        ds.deepspeed_config["gradient_accumulation_steps"] = 1
+    return acc
+
+
+def start_run(
+    acc: Accelerator, run_dir: Path, cfg: BaseModel, seed: int, batch: int, what: str
+) -> None:
+    """Check the batch splits over the ranks, write the resolved config, seed every RNG."""
+    if batch % acc.num_processes:
+        raise ValueError(
+            f"{what} = {batch} must be divisible by the number of processes ({acc.num_processes})"
+        )
+    if acc.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    set_seed(seed)
