@@ -30,7 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rollout_server.engine.base import Engine, EngineError, EngineInfo, SampleOutput, TensorMeta
+from rollout_server.engine.base import (
+    Engine,
+    EngineError,
+    EngineInfo,
+    SampleOutput,
+    TensorMeta,
+    hf_decode,
+    hf_tokenize_prompt,
+)
 from rollout_server.engine.decode import Row, decode_rows
 
 if TYPE_CHECKING:
@@ -165,26 +173,17 @@ class TransformersEngine(Engine):
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        if isinstance(prompt, str):
-            with self._tokenizer_lock:
-                return list(self.tokenizer(prompt)["input_ids"])
-        if prompt and isinstance(prompt[0], dict):
-            with self._tokenizer_lock:
-                text = self.tokenizer.apply_chat_template(
-                    prompt,
-                    tools=tools,
-                    add_generation_prompt=add_generation_prompt,
-                    tokenize=False,
-                    **(chat_template_kwargs or {}),
-                )
-                return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return [int(t) for t in prompt]
+        return hf_tokenize_prompt(
+            self.tokenizer,
+            self._tokenizer_lock,
+            prompt,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+        )
 
     def decode(self, token_ids: list[int]) -> str:
-        # The model's vocab may be larger than the tokenizer's (padding rows): skip those ids.
-        known = [t for t in token_ids if t < len(self.tokenizer)]
-        with self._tokenizer_lock:
-            return self.tokenizer.decode(known, skip_special_tokens=True)
+        return hf_decode(self.tokenizer, self._tokenizer_lock, token_ids)
 
     # --- generation ------------------------------------------------------------------------
 

@@ -42,6 +42,8 @@ from rollout_server.engine.base import (
     SampleOutput,
     TensorMeta,
     UnsupportedError,
+    hf_decode,
+    hf_tokenize_prompt,
 )
 
 if TYPE_CHECKING:
@@ -261,24 +263,17 @@ class VLLMEngine(Engine):
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        if not isinstance(prompt, str) and not (prompt and isinstance(prompt[0], dict)):
-            return [int(t) for t in prompt]
-        with self._tokenizer_lock:
-            if isinstance(prompt, str):
-                return list(self._tokenizer(prompt)["input_ids"])
-            text = self._tokenizer.apply_chat_template(
-                prompt,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                **(chat_template_kwargs or {}),
-            )
-            return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        return hf_tokenize_prompt(
+            self._tokenizer,
+            self._tokenizer_lock,
+            prompt,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+        )
 
     def decode(self, token_ids: list[int]) -> str:
-        with self._tokenizer_lock:
-            known = [t for t in token_ids if t < len(self._tokenizer)]
-            return self._tokenizer.decode(known, skip_special_tokens=True)
+        return hf_decode(self._tokenizer, self._tokenizer_lock, token_ids)
 
     # -- generation ------------------------------------------------------------------------
 
