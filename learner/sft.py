@@ -265,6 +265,7 @@ def train_sft(
         if log is not None:
             log.close()
     save_model(accelerator, policy, tokenizer, out / "final")
+    accelerator.wait_for_everyone()  # no rank leaves (and tears down) while another still saves
     accelerator.free_memory()
     del policy, optimizer, scheduler
     gc.collect()

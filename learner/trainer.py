@@ -327,6 +327,9 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         final = run_dir / "final"
         accelerator.unwrap_model(policy).model.save_pretrained(final, safe_serialization=True)
         tokenizer.save_pretrained(final)
+    # Every rank must reach the process-group teardown together: a rank that tears down while
+    # another is still saving leaves that one hanging in gloo's destructor at exit.
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return last if accelerator.is_main_process else {}
 
