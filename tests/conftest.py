@@ -80,3 +80,20 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rollout_server.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), seed=0)
+
+
+def pids_mentioning(text: str) -> list[int]:
+    """PIDs (not this one) whose command line mentions ``text``: tests use it to prove that no
+    subprocess (an embedded rollout server, a benchmark's server) outlived its owner."""
+    import os
+
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd:
+                pids.append(int(d.name))
+    return pids

@@ -7,13 +7,13 @@ tiny model) that must leave no process behind.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from conftest import pids_mentioning  # tests/conftest.py (on sys.path under pytest)
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -205,19 +205,6 @@ def test_verdicts_follow_the_issue():
 # -- the whole plumbing on CPU -----------------------------------------------------------------
 
 
-def _pids_mentioning(text: str) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmd:
-                pids.append(int(d.name))
-    return pids
-
-
 @pytest.mark.slow
 def test_cpu_run_of_both_modes_reports_medians_and_leaves_nothing_behind(tiny_model_dir, tmp_path):
     out, logs = tmp_path / "e2e.json", tmp_path / "logs"
@@ -245,4 +232,4 @@ def test_cpu_run_of_both_modes_reports_medians_and_leaves_nothing_behind(tiny_mo
         assert not Path(r["config"]["rollout"]["sync_dir"] or "/nonexistent").exists()
     assert result["colocated"]["config"]["rollout"]["sleep_while_training"] == 1
     assert "colocated" in proc.stdout and "split" in proc.stdout  # the table
-    assert _pids_mentioning(str(tmp_path)) == []
+    assert pids_mentioning(str(tmp_path)) == []

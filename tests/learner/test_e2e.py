@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import pids_mentioning  # tests/conftest.py (on sys.path under pytest)
 
 from learner.config import load_config
 from learner.data import PromptStream, load_rows
@@ -43,23 +44,30 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    """PIDs whose command line mentions ``text`` (e.g. an embedded server serving run_dir/model)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmd:
-                pids.append(int(d.name))
-    return pids
+def _run_ok(run_dir: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run the demo learner with ``--set`` overrides and require it to succeed."""
+    args = [a for o in ("run.progress_bar=false", *overrides) for a in ("--set", o)]
+    proc = subprocess.run(
+        _learner(run_dir, *args), env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _expected_fingerprints(steps: int) -> list[int]:
+    """The demo's data order per step, straight from a fresh seeded stream."""
+    cfg = load_config(DEMO)
+    stream = PromptStream(
+        load_rows(cfg.data.path, cfg.data.prompt_column),
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle,
+    )
+    return [rows_fingerprint(stream.take(cfg.grpo.prompts_per_step)) for _ in range(steps)]
 
 
 def _wait_gone(text: str, timeout_s: float = 15.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
-    while (left := _processes_mentioning(text)) and time.monotonic() < deadline:
+    while (left := pids_mentioning(text)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 
@@ -138,14 +146,7 @@ def test_sigkill_then_resume_continues_same_data_order(tmp_path):
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, 9))
 
-    cfg = load_config(DEMO)
-    stream = PromptStream(
-        load_rows(cfg.data.path, cfg.data.prompt_column),
-        seed=cfg.data.seed,
-        shuffle=cfg.data.shuffle,
-    )
-    expected = [rows_fingerprint(stream.take(cfg.grpo.prompts_per_step)) for _ in range(8)]
-    assert [int(r["data/fingerprint"]) for r in records] == expected
+    assert [int(r["data/fingerprint"]) for r in records] == _expected_fingerprints(8)
 
 
 def test_unreachable_server_fails_fast_and_clearly(tmp_path):
@@ -248,22 +249,7 @@ def test_environment_config_runs_multi_turn_episodes(tmp_path):
 @pytest.mark.parametrize("level", [1, 2])
 def test_colocated_mode_sleeps_the_server_while_training(tmp_path, level):
     run_dir = tmp_path / f"colocated{level}"
-    proc = subprocess.run(
-        _learner(
-            run_dir,
-            "--set",
-            "run.steps=3",
-            "--set",
-            "run.progress_bar=false",
-            "--set",
-            f"rollout.sleep_while_training={level}",
-        ),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_ok(run_dir, "run.steps=3", f"rollout.sleep_while_training={level}")
     records = read_metrics(run_dir)
     # every step generated with the weights synced after the previous step, even after level 2
     assert [r["weight_version/min"] for r in records] == [0.0, 1.0, 2.0]
@@ -273,58 +259,19 @@ def test_colocated_mode_sleeps_the_server_while_training(tmp_path, level):
 
 def test_overlap_never_exceeds_the_staleness_bound(tmp_path):
     run_dir = tmp_path / "overlap"
-    proc = subprocess.run(
-        _learner(
-            run_dir,
-            "--set",
-            "run.steps=6",
-            "--set",
-            "run.progress_bar=false",
-            "--set",
-            "rollout.max_staleness=1",
-        ),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_ok(run_dir, "run.steps=6", "rollout.max_staleness=1")
     records = read_metrics(run_dir)
     staleness = [r["staleness"] for r in records]
     assert max(staleness) <= 1
     assert staleness[0] == 0 and staleness.count(1) >= 4  # generation really ran ahead
     # each batch was generated one version behind the weights it was trained from
     assert [r["weight_version/min"] for r in records] == [0, 0, 1, 2, 3, 4]
-    cfg = load_config(DEMO)
-    stream = PromptStream(
-        load_rows(cfg.data.path, cfg.data.prompt_column),
-        seed=cfg.data.seed,
-        shuffle=cfg.data.shuffle,
-    )
-    expected = [rows_fingerprint(stream.take(cfg.grpo.prompts_per_step)) for _ in range(6)]
-    assert [int(r["data/fingerprint"]) for r in records] == expected
+    assert [int(r["data/fingerprint"]) for r in records] == _expected_fingerprints(6)
 
 
 def test_lora_run_syncs_merged_weights_to_the_server(tmp_path):
     run_dir = tmp_path / "lora"
-    proc = subprocess.run(
-        _learner(
-            run_dir,
-            "--set",
-            "run.steps=3",
-            "--set",
-            "run.progress_bar=false",
-            "--set",
-            "model.lora.r=4",
-            "--set",
-            "grpo.beta=0.05",
-        ),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_ok(run_dir, "run.steps=3", "model.lora.r=4", "grpo.beta=0.05")
     records = read_metrics(run_dir)
     assert [r["weight_version"] for r in records] == [1, 2, 3]
     assert all("kl" in r for r in records)
@@ -333,24 +280,7 @@ def test_lora_run_syncs_merged_weights_to_the_server(tmp_path):
 
 def test_ignore_eos_and_no_final_save(tmp_path):
     run_dir = tmp_path / "fixed"
-    proc = subprocess.run(
-        _learner(
-            run_dir,
-            "--set",
-            "run.steps=2",
-            "--set",
-            "run.progress_bar=false",
-            "--set",
-            "sampling.ignore_eos=true",
-            "--set",
-            "run.save_final=false",
-        ),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_ok(run_dir, "run.steps=2", "sampling.ignore_eos=true", "run.save_final=false")
     records = read_metrics(run_dir)
     max_tokens = load_config(DEMO).sampling.max_tokens
     assert all(r["completion/len_mean"] == max_tokens for r in records)  # EOS never stops one
