@@ -97,3 +97,9 @@ def pids_mentioning(text: str) -> list[int]:
             if text in cmd:
                 pids.append(int(d.name))
     return pids
+
+
+@pytest.fixture
+def proc_scan() -> Callable[[str], list[int]]:
+    """``pids_mentioning`` as a fixture (test modules cannot import from conftest by name)."""
+    return pids_mentioning

@@ -13,7 +13,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import pids_mentioning  # tests/conftest.py (on sys.path under pytest)
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -206,7 +205,9 @@ def test_verdicts_follow_the_issue():
 
 
 @pytest.mark.slow
-def test_cpu_run_of_both_modes_reports_medians_and_leaves_nothing_behind(tiny_model_dir, tmp_path):
+def test_cpu_run_of_both_modes_reports_medians_and_leaves_nothing_behind(
+    tiny_model_dir, tmp_path, proc_scan
+):
     out, logs = tmp_path / "e2e.json", tmp_path / "logs"
     proc = subprocess.run(
         [sys.executable, str(BENCH / "bench_grpo_e2e.py"), "--engine", "transformers",
@@ -232,4 +233,4 @@ def test_cpu_run_of_both_modes_reports_medians_and_leaves_nothing_behind(tiny_mo
         assert not Path(r["config"]["rollout"]["sync_dir"] or "/nonexistent").exists()
     assert result["colocated"]["config"]["rollout"]["sleep_while_training"] == 1
     assert "colocated" in proc.stdout and "split" in proc.stdout  # the table
-    assert pids_mentioning(str(tmp_path)) == []
+    assert proc_scan(str(tmp_path)) == []

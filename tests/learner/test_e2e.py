@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import pids_mentioning  # tests/conftest.py (on sys.path under pytest)
 
 from learner.config import load_config
 from learner.data import PromptStream, load_rows
@@ -65,15 +64,15 @@ def _expected_fingerprints(steps: int) -> list[int]:
     return [rows_fingerprint(stream.take(cfg.grpo.prompts_per_step)) for _ in range(steps)]
 
 
-def _wait_gone(text: str, timeout_s: float = 15.0) -> list[int]:
+def _wait_gone(scan, text: str, timeout_s: float = 15.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
-    while (left := pids_mentioning(text)) and time.monotonic() < deadline:
+    while (left := scan(text)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 
 
 @pytest.mark.slow
-def test_demo_learns_within_five_minutes(tmp_path):
+def test_demo_learns_within_five_minutes(tmp_path, proc_scan):
     run_dir = tmp_path / "demo"
     t0 = time.monotonic()
     proc = subprocess.run(
@@ -103,13 +102,13 @@ def test_demo_learns_within_five_minutes(tmp_path):
     assert plot.returncode == 0, plot.stderr
     assert (run_dir / "curves.png").stat().st_size > 10_000
     assert (run_dir / "final" / "config.json").exists()
-    assert not _wait_gone(str(run_dir / "model")), (
+    assert not _wait_gone(proc_scan, str(run_dir / "model")), (
         "the embedded rollout server outlived the learner"
     )
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_continues_same_data_order(tmp_path):
+def test_sigkill_then_resume_continues_same_data_order(tmp_path, proc_scan):
     run_dir = tmp_path / "run"
     args = [
         "--set",
@@ -132,7 +131,7 @@ def test_sigkill_then_resume_continues_same_data_order(tmp_path):
     killed_at = len(read_metrics(run_dir))
     assert 3 <= killed_at < 8
     # PR_SET_PDEATHSIG: the embedded server dies with the learner, even on SIGKILL.
-    assert not _wait_gone(str(run_dir / "model")), "orphan rollout server after SIGKILL"
+    assert not _wait_gone(proc_scan, str(run_dir / "model")), "orphan rollout server after SIGKILL"
 
     done = subprocess.run(
         _learner(run_dir, "--resume", *args),
