@@ -1,7 +1,7 @@
 """End-to-end GRPO steps of this project on GPUs, with the per-phase time breakdown.
 
     python bench/bench_grpo_e2e.py --model DIR --out e2e.json [--trl-json trl.json]
-        [--modes colocated,split] [--steps-colocated 8] [--steps-split 20] [--warmup 2]
+        [--modes colocated,split,overlap] [--steps-colocated 8] [--steps-split 20] [--warmup 2]
 
 Workload (the issue's, same as bench_trl_grpo.py): random-weight Qwen3-0.6B shape, bf16,
 16 chat prompts x 8 samples x up to 256 completion tokens per optimizer step, the built-in
@@ -13,13 +13,15 @@ Modes, each a real rollout server process and a real learner process:
 - ``colocated`` (one GPU): ``rollout-server --engine vllm`` on GPU 0 with sleep mode and a
   modest ``--gpu-memory-utilization``, started first; then ``python -m learner`` on the same
   GPU with ``rollout.sleep_while_training`` (the server sleeps while the learner trains) and
-  weight sync over ``file`` (a safetensors file in /dev/shm) or ``http``: NCCL cannot join two
-  ranks on one GPU.
+  weight sync over ``ipc`` (CUDA IPC handles to the learner's packed buckets; the default),
+  ``file`` (a safetensors file in /dev/shm) or ``http``: NCCL cannot join two ranks on one GPU.
 - ``split`` (two GPUs): the server on GPU 1, the learner on GPU 0 under
   ``accelerate launch --config_file deploy/accelerate/zero3.yaml --num_processes 1`` with
   ``rollout.sync = "nccl"``; both start at once (the learner waits for the server). Synchronous
   by default, like the colocated run and TRL; ``--split-max-staleness 1`` lets the learner
   generate the next batch while it trains (then ``wait_generate`` is the exposed part only).
+- ``overlap`` (two GPUs): ``split`` with ``rollout.max_staleness`` = ``--overlap-max-staleness``
+  (1): generation of step k+1 runs while step k trains; compared with ``split`` in the verdicts.
 
 Every step's metrics come from the learner's own ``metrics.jsonl``; the first ``--warmup``
 steps are dropped and medians taken over the rest. Once the last step is logged the learner is
@@ -66,7 +68,8 @@ from e2e_common import (
 )
 from gpu_common import API_KEY, ROOT, ServerProcess, free_port, gpu_env
 
-MODES = ("colocated", "split")
+MODES = ("colocated", "split", "overlap")
+SPLIT_LIKE = ("split", "overlap")  # server on GPU 1, ZeRO-3 learner on GPU 0, NCCL
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="model directory (Qwen3-0.6B shape on GPU)")
     p.add_argument("--out", type=Path, required=True, help="result JSON")
-    p.add_argument("--modes", default="colocated,split", help="comma-separated: colocated,split")
+    p.add_argument("--modes", default="colocated,split", help="comma-separated: " + ",".join(MODES))
     p.add_argument("--trl-json", type=Path, help="bench_trl_grpo.py's result, for the verdicts")
     p.add_argument("--log-dir", type=Path, help="logs, configs, metrics (default: next to --out)")
     p.add_argument("--work-dir", type=Path, help="run directories (default: a temp dir)")
@@ -95,13 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--colocated-gpu-mem", type=float, default=0.3, help="server, colocated")
     p.add_argument("--split-gpu-mem", type=float, default=0.5, help="server, split (own GPU)")
     p.add_argument("--sleep-level", type=int, choices=[1, 2], default=1, help="colocated")
-    p.add_argument("--colocated-sync", choices=["file", "http"], default="file")
+    p.add_argument("--colocated-sync", choices=["ipc", "file", "http"], default="ipc")
     p.add_argument("--split-sync", choices=["nccl", "http", "file"], default="nccl")
     p.add_argument(
         "--split-max-staleness",
         type=int,
         default=0,
         help="split: rollout.max_staleness (1 = generate the next batch while training)",
+    )
+    p.add_argument(
+        "--overlap-max-staleness", type=int, default=1, help="overlap: rollout.max_staleness"
     )
     p.add_argument("--colocated-launcher", choices=["python", "zero3"], default="python")
     p.add_argument("--split-launcher", choices=["python", "zero3"], default="zero3")
@@ -143,7 +149,9 @@ def learner_config(
             "bucket_mb": args.bucket_mb,
             "ready_timeout_s": args.server_timeout,
             "sleep_while_training": args.sleep_level if mode == "colocated" else None,
-            "max_staleness": args.split_max_staleness if mode == "split" else 0,
+            "max_staleness": {"split": args.split_max_staleness}.get(
+                mode, args.overlap_max_staleness if mode == "overlap" else 0
+            ),
         },
         "sampling": {
             "num_generations": args.num_generations,
@@ -191,7 +199,7 @@ def server_options(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         extra = ["--engine", "transformers", "--dtype", "float32", "--device", "cpu"]
     extra += shlex.split(args.server_args)
     return {
-        "gpu": "0" if mode == "colocated" else "1",
+        "gpu": "0" if mode == "colocated" else "1",  # split and overlap: the server on GPU 1
         "gpu_memory_utilization": args.colocated_gpu_mem
         if mode == "colocated"
         else args.split_gpu_mem,
@@ -375,8 +383,12 @@ def check_environment(args: argparse.Namespace, modes: list[str]) -> None:
     if bad:
         raise BenchError(f"--modes: unknown {bad}; choose from {list(MODES)}")
     if args.engine == "transformers":
-        if args.split_sync == "nccl" and "split" in modes:
+        if args.split_sync == "nccl" and set(SPLIT_LIKE) & set(modes):
             raise BenchError("--engine transformers (CPU) cannot sync over NCCL: --split-sync http")
+        if args.colocated_sync == "ipc" and "colocated" in modes:
+            raise BenchError(
+                "--engine transformers (CPU) cannot sync over CUDA IPC: --colocated-sync file"
+            )
         return
     from gpu_common import gpu_count
 
@@ -386,9 +398,9 @@ def check_environment(args: argparse.Namespace, modes: list[str]) -> None:
             "no CUDA GPU visible: run this on the GPU machine (or --engine "
             "transformers for a CPU smoke run)"
         )
-    if "split" in modes and gpus < 2:
+    if set(SPLIT_LIKE) & set(modes) and gpus < 2:
         raise BenchError(
-            f"mode split needs 2 GPUs (server on GPU 1, learner on GPU 0); "
+            f"modes split/overlap need 2 GPUs (server on GPU 1, learner on GPU 0); "
             f"{gpus} visible: use --modes colocated or the 2-GPU machine"
         )
     if importlib.util.find_spec("vllm") is None:
@@ -396,7 +408,7 @@ def check_environment(args: argparse.Namespace, modes: list[str]) -> None:
             "vLLM is not importable: on the GPU machine export PYTHONPATH=/tmp/site "
             "(bench/gpu_suite.sh step setup installs it there)"
         )
-    zero3 = args.split_launcher == "zero3" and "split" in modes
+    zero3 = args.split_launcher == "zero3" and bool(set(SPLIT_LIKE) & set(modes))
     zero3 |= args.colocated_launcher == "zero3" and "colocated" in modes
     if zero3 and importlib.util.find_spec("deepspeed") is None:
         raise BenchError(

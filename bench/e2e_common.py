@@ -188,9 +188,12 @@ def workload(prompts_per_step: int, num_generations: int, max_tokens: int) -> di
 def verdicts(
     results: dict[str, dict[str, Any] | None], *, same_workload: bool = True
 ) -> list[dict[str, Any]]:
-    """The issue's acceptance checks on ``{"trl": …, "colocated": …, "split": …}``; the TRL
+    """The issue's acceptance checks on ``{"trl": …, "colocated": …, "split": …, "overlap": …}``
+    (overlap optional); the TRL
     comparison is only made when TRL ran the same workload (``same_workload``)."""
-    trl, colo, split = (median_step(results.get(k)) for k in ("trl", "colocated", "split"))
+    trl, colo, split, overlap = (
+        median_step(results.get(k)) for k in ("trl", "colocated", "split", "overlap")
+    )
     if not same_workload:
         trl = None
     checks: list[dict[str, Any]] = []
@@ -205,6 +208,8 @@ def verdicts(
     add("split faster than colocated", split, colo, "colocated median, this run")
     add("colocated faster than TRL reference", colo, TRL_REFERENCE_S, "3.88 s (issue, H200)")
     add("colocated within design target", colo, DESIGN_TARGET_COLOCATED_S, "2.6 s (DESIGN.md)")
+    if "overlap" in results:
+        add("overlap faster than synchronous split", overlap, split, "split median, this run")
     return checks
 
 

@@ -1,10 +1,13 @@
-"""The learner side of an NCCL weight sync, for the GPU tests and benchmarks.
+"""The learner side of an NCCL or CUDA IPC weight sync, for the GPU tests and benchmarks.
 
-Loads a model on this process's first GPU, joins the rollout server's weight group as rank 0 and
-sends the model once (or dies right after the first bucket, to test interrupted syncs):
+Loads a model on this process's first GPU and sends it once. NCCL: joins the rollout server's
+weight group as rank 0 (or dies right after the first bucket, to test interrupted syncs). IPC
+(the server on this same GPU): shares the packed buckets (``--corrupt-handle`` sends a garbled
+handle, to test refused updates):
 
     CUDA_VISIBLE_DEVICES=0 python bench/gpu_sender.py --url http://127.0.0.1:8000 \
         --model DIR --master-port 29612 [--perturb-seed 1] [--die-after-first-bucket]
+    CUDA_VISIBLE_DEVICES=0 python bench/gpu_sender.py --transport ipc --url URL --model DIR
 
 The last line of stdout is a JSON summary (responses, checksums, timings).
 """
@@ -62,6 +65,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from learner.sync.zero3 import iter_gathered_params, param_specs
 
     model = load_model(args.model, args.perturb_seed)
+    if args.transport == "ipc":
+        return await run_ipc(args, model)
     client, sender = await connect(args.url, args.master_port, args.timeout_s)
 
     def on_bucket(b: int) -> None:
@@ -86,11 +91,49 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def run_ipc(args: argparse.Namespace, model: Any) -> dict[str, Any]:
+    import torch
+
+    import rollout_server.cuda_ipc as cuda_ipc
+    from learner.sync.ipc import IpcWeightSender
+    from learner.sync.zero3 import iter_gathered_params, param_specs
+    from rollout_server.client import RolloutClient, WeightSyncError
+
+    if args.corrupt_handle:
+        share = cuda_ipc.share
+
+        def garbled(flat: Any) -> Any:
+            h = share(flat)
+            return h.model_copy(update={"handle": "A" * len(h.handle)})
+
+        cuda_ipc.share = garbled  # the sender looks it up at call time
+    client = RolloutClient(args.url, api_key=API_KEY, timeout_s=600.0)
+    sender = IpcWeightSender(client, 0)
+    try:
+        responses = await sender.send(
+            param_specs(model, dtype=torch.bfloat16),
+            iter_gathered_params(model),
+            bucket_bytes=args.bucket_mb << 20,
+            checksum=True,
+        )
+    except WeightSyncError as e:
+        return {"error": str(e)}
+    finally:
+        await client.aclose()
+    return {
+        "responses": [r.model_dump() for r in responses],
+        "reference_checksum": reference_checksum(model),
+        "stats": sender.last_stats,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", required=True)
     p.add_argument("--model", required=True)
-    p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--transport", choices=["nccl", "ipc"], default="nccl")
+    p.add_argument("--master-port", type=int, default=0, help="NCCL: the group's TCP port")
+    p.add_argument("--corrupt-handle", action="store_true", help="IPC: send garbled handles")
     p.add_argument("--perturb-seed", type=int)
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--timeout-s", type=float, default=60.0)

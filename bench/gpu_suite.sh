@@ -41,7 +41,7 @@ export NCCL_CUMEM_ENABLE=0  # learner and vLLM workers must agree (vLLM's worker
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-export GRPO_GPU_MODEL=$WORK/qwen3-0.6b-shape GRPO_GPU_LOG_DIR=$LOGS
+export GRPO_GPU_MODEL=${GRPO_GPU_MODEL:-$WORK/qwen3-0.6b-shape} GRPO_GPU_LOG_DIR=$LOGS
 export GRPO_GPU_PIDFILE=$WORK/servers.pid  # rollout servers started by the steps (by pid)
 export ROOT OUT WORK LOGS
 
@@ -77,12 +77,13 @@ step_model() {
 }
 
 step_tests() {
-  python3 -m pytest -m gpu tests -q -rfEs -p no:cacheprovider \
+  # GPU_TESTS: which tests (default all of tests/), e.g. "tests/gpu/test_ipc_sync.py"
+  python3 -m pytest -m gpu ${GPU_TESTS:-tests} -q -rfEs -p no:cacheprovider \
     --junitxml="$OUT/gpu_tests.xml" -o junit_family=xunit2
 }
 
 step_bench_rollout() {
-  python3 bench/bench_rollout_gpu.py --model "$GRPO_GPU_MODEL" --out "$WORK/bench_rollout/bench_rollout_gpu.json" \
+  python3 bench/bench_rollout_gpu.py --model "$GRPO_GPU_MODEL" --out "$WORK/bench_rollout/bench_rollout_gpu.json" ${BENCH_ROLLOUT_ARGS:-} \
     && cp "$WORK/bench_rollout/bench_rollout_gpu.json" "$OUT/"
 }
 
@@ -96,15 +97,24 @@ step_e2e() {
   # run has its own limit; the TRL result (or its absence) goes into the verdicts.
   local d=$WORK/e2e rc
   rm -rf "$d" && mkdir -p "$d" "$LOGS/e2e"
-  echo "-- trl (limit ${T_E2E_TRL:-170}s, ${E2E_TRL_STEPS:-8} steps) -> $LOGS/e2e/trl.log"
-  timeout -k 10 "${T_E2E_TRL:-170}" python3 bench/bench_trl_grpo.py --model "$GRPO_GPU_MODEL" \
-    --out "$d/trl.json" --steps "${E2E_TRL_STEPS:-8}" ${E2E_TRL_ARGS:-} > "$LOGS/e2e/trl.log" 2>&1
+  if [ "${E2E_TRL:-1}" = 0 ]; then  # ours only (e.g. the 2-GPU modes in a second call)
+    python3 bench/bench_grpo_e2e.py --model "$GRPO_GPU_MODEL" --out "$d/bench_grpo_e2e.json" \
+      --log-dir "$LOGS/e2e" --work-dir "$d/runs" --steps-colocated "${E2E_COLOCATED_STEPS:-20}" \
+      --steps-split "${E2E_SPLIT_STEPS:-20}" --timeout "${T_E2E_MODE:-190}" --server-timeout 150 \
+      ${E2E_ARGS:-}
+    rc=$?
+    cp "$d/bench_grpo_e2e.json" "$OUT/" 2>/dev/null
+    return $rc
+  fi
+  echo "-- trl (limit ${T_E2E_TRL:-200}s, ${E2E_TRL_STEPS:-20} steps) -> $LOGS/e2e/trl.log"
+  timeout -k 10 "${T_E2E_TRL:-200}" python3 bench/bench_trl_grpo.py --model "$GRPO_GPU_MODEL" \
+    --out "$d/trl.json" --steps "${E2E_TRL_STEPS:-20}" ${E2E_TRL_ARGS:-} > "$LOGS/e2e/trl.log" 2>&1
   rc=$?
   echo "-- trl: rc $rc"; tail -n 8 "$LOGS/e2e/trl.log"
   [ -f "$d/trl.json" ] || echo "{\"status\": \"error\", \"error\": \"TRL run: rc $rc (timeout: 124/137), see logs/e2e/trl.log\"}" > "$d/trl.json"
   python3 bench/bench_grpo_e2e.py --model "$GRPO_GPU_MODEL" --trl-json "$d/trl.json" \
     --out "$d/bench_grpo_e2e.json" --log-dir "$LOGS/e2e" --work-dir "$d/runs" \
-    --steps-colocated "${E2E_COLOCATED_STEPS:-8}" --steps-split "${E2E_SPLIT_STEPS:-20}" \
+    --steps-colocated "${E2E_COLOCATED_STEPS:-20}" --steps-split "${E2E_SPLIT_STEPS:-20}" \
     --timeout "${T_E2E_MODE:-190}" --server-timeout 150 ${E2E_ARGS:-}
   rc=$?
   cp "$d/bench_grpo_e2e.json" "$OUT/" 2>/dev/null
@@ -249,7 +259,7 @@ if e2e.is_file():
     data = json.loads(e2e.read_text())
     summary["e2e_verdicts"] = data.get("verdicts", [])
     summary["e2e_median_step_s"] = {}
-    for k in ("trl", "colocated", "split"):
+    for k in ("trl", "colocated", "split", "overlap"):
         run = data.get(k)
         if isinstance(run, dict):
             ok = run.get("status") == "ok"

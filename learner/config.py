@@ -69,7 +69,11 @@ class RolloutConfig(_Section):
     timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(3, ge=0)
     ready_timeout_s: float = Field(300.0, gt=0)
-    sync: Literal["http", "file", "nccl"] = "http"
+    sync: Literal["http", "file", "nccl", "ipc"] = Field(
+        "http",
+        description="weight transport: http (CPU/tests), file (shared disk), nccl (servers on "
+        "other GPUs), ipc (a server on the learner's own GPU: colocated mode)",
+    )
     sync_dir: str | None = Field(None, description="shared directory for sync = 'file'")
     bucket_mb: int = Field(256, ge=1, description="weight-sync bucket size (NCCL: ~1024)")
     nccl_master_address: str = Field(

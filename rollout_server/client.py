@@ -27,6 +27,7 @@ from rollout_server.protocol import (
     GenerateRequest,
     GenerateResponse,
     InfoResponse,
+    IpcUpdateRequest,
     NcclInitRequest,
     NcclUpdateRequest,
     SleepRequest,
@@ -263,6 +264,13 @@ class RolloutClient:
         """Announce one NCCL update to one server; answers once it loaded (or refused) it."""
         return await self._json(
             server, "POST", "/weights/nccl/update", WeightUpdateResponse, body=request, retry=False
+        )
+
+    async def ipc_update(self, server: str, request: IpcUpdateRequest) -> WeightUpdateResponse:
+        """One server loads an update shared as CUDA IPC handles (it must be on the learner's
+        GPU); answers once it loaded (or refused) it. Keep the buffers alive until then."""
+        return await self._json(
+            server, "POST", "/weights/ipc/update", WeightUpdateResponse, body=request, retry=False
         )
 
     async def load_weights_file(

@@ -194,6 +194,32 @@ class NcclUpdateRequest(_Model):
     checksum: bool = Field(False, description="return a float64 checksum of the loaded weights")
 
 
+class IpcHandle(_Model):
+    """A CUDA IPC handle to one flat bucket in the learner's GPU memory (``rollout_server.
+    cuda_ipc``); byte strings in base64."""
+
+    dtype: str
+    numel: int = Field(ge=1)
+    stride: int = Field(1, ge=1)
+    tensor_offset: int = Field(0, ge=0)
+    handle: str
+    storage_bytes: int = Field(ge=1)
+    storage_offset_bytes: int = Field(0, ge=0)
+    ref_counter_handle: str
+    ref_counter_offset: int = Field(0, ge=0)
+    event_handle: str | None = None
+    event_sync_required: bool = False
+
+
+class IpcUpdateRequest(NcclUpdateRequest):
+    """``POST /weights/ipc/update``: an update whose buckets are CUDA IPC handles to the
+    learner's memory on the server's own GPU (colocated mode). Same layout as an NCCL announce;
+    ``handles[b]`` holds bucket ``b``."""
+
+    handles: list[IpcHandle]
+    gpu_uuid: str = Field(description="the learner's GPU (torch.cuda.get_device_properties.uuid)")
+
+
 class WeightUpdateResponse(_Model):
     weight_version: int
     num_tensors: int

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 from rollout_server.engine.base import Engine, WeightsError
 from rollout_server.errors import BadRequest, Conflict, Unavailable
@@ -31,7 +31,7 @@ from rollout_server.weights import WeightStager, validate_tensors
 if TYPE_CHECKING:
     import torch
 
-    from rollout_server.protocol import NcclInitRequest, NcclUpdateRequest
+    from rollout_server.protocol import IpcUpdateRequest, NcclInitRequest, NcclUpdateRequest
     from rollout_server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -293,18 +293,44 @@ class RolloutService:
     async def nccl_update(self, request: NcclUpdateRequest) -> WeightUpdateResponse:
         from rollout_server.weights import validate_nccl_announce
 
+        num_bytes = self._check_announce(validate_nccl_announce, request)
+        return await self._announced_update(
+            request, num_bytes, "nccl", self.engine.receive_nccl_update
+        )
+
+    async def ipc_update(self, request: IpcUpdateRequest) -> WeightUpdateResponse:
+        """Colocated sync: the buckets are CUDA IPC handles to the learner's GPU memory."""
+        from rollout_server.weights import validate_ipc_announce
+
+        num_bytes = self._check_announce(validate_ipc_announce, request)
+        return await self._announced_update(
+            request, num_bytes, "ipc", self.engine.receive_ipc_update
+        )
+
+    def _check_announce(self, validate: Callable[..., int], request: NcclUpdateRequest) -> int:
+        """Refuse early (4xx, nothing paused) what could never load; returns its bytes."""
         self._require_weights_awake()
-        num_bytes = validate_nccl_announce(request, self.engine.weight_metadata(), _ITEMSIZE)
+        num_bytes = validate(request, self.engine.weight_metadata(), _ITEMSIZE)
         self._next_version(request.version)
+        return num_bytes
+
+    async def _announced_update(
+        self,
+        request: NcclUpdateRequest,
+        num_bytes: int,
+        transport: str,
+        receive: Callable[[Any], Awaitable[float | None]],
+    ) -> WeightUpdateResponse:
+        """Receive and load under the write gate; the version moves only once all loaded."""
         async with self.gate.write():
             self._require_weights_awake()
             new_version = self._next_version(request.version)
             start = time.perf_counter()
-            checksum = await self.engine.receive_nccl_update(request)
+            checksum = await receive(request)
             await self.engine.reset_prefix_cache()
             seconds = time.perf_counter() - start
             self._set_version(new_version)
-        return self._record_update("nccl", len(request.tensors), num_bytes, seconds, checksum)
+        return self._record_update(transport, len(request.tensors), num_bytes, seconds, checksum)
 
     # --- sleep -----------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from rollout_server.errors import Conflict, NotFound
 if TYPE_CHECKING:
     import torch
 
-    from rollout_server.protocol import NcclUpdateRequest
+    from rollout_server.protocol import IpcUpdateRequest, NcclUpdateRequest
 
 log = logging.getLogger(__name__)
 _MAX_LISTED = 5
@@ -141,6 +141,32 @@ def validate_nccl_announce(
         for d in s.shape:
             numel *= d
         total += numel * itemsize.get(s.dtype, 0)
+    return total
+
+
+def validate_ipc_announce(
+    request: IpcUpdateRequest, metadata: Mapping[str, TensorMeta], itemsize: Mapping[str, int]
+) -> int:
+    """An NCCL-style announce whose buckets are IPC handles: one handle per bucket, each of
+    the bucket's dtype and exact element count."""
+    total = validate_nccl_announce(request, metadata, itemsize)
+    problems = []
+    if len(request.handles) != len(request.buckets):
+        problems.append(f"{len(request.handles)} IPC handles for {len(request.buckets)} buckets")
+    for b, (bucket, dtype, h) in enumerate(
+        zip(request.buckets, request.bucket_dtypes, request.handles, strict=False)
+    ):
+        numel = 0
+        for i in bucket:
+            n = 1
+            for d in request.tensors[i].shape:  # indices were checked above
+                n *= d
+            numel += n
+        if h.dtype != dtype or h.numel != numel:
+            problems.append(
+                f"handle {b} is {h.numel} x {h.dtype}; bucket {b} needs {numel} x {dtype}"
+            )
+    _raise_problems(problems)
     return total
 
 

@@ -1,9 +1,11 @@
-"""Weight sync from the learner to the rollout servers: one protocol, three transports.
+"""Weight sync from the learner to the rollout servers: one protocol, four transports.
 
 - ``http``: safetensors buckets in request bodies (CPU, tests, no NCCL);
 - ``file``: one safetensors file on a shared disk, loaded by every server;
 - ``nccl``: flat buckets broadcast from learner rank 0 to the servers' workers
-  (``learner.sync.nccl``, GPU only).
+  (``learner.sync.nccl``, GPU only);
+- ``ipc``: flat buckets shared as CUDA IPC handles with servers on the learner's own GPU
+  (``learner.sync.ipc``, colocated mode).
 
 Every transport is atomic on the server side: the version moves only once every tensor loaded.
 Only the main process talks to the servers. Under ZeRO-3 every rank takes part in the parameter
@@ -82,6 +84,7 @@ class WeightSyncer:
         self.client = client
         self.device = device
         self._nccl: Any = None
+        self._ipc: Any = None
         self._server_dtype: str | None = None
 
     async def _nccl_sender(self) -> Any:
@@ -101,6 +104,14 @@ class WeightSyncer:
             self._nccl = sender
         return self._nccl
 
+    async def _ipc_sender(self) -> Any:
+        if self._ipc is None:
+            from learner.sync.ipc import IpcWeightSender
+
+            self._ipc = IpcWeightSender(self.client, self.device)
+            self._server_dtype = (await self.client.info())[0].dtype
+        return self._ipc
+
     async def push(self, model: nn.Module) -> list[WeightUpdateResponse]:
         """Main process only. ``model`` is the HF model (under ZeRO-3: still partitioned)."""
         cfg = self.cfg
@@ -119,7 +130,7 @@ class WeightSyncer:
             save_file(tensors, str(tmp))
             tmp.replace(final)  # the server never sees a half-written file
             return await self.client.load_weights_file(str(final.resolve()))
-        sender = await self._nccl_sender()
+        sender = await (self._ipc_sender() if cfg.sync == "ipc" else self._nccl_sender())
         return await sender.send(
             sync_specs(model, self._server_dtype),
             sync_tensors(model),

@@ -313,13 +313,13 @@ class NcclWeightSender:
         try:
             total, failure = self._stream_buckets(specs, plan, it, stop, checksum, on_bucket)
         except NcclGroupError:
-            _drain(it, quiet=True)
+            drain(it, quiet=True)
             raise
         except BaseException as exc:
             nccl_abort(self._comm)
-            _drain(it, quiet=True)
+            drain(it, quiet=True)
             raise NcclGroupError(f"the broadcast stopped part way ({exc!r})") from exc
-        _drain(it, quiet=failure is not None)
+        drain(it, quiet=failure is not None)
         if failure is not None:
             raise failure
         return total
@@ -356,7 +356,7 @@ class NcclWeightSender:
             flat = slots[bucket.dtype][slot][: bucket.numel]
             if failure is None:
                 try:
-                    _fill(flat, bucket, it)
+                    fill_bucket(flat, bucket, it)
                 except Exception as exc:
                     failure = exc
                     log.error("weight sync abandoned at bucket %d: %s", b, exc)
@@ -380,7 +380,7 @@ class NcclWeightSender:
         return total, failure
 
 
-def _fill(flat: torch.Tensor, bucket: Any, it: Any) -> None:
+def fill_bucket(flat: torch.Tensor, bucket: Any, it: Any) -> None:
     """Copy (and cast) the next tensors of the stream into their places in ``flat``."""
     for e in bucket.entries:
         try:
@@ -395,7 +395,7 @@ def _fill(flat: torch.Tensor, bucket: Any, it: Any) -> None:
         flat.narrow(0, e.offset, e.numel).view(e.shape).copy_(tensor, non_blocking=True)
 
 
-def _drain(it: Any, quiet: bool) -> None:
+def drain(it: Any, quiet: bool) -> None:
     """Consume what is left so every ZeRO-3 rank runs the same gathers."""
     try:
         for _ in it:

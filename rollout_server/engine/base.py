@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from rollout_server.protocol import (
         FinishReason,
+        IpcUpdateRequest,
         NcclInitRequest,
         NcclUpdateRequest,
         SamplingParams,
@@ -167,3 +168,11 @@ class Engine(abc.ABC):
 
         Returns a checksum of the loaded tensors when ``request.checksum`` is set."""
         raise UnsupportedError(f"the {self.name} engine does not support NCCL weight sync")
+
+    async def receive_ipc_update(self, request: IpcUpdateRequest) -> float | None:
+        """Open the announced CUDA IPC buckets (learner on this GPU), then load them all (or
+        none). Returns a checksum of the loaded tensors when ``request.checksum`` is set."""
+        raise UnsupportedError(
+            f"the {self.name} engine does not support CUDA IPC weight sync (the vllm engine "
+            "does); use sync = 'http' or 'file'"
+        )

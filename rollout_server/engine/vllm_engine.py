@@ -49,7 +49,12 @@ from rollout_server.engine.base import (
 if TYPE_CHECKING:
     import torch
 
-    from rollout_server.protocol import NcclInitRequest, NcclUpdateRequest, SamplingParams
+    from rollout_server.protocol import (
+        IpcUpdateRequest,
+        NcclInitRequest,
+        NcclUpdateRequest,
+        SamplingParams,
+    )
     from rollout_server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -370,25 +375,33 @@ class VLLMEngine(Engine):
         )
 
     async def receive_nccl_update(self, request: NcclUpdateRequest) -> float | None:
+        return await self._receive("NCCL", request, "grpo_receive_update")
+
+    async def receive_ipc_update(self, request: IpcUpdateRequest) -> float | None:
+        handles = [h.model_dump() for h in request.handles]
+        return await self._receive(
+            "CUDA IPC", request, "grpo_receive_ipc", handles, request.gpu_uuid
+        )
+
+    async def _receive(
+        self, transport: str, request: NcclUpdateRequest, method: str, *extra: Any
+    ) -> float | None:
+        """One announced update through the workers' ``method``, under vLLM's pause."""
         specs = [t.model_dump() for t in request.tensors]
         start = time.perf_counter()
         try:
             async with self._paused():
                 results = await self._rpc(
-                    "grpo_receive_update",
-                    specs,
-                    request.buckets,
-                    request.bucket_dtypes,
-                    request.checksum,
+                    method, specs, request.buckets, request.bucket_dtypes, request.checksum, *extra
                 )
         except Exception as exc:
             raise EngineError(
-                f"NCCL weight update failed, the previous weights still serve: {exc}"
+                f"{transport} weight update failed, the previous weights still serve: {exc}"
             ) from exc
         first = results[0]
         log.info(
-            "NCCL update: %d tensors received in %.3fs, loaded in %.3fs (staged on %s), "
-            "%.3fs in all",
+            "%s update: %d tensors received in %.3fs, loaded in %.3fs (staged on %s), %.3fs in all",
+            transport,
             len(specs),
             first["received_s"],
             first["loaded_s"],

@@ -1,4 +1,5 @@
-"""The vLLM worker extension that receives weight updates (NCCL buckets or a safetensors file).
+"""The vLLM worker extension that receives weight updates (NCCL buckets, CUDA IPC buckets from a
+colocated learner, or a safetensors file).
 
 vLLM mixes this class into each of its GPU workers (``worker_extension_cls``); ``VLLMEngine``
 calls its methods through ``collective_rpc``, so every tensor-parallel/data-parallel worker runs
@@ -201,6 +202,47 @@ class WeightSyncWorkerExtension:
         done.record(stream)
         wait_event(done, comm, self._grpo_timeout_s, "commit word")
         return int(word.item()) == 1
+
+    # -- CUDA IPC update (learner on this GPU) ---------------------------------------------
+
+    def grpo_receive_ipc(
+        self,
+        tensors: list[dict[str, Any]],
+        buckets: list[list[int]],
+        bucket_dtypes: list[str],
+        checksum: bool,
+        handles: list[dict[str, Any]],
+        gpu_uuid: str,
+    ) -> dict[str, Any]:
+        """Open every bucket's IPC handle (all of them before loading anything), then load
+        straight from the learner's memory. The learner keeps the buffers until we answer."""
+        from rollout_server.cuda_ipc import local_device, open_handle
+        from rollout_server.protocol import IpcHandle
+
+        layout = bucket_layout(tensors, buckets, bucket_dtypes)
+        index = local_device(gpu_uuid)
+        device = self._grpo_device()
+        if device.index is not None and device.index != index:
+            log.warning("IPC buckets live on GPU %d, this worker runs on %s", index, device)
+        start = time.perf_counter()
+        flats = [open_handle(IpcHandle(**h), index) for h in handles]
+        try:
+            for flat, b in zip(flats, layout, strict=True):
+                if flat.numel() != b.numel or flat.dtype != b.dtype:
+                    raise ValueError(f"an IPC bucket is {flat.numel()} x {flat.dtype}, not {b}")
+            total = float(sum(flat_checksum(f) for f in flats)) if checksum else None
+            received_s = time.perf_counter() - start
+            weights = [w for f, b in zip(flats, layout, strict=True) for w in unflatten(f, b)]
+            self._grpo_load(weights)  # synchronizes: the learner may free its buffers after
+            del weights
+        finally:
+            del flats
+        return {
+            "checksum": total,
+            "received_s": received_s,
+            "loaded_s": time.perf_counter() - start - received_s,
+            "staged_on": "learner's gpu (ipc)",
+        }
 
     # -- file / HTTP transports ------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Weight updates: one safetensors blob, staged buckets, a file path, or NCCL (admin routes).
+"""Weight updates: one safetensors blob, staged buckets, a file path, NCCL or CUDA IPC (admin
+routes).
 
 Every update is validated whole before the pause; the version moves only once all of it
 loaded; a refused update answers 4xx naming the problem while the old weights keep serving.
@@ -13,6 +14,7 @@ from fastapi import APIRouter, Query, Request
 from rollout_server.errors import PayloadTooLarge
 from rollout_server.protocol import (
     ErrorResponse,
+    IpcUpdateRequest,
     NcclInitRequest,
     NcclUpdateRequest,
     WeightFileRequest,
@@ -131,3 +133,14 @@ async def nccl_init(request: NcclInitRequest, service: ServiceDep) -> dict[str, 
 async def nccl_update(request: NcclUpdateRequest, service: ServiceDep) -> WeightUpdateResponse:
     """Announce a whole update, then receive its buckets over NCCL and load them all."""
     return await service.nccl_update(request)
+
+
+@router.post(
+    "/ipc/update",
+    response_model=WeightUpdateResponse,
+    responses=_ERRORS | {501: {"model": ErrorResponse}},
+)
+async def ipc_update(request: IpcUpdateRequest, service: ServiceDep) -> WeightUpdateResponse:
+    """Colocated learner: load buckets shared as CUDA IPC handles from the learner's memory on
+    this server's GPU (the learner keeps them alive until this answers)."""
+    return await service.ipc_update(request)

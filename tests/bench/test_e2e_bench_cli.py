@@ -45,7 +45,7 @@ def test_help_is_instant_and_imports_no_torch(script):
     assert loaded.stdout.strip() == "[]", loaded.stderr
 
 
-def test_missing_model_and_cpu_nccl_are_refused_before_anything_starts(tmp_path):
+def test_missing_model_and_cpu_nccl_or_ipc_are_refused_before_anything_starts(tmp_path):
     missing = subprocess.run(
         [sys.executable, str(BENCH / "bench_grpo_e2e.py"), "--model", str(tmp_path / "none"),
          "--out", str(tmp_path / "o.json")],
@@ -60,17 +60,23 @@ def test_missing_model_and_cpu_nccl_are_refused_before_anything_starts(tmp_path)
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert nccl.returncode == 2 and "--split-sync http" in nccl.stderr
+    ipc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_grpo_e2e.py"), "--model", str(tmp_path),
+         "--out", str(tmp_path / "o.json"), "--engine", "transformers", "--modes", "colocated"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ipc.returncode == 2 and "--colocated-sync file" in ipc.stderr
     assert not (tmp_path / "o.json").exists()
 
 
 # -- what the GPU runs will hand to the learner and the server ---------------------------------
 
 
-@pytest.mark.parametrize("mode", ["colocated", "split"])
+@pytest.mark.parametrize("mode", ["colocated", "split", "overlap"])
 def test_learner_config_is_accepted_by_the_real_learner(mode, tmp_path):
     from learner.config import load_config
 
-    args = _args("--learner-set", "grpo.pad_to_multiple_of=8", "--split-max-staleness", "1")
+    args = _args("--learner-set", "grpo.pad_to_multiple_of=8", "--overlap-max-staleness", "2")
     cfg = e2e.learner_config(
         args, mode, "http://127.0.0.1:9", tmp_path / "run", tmp_path / "p.jsonl", tmp_path / "s"
     )
@@ -87,12 +93,12 @@ def test_learner_config_is_accepted_by_the_real_learner(mode, tmp_path):
     assert loaded.rewards[0].name == "length" and loaded.rewards[0].kwargs["unit"] == "chars"
     assert loaded.rollout.servers == ["http://127.0.0.1:9"]
     if mode == "colocated":
-        assert (loaded.rollout.sync, loaded.rollout.sleep_while_training) == ("file", 1)
+        assert (loaded.rollout.sync, loaded.rollout.sleep_while_training) == ("ipc", 1)
         assert loaded.rollout.max_staleness == 0  # no overlap while the server sleeps
-        assert loaded.rollout.sync_dir == str(tmp_path / "s") and loaded.run.steps == 8
+        assert loaded.rollout.sync_dir is None and loaded.run.steps == 8
     else:
         assert (loaded.rollout.sync, loaded.rollout.sleep_while_training) == ("nccl", None)
-        assert loaded.rollout.max_staleness == 1
+        assert loaded.rollout.max_staleness == (2 if mode == "overlap" else 0)
         assert loaded.run.steps == 20
 
 
@@ -195,6 +201,10 @@ def test_verdicts_follow_the_issue():
     assert [v["ok"] for v in common.verdicts(slow)] == [False, False, False, False]
     failed = {"trl": {"status": "error", "error": "boom"}, "colocated": _ok(2.7), "split": None}
     assert [v["ok"] for v in common.verdicts(failed)] == [None, None, True, False]
+    with_overlap = common.verdicts({**runs, "overlap": _ok(1.5)})
+    assert with_overlap[-1]["check"] == "overlap faster than synchronous split"
+    assert with_overlap[-1]["ok"] is True and with_overlap[-1]["bound_s"] == 1.8
+    assert common.verdicts({**runs, "overlap": _ok(2.0)})[-1]["ok"] is False
     other = common.verdicts(runs, same_workload=False)
     assert other[0]["ok"] is None and other[0]["bound_s"] is None
     text = common.table({**failed, "split": _ok(1.8)})
@@ -212,7 +222,7 @@ def test_cpu_run_of_both_modes_reports_medians_and_leaves_nothing_behind(
     proc = subprocess.run(
         [sys.executable, str(BENCH / "bench_grpo_e2e.py"), "--engine", "transformers",
          "--model", str(tiny_model_dir), "--out", str(out), "--log-dir", str(logs),
-         "--work-dir", str(tmp_path / "runs"), "--split-sync", "http",
+         "--work-dir", str(tmp_path / "runs"), "--split-sync", "http", "--colocated-sync", "file",
          "--steps-colocated", "3", "--steps-split", "3", "--warmup", "1",
          "--prompts-per-step", "2", "--num-generations", "2", "--max-tokens", "8",
          "--micro-batch-size", "4", "--timeout", "150", "--server-timeout", "90"],

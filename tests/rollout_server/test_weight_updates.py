@@ -200,6 +200,37 @@ async def test_nccl_routes_answer_501_on_the_transformers_engine(client):
     assert await _version(client) == version
 
 
+async def test_ipc_route_validates_then_answers_501_on_the_transformers_engine(client):
+    """A well-formed CUDA IPC announce reaches the engine, which refuses it by name (only the
+    vllm engine maps IPC buffers); a malformed one is a 400 that names the bucket; neither
+    moves the version."""
+    version = await _version(client)
+    handle = {
+        "dtype": "float32",
+        "numel": 64,
+        "handle": "AAAA",
+        "storage_bytes": 256,
+        "ref_counter_handle": "AAAA",
+    }
+    announce = {
+        "tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [64]}],
+        "buckets": [[0]],
+        "bucket_dtypes": ["float32"],
+        "handles": [handle],
+        "gpu_uuid": "GPU-0",
+    }
+    async with httpx.AsyncClient(base_url=client.servers[0], timeout=60) as http:
+        r = await http.post("/weights/ipc/update", json=announce)
+        assert r.status_code == 501 and "CUDA IPC" in r.json()["detail"], r.text
+        short = {**announce, "handles": [{**handle, "numel": 63}]}
+        r = await http.post("/weights/ipc/update", json=short)
+        assert r.status_code == 400, r.text
+        assert "handle 0 is 63 x float32; bucket 0 needs 64 x float32" in r.json()["detail"]
+        r = await http.post("/weights/ipc/update", json={**announce, "handles": []})
+        assert r.status_code == 400 and "0 IPC handles for 1 buckets" in r.json()["detail"]
+    assert await _version(client) == version
+
+
 async def test_32_concurrent_generates_race_a_weight_update(client, states, models, tiny_model_dir):
     await client.load_weights_file(str(tiny_model_dir))
     v_start = await _version(client)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.sync.nccl import _fill, plan_buckets
+from learner.sync.nccl import fill_bucket, plan_buckets
 from learner.sync.zero3 import iter_gathered_params, param_specs, strip_wrappers
 from rollout_server.engine.vllm_engine import hf_weight_metadata
 from rollout_server.nccl_wire import bucket_layout, flat_checksum, unflatten
@@ -51,7 +51,7 @@ def test_layout_offsets_and_round_trip_through_a_flat_bucket() -> None:
     assert [(e.offset, e.numel) for e in bucket.entries] == [(0, 12), (12, 4), (16, 4)]
     assert bucket.numel == 20 and bucket.dtype == torch.bfloat16 and bucket.nbytes == 40
     flat = torch.empty(bucket.numel, dtype=bucket.dtype)
-    _fill(flat, bucket, iter(zip(["w", "b", "v"], tensors, strict=True)))
+    fill_bucket(flat, bucket, iter(zip(["w", "b", "v"], tensors, strict=True)))
     for (name, view), want_name, want in zip(unflatten(flat, bucket), "wbv", tensors, strict=True):
         assert name == want_name
         assert torch.equal(view, want.to(torch.bfloat16))
@@ -64,11 +64,11 @@ def test_fill_refuses_a_stream_that_disagrees_with_the_specs() -> None:
     (bucket,) = bucket_layout([s.model_dump() for s in specs], plan.buckets, plan.dtypes)
     flat = torch.empty(4)
     with pytest.raises(ValueError, match=r"yielded 'b' \[2\] where the specs announced 'w'"):
-        _fill(flat, bucket, iter([("b", torch.ones(2))]))
+        fill_bucket(flat, bucket, iter([("b", torch.ones(2))]))
     with pytest.raises(ValueError, match=r"'w' \[3\] where the specs announced 'w' \[2\]"):
-        _fill(flat, bucket, iter([("w", torch.ones(3))]))
+        fill_bucket(flat, bucket, iter([("w", torch.ones(3))]))
     with pytest.raises(ValueError, match="ended before 'b'"):
-        _fill(flat, bucket, iter([("w", torch.ones(2))]))
+        fill_bucket(flat, bucket, iter([("w", torch.ones(2))]))
 
 
 def test_flat_checksum_by_hand_and_independent_of_chunking() -> None:

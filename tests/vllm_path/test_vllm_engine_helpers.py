@@ -30,7 +30,7 @@ from rollout_server.settings import ServerSettings
 def test_importing_the_engine_and_worker_does_not_import_vllm() -> None:
     code = (
         "import sys, rollout_server.engine.vllm_engine, rollout_server.engine.vllm_worker, "
-        "learner.sync.nccl, learner.sync.zero3; "
+        "learner.sync.nccl, learner.sync.zero3, learner.sync.ipc, rollout_server.cuda_ipc; "
         "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules), 'vllm'; "
         "assert 'deepspeed' not in sys.modules, 'deepspeed'"
     )

@@ -1,0 +1,134 @@
+"""Weight sync over CUDA IPC: the colocated learner shares its packed weights with the server.
+
+For a rollout server on the learner's own GPU (``rollout.sync = "ipc"``, colocated mode), where
+NCCL cannot join two ranks on one device and the host round trip of ``http``/``file`` costs a
+second or more per GB. The main process packs the weights (cast to the server's dtype) into flat
+GPU buckets, shares each as a CUDA IPC handle (``rollout_server.cuda_ipc``) in one HTTP call per
+server, and frees the buckets once every server answered: the server's workers load straight
+from this process's memory, and the update is all-or-nothing like every other transport.
+
+The buckets of one update exist at once (the server loads them together, so a failed update
+loads nothing): the transient cost is one copy of the weights in the server's dtype. Under
+ZeRO-3 the gathers run bucket by bucket as for NCCL; the other ranks exhaust the same iterator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from learner.sync.nccl import _ITEMSIZE, _numel, drain, fill_bucket, plan_buckets
+from rollout_server.client import RolloutClient, RolloutError, WeightSyncError
+from rollout_server.nccl_wire import bucket_layout, flat_checksum
+from rollout_server.protocol import IpcUpdateRequest, TensorSpec, WeightUpdateResponse
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class IpcWeightSender:
+    """Shares packed weights with rollout servers on this process's GPU."""
+
+    def __init__(self, client: RolloutClient, device: torch.device | int | str) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "rollout.sync = 'ipc' needs a CUDA GPU shared with the rollout server; on CPU "
+                "use sync = 'http' (or 'file')"
+            )
+        self.client = client
+        self.device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+        if self.device.type != "cuda":
+            raise RuntimeError(
+                f"rollout.sync = 'ipc' needs the learner on a CUDA device, not {device}"
+            )
+        self.last_stats: dict[str, float] = {}
+
+    async def send(
+        self,
+        specs: Sequence[TensorSpec],
+        tensor_iter: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int = 1 << 30,
+        version: int | None = None,
+        checksum: bool = False,
+    ) -> list[WeightUpdateResponse]:
+        """One update; ``tensor_iter`` yields the tensors of ``specs`` in order (consumed to
+        the end even on failure, so ZeRO-3 ranks stay in step). Raises ``WeightSyncError`` if
+        a server did not load it (it keeps its previous weights)."""
+        import torch
+
+        from rollout_server.cuda_ipc import gpu_uuid, share
+
+        specs = list(specs)
+        plan = plan_buckets(specs, bucket_bytes)
+        layout = bucket_layout([s.model_dump() for s in specs], plan.buckets, plan.dtypes)
+        start = time.perf_counter()
+        it = iter(tensor_iter)
+        flats: list[torch.Tensor] = []
+        try:
+            with torch.cuda.device(self.device):
+                for bucket in layout:
+                    flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.device)
+                    fill_bucket(flat, bucket, it)
+                    flats.append(flat)
+                if next(it, None) is not None:
+                    raise ValueError(
+                        "the tensor stream yielded more tensors than the specs announce"
+                    )
+                torch.cuda.current_stream(self.device).synchronize()
+                total = float(sum(flat_checksum(f) for f in flats)) if checksum else 0.0
+                request = IpcUpdateRequest(
+                    tensors=specs,
+                    buckets=plan.buckets,
+                    bucket_dtypes=plan.dtypes,
+                    version=version,
+                    checksum=checksum,
+                    handles=[share(f) for f in flats],
+                    gpu_uuid=gpu_uuid(self.device),
+                )
+        except BaseException:
+            drain(it, quiet=True)
+            raise
+        packed_s = time.perf_counter() - start
+        try:
+            responses = await self._announce(request)
+        finally:
+            del flats, request  # the servers answered: they no longer map our buffers
+            torch.cuda.ipc_collect()
+        self.last_stats = {
+            "packed_s": packed_s,
+            "total_s": time.perf_counter() - start,
+            "bytes": float(sum(_ITEMSIZE[s.dtype] * _numel(s.shape) for s in specs)),
+        }
+        if checksum:
+            for server, r in zip(self.client.servers, responses, strict=True):
+                if r.checksum is None or abs(r.checksum - total) > 1e-9 * max(1.0, abs(total)):
+                    raise WeightSyncError(
+                        server, f"checksum {r.checksum} differs from the sent {total}"
+                    )
+        return responses
+
+    async def _announce(self, request: IpcUpdateRequest) -> list[WeightUpdateResponse]:
+        async def one(server: str) -> WeightUpdateResponse:
+            try:
+                return await self.client.ipc_update(server, request)
+            except RolloutError as e:
+                raise WeightSyncError(
+                    server, f"CUDA IPC update failed, its previous weights still serve: {e}"
+                ) from e
+
+        # Every server answers before the buffers go (none may still be reading them).
+        results = await asyncio.gather(
+            *(one(s) for s in self.client.servers), return_exceptions=True
+        )
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return list(results)  # type: ignore[arg-type]
