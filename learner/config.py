@@ -22,6 +22,12 @@ class LoraConfig(_Section):
     alpha: int = Field(32, ge=1)
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] | str = "all-linear"
+    adapter_dtype: Literal["float32", "model"] = Field(
+        "float32",
+        description="float32 (PEFT's default: precise updates, but each adapted layer's input "
+        "is cast to float32 and kept for the backward) or 'model' (the model's dtype: less "
+        "activation memory for bf16/fp16 models)",
+    )
 
 
 class ModelConfig(_Section):

@@ -50,6 +50,7 @@ def build_models(
                 target_modules=lc.target_modules,
                 task_type="CAUSAL_LM",
             ),
+            autocast_adapter_dtype=lc.adapter_dtype == "float32",
         )
         if cfg.model.gradient_checkpointing:
             model.enable_input_require_grads()

@@ -170,6 +170,38 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model(tmp_path, tin
     assert [s.name for s in specs] == list(merged)
 
 
+def _lora_saved_bytes(tiny_model_dir, adapter_dtype: str) -> tuple[set, int]:
+    cfg = load_config(
+        None,
+        ['data.path="x.jsonl"', 'rewards=[{name="length"}]', "model.lora.r=4",
+         'model.dtype="bfloat16"', f'model.lora.adapter_dtype="{adapter_dtype}"',
+         "model.gradient_checkpointing=false"],
+    )  # fmt: skip
+    policy, _ = build_models(cfg, str(tiny_model_dir))
+    adapters = {p.dtype for n, p in policy.named_parameters() if "lora_" in n}
+    assert {p.dtype for n, p in policy.named_parameters() if "lora_" not in n} == {torch.bfloat16}
+    saved: dict[int, int] = {}  # storage pointer -> bytes: each saved buffer counted once
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    batch = collate(_rollouts(seed=3), pad_id=0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _loss(policy, batch)
+    return adapters, sum(saved.values())
+
+
+def test_lora_adapter_dtype_model_keeps_less_for_the_backward(tiny_model_dir):
+    """float32 adapters (PEFT's default) cast each adapted layer's input to float32 and keep it
+    for the backward; 'model' keeps the adapters, and so those inputs, in the model's dtype."""
+    fp32_dtypes, fp32_bytes = _lora_saved_bytes(tiny_model_dir, "float32")
+    model_dtypes, model_bytes = _lora_saved_bytes(tiny_model_dir, "model")
+    assert fp32_dtypes == {torch.float32} and model_dtypes == {torch.bfloat16}
+    print(f"saved for backward: float32 adapters {fp32_bytes} B, model-dtype {model_bytes} B")
+    assert model_bytes < 0.9 * fp32_bytes, (model_bytes, fp32_bytes)
+
+
 def test_flops_per_token_by_hand():
     class C:  # hidden 8, 2 layers, 2 heads of 4, 1 kv head, MLP 16, vocab 10
         hidden_size, num_hidden_layers, num_attention_heads = 8, 2, 2
