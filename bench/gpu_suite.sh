@@ -78,6 +78,9 @@ step_model() {
 
 step_tests() {
   # GPU_TESTS: which tests (default all of tests/), e.g. "tests/gpu/test_ipc_sync.py"
+  # SIGINT a little before the step's own limit: pytest then still prints why tests failed
+  # (a SIGTERM from the step's timeout would cut it before its report).
+  timeout -s INT -k 15 $(( ${STEP_LIMIT:-420} - 25 )) \
   python3 -m pytest -m gpu ${GPU_TESTS:-tests} -q -rfEs -p no:cacheprovider \
     --junitxml="$OUT/gpu_tests.xml" -o junit_family=xunit2
 }
@@ -201,6 +204,7 @@ for step in $SUITE_STEPS; do
   t0=$(date +%s)
   # A subshell per step: `timeout` needs a command; exported functions reach it via bash -c.
   export -f "step_$step"
+  export STEP_LIMIT=$limit
   timeout -k 15 "$limit" bash -c "step_$step" > "$LOGS/$step.log" 2>&1
   rc=$?
   secs=$(( $(date +%s) - t0 ))
