@@ -59,62 +59,50 @@ async def connect(url: str, master_port: int, timeout_s: float) -> tuple[Any, An
     return client, sender
 
 
+def garble_ipc_handles() -> None:
+    """Every IPC handle the sender shares from now on is garbled (a refused update)."""
+    import rollout_server.cuda_ipc as cuda_ipc
+
+    share = cuda_ipc.share
+
+    def garbled(flat: Any) -> Any:
+        h = share(flat)
+        return h.model_copy(update={"handle": "A" * len(h.handle)})
+
+    cuda_ipc.share = garbled  # the sender looks it up at call time
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from learner.sync.zero3 import iter_gathered_params, param_specs
-
-    model = load_model(args.model, args.perturb_seed)
-    if args.transport == "ipc":
-        return await run_ipc(args, model)
-    client, sender = await connect(args.url, args.master_port, args.timeout_s)
-
-    def on_bucket(b: int) -> None:
-        if args.die_after_first_bucket and b == 0:
-            print(json.dumps({"died_after_bucket": b}), flush=True)
-            os._exit(3)
-
-    try:
-        responses = await sender.send(
-            param_specs(model, dtype=torch.bfloat16),
-            iter_gathered_params(model),
-            bucket_bytes=args.bucket_mb << 20,
-            checksum=True,
-            on_bucket=on_bucket,
-        )
-    finally:
-        await client.aclose()
-    return {
-        "responses": [r.model_dump() for r in responses],
-        "reference_checksum": reference_checksum(model),
-        "stats": sender.last_stats,
-    }
-
-
-async def run_ipc(args: argparse.Namespace, model: Any) -> dict[str, Any]:
-    import torch
-
-    import rollout_server.cuda_ipc as cuda_ipc
-    from learner.sync.ipc import IpcWeightSender
-    from learner.sync.zero3 import iter_gathered_params, param_specs
     from rollout_server.client import RolloutClient, WeightSyncError
 
-    if args.corrupt_handle:
-        share = cuda_ipc.share
+    model = load_model(args.model, args.perturb_seed)
+    extra: dict[str, Any] = {}
+    if args.transport == "ipc":
+        from learner.sync.ipc import IpcWeightSender
 
-        def garbled(flat: Any) -> Any:
-            h = share(flat)
-            return h.model_copy(update={"handle": "A" * len(h.handle)})
+        if args.corrupt_handle:
+            garble_ipc_handles()
+        client = RolloutClient(args.url, api_key=API_KEY, timeout_s=600.0)
+        sender: Any = IpcWeightSender(client, 0)
+    else:
+        client, sender = await connect(args.url, args.master_port, args.timeout_s)
 
-        cuda_ipc.share = garbled  # the sender looks it up at call time
-    client = RolloutClient(args.url, api_key=API_KEY, timeout_s=600.0)
-    sender = IpcWeightSender(client, 0)
+        def on_bucket(b: int) -> None:
+            if args.die_after_first_bucket and b == 0:
+                print(json.dumps({"died_after_bucket": b}), flush=True)
+                os._exit(3)
+
+        extra["on_bucket"] = on_bucket
     try:
         responses = await sender.send(
             param_specs(model, dtype=torch.bfloat16),
             iter_gathered_params(model),
             bucket_bytes=args.bucket_mb << 20,
             checksum=True,
+            **extra,
         )
     except WeightSyncError as e:
         return {"error": str(e)}

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from learner.sync.nccl import _ITEMSIZE, _numel, drain, fill_bucket, plan_buckets
+from learner.sync.nccl import check_checksums, drain, fill_bucket, plan_buckets, specs_bytes
 from rollout_server.client import RolloutClient, RolloutError, WeightSyncError
 from rollout_server.nccl_wire import bucket_layout, flat_checksum
 from rollout_server.protocol import IpcUpdateRequest, TensorSpec, WeightUpdateResponse
@@ -105,14 +105,10 @@ class IpcWeightSender:
         self.last_stats = {
             "packed_s": packed_s,
             "total_s": time.perf_counter() - start,
-            "bytes": float(sum(_ITEMSIZE[s.dtype] * _numel(s.shape) for s in specs)),
+            "bytes": float(specs_bytes(specs)),
         }
         if checksum:
-            for server, r in zip(self.client.servers, responses, strict=True):
-                if r.checksum is None or abs(r.checksum - total) > 1e-9 * max(1.0, abs(total)):
-                    raise WeightSyncError(
-                        server, f"checksum {r.checksum} differs from the sent {total}"
-                    )
+            check_checksums(self.client.servers, responses, total)
         return responses
 
     async def _announce(self, request: IpcUpdateRequest) -> list[WeightUpdateResponse]:

@@ -88,6 +88,20 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> BucketPlan:
     return BucketPlan(buckets, dtypes)
 
 
+def specs_bytes(specs: Sequence[TensorSpec]) -> int:
+    """Bytes of one update (every transport sends exactly the announced tensors)."""
+    return sum(_ITEMSIZE[s.dtype] * _numel(s.shape) for s in specs)
+
+
+def check_checksums(
+    servers: Sequence[str], responses: Sequence[WeightUpdateResponse], sent: float
+) -> None:
+    """Each server's checksum of what it loaded must be the learner's of what it sent."""
+    for server, r in zip(servers, responses, strict=True):
+        if r.checksum is None or abs(r.checksum - sent) > 1e-9 * max(1.0, abs(sent)):
+            raise WeightSyncError(server, f"checksum {r.checksum} differs from the sent {sent}")
+
+
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for d in shape:
@@ -265,16 +279,10 @@ class NcclWeightSender:
         self.last_stats = {
             "broadcast_s": broadcast_s,
             "total_s": time.perf_counter() - start,
-            "bytes": float(sum(_ITEMSIZE[s.dtype] * _numel(s.shape) for s in specs)),
+            "bytes": float(specs_bytes(specs)),
         }
         if checksum:
-            for server, r in zip(self._client.servers, responses, strict=True):
-                if r.checksum is None or abs(r.checksum - sent_checksum) > 1e-9 * max(
-                    1.0, abs(sent_checksum)
-                ):
-                    raise WeightSyncError(
-                        server, f"checksum {r.checksum} differs from the sent {sent_checksum}"
-                    )
+            check_checksums(self._client.servers, responses, sent_checksum)
         return responses
 
     async def _announce(self, request: NcclUpdateRequest) -> list[WeightUpdateResponse]:

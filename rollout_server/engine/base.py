@@ -70,38 +70,43 @@ class TensorMeta:
     shape: tuple[int, ...]
 
 
-def hf_tokenize_prompt(
-    tokenizer: Any,
-    lock: Any,
-    prompt: list[int] | str | list[dict[str, Any]],
-    *,
-    add_generation_prompt: bool = True,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    tools: list[dict[str, Any]] | None = None,
-) -> list[int]:
-    """``Engine.tokenize_prompt`` for engines built on a Hugging Face tokenizer (both are):
-    ids pass through, text is encoded, chat messages go through the chat template."""
-    if not isinstance(prompt, str) and not (prompt and isinstance(prompt[0], dict)):
-        return [int(t) for t in prompt]
-    with lock:  # HF fast tokenizers are not safe to share across threads
-        if isinstance(prompt, str):
-            return list(tokenizer(prompt)["input_ids"])
-        text = tokenizer.apply_chat_template(
-            prompt,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **(chat_template_kwargs or {}),
-        )
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+class HFTokenizerMixin:
+    """``Engine.tokenize_prompt`` and ``Engine.decode`` for engines built on a Hugging Face
+    tokenizer (both are): the engine sets ``tokenizer`` and ``_tokenizer_lock`` (HF fast
+    tokenizers are not safe to share across threads)."""
 
+    tokenizer: Any
+    _tokenizer_lock: Any
 
-def hf_decode(tokenizer: Any, lock: Any, token_ids: list[int]) -> str:
-    """Text of sampled ids. The model's vocab may be larger than the tokenizer's (padding rows
-    of the embedding): those ids are skipped."""
-    known = [t for t in token_ids if t < len(tokenizer)]
-    with lock:
-        return tokenizer.decode(known, skip_special_tokens=True)
+    def tokenize_prompt(
+        self,
+        prompt: list[int] | str | list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Ids pass through, text is encoded, chat messages go through the chat template."""
+        if not isinstance(prompt, str) and not (prompt and isinstance(prompt[0], dict)):
+            return [int(t) for t in prompt]
+        with self._tokenizer_lock:
+            if isinstance(prompt, str):
+                return list(self.tokenizer(prompt)["input_ids"])
+            text = self.tokenizer.apply_chat_template(
+                prompt,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of sampled ids. The model's vocab may be larger than the tokenizer's (padding
+        rows of the embedding): those ids are skipped."""
+        known = [t for t in token_ids if t < len(self.tokenizer)]
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(known, skip_special_tokens=True)
 
 
 class Engine(abc.ABC):

@@ -34,10 +34,9 @@ from rollout_server.engine.base import (
     Engine,
     EngineError,
     EngineInfo,
+    HFTokenizerMixin,
     SampleOutput,
     TensorMeta,
-    hf_decode,
-    hf_tokenize_prompt,
 )
 from rollout_server.engine.decode import Row, decode_rows
 
@@ -90,7 +89,7 @@ class _Queued:
     index: int
 
 
-class TransformersEngine(Engine):
+class TransformersEngine(HFTokenizerMixin, Engine):
     name = "transformers"
 
     def __init__(self, settings: ServerSettings) -> None:
@@ -164,26 +163,6 @@ class TransformersEngine(Engine):
         )
 
     # --- tokens ----------------------------------------------------------------------------
-
-    def tokenize_prompt(
-        self,
-        prompt: list[int] | str | list[dict[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        return hf_tokenize_prompt(
-            self.tokenizer,
-            self._tokenizer_lock,
-            prompt,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
-            tools=tools,
-        )
-
-    def decode(self, token_ids: list[int]) -> str:
-        return hf_decode(self.tokenizer, self._tokenizer_lock, token_ids)
 
     # --- generation ------------------------------------------------------------------------
 

@@ -39,11 +39,10 @@ from rollout_server.engine.base import (
     Engine,
     EngineError,
     EngineInfo,
+    HFTokenizerMixin,
     SampleOutput,
     TensorMeta,
     UnsupportedError,
-    hf_decode,
-    hf_tokenize_prompt,
 )
 
 if TYPE_CHECKING:
@@ -170,13 +169,13 @@ def checkpoint_metadata(model_dir: Path, dtype: str) -> dict[str, TensorMeta]:
     return out
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(HFTokenizerMixin, Engine):
     name = "vllm"
 
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self._llm: Any = None
-        self._tokenizer: Any = None
+        self.tokenizer: Any = None
         self._info: EngineInfo | None = None
         self._metadata: dict[str, TensorMeta] = {}
         self._asleep: set[str] = set()
@@ -208,7 +207,7 @@ class VLLMEngine(Engine):
         # Built in the event loop, as vLLM's own server does (it binds its output tasks to the
         # running loop); the ~40 s of loading happen before the service reports ready.
         self._llm = AsyncLLM.from_engine_args(args)
-        self._tokenizer, self._metadata = await asyncio.gather(
+        self.tokenizer, self._metadata = await asyncio.gather(
             asyncio.to_thread(self._load_tokenizer),
             asyncio.to_thread(hf_weight_metadata, s.model, self._dtype_name(), s.trust_remote_code),
         )
@@ -228,7 +227,7 @@ class VLLMEngine(Engine):
         mc = self._llm.model_config
         eos: list[int] = []
         gen = mc.try_get_generation_config() if hasattr(mc, "try_get_generation_config") else {}
-        for value in ((gen or {}).get("eos_token_id"), self._tokenizer.eos_token_id):
+        for value in ((gen or {}).get("eos_token_id"), self.tokenizer.eos_token_id):
             for token in value if isinstance(value, list) else [value]:
                 if token is not None and int(token) not in eos:
                     eos.append(int(token))
@@ -259,26 +258,6 @@ class VLLMEngine(Engine):
         return self._info
 
     # -- tokens ----------------------------------------------------------------------------
-
-    def tokenize_prompt(
-        self,
-        prompt: list[int] | str | list[dict[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        return hf_tokenize_prompt(
-            self._tokenizer,
-            self._tokenizer_lock,
-            prompt,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
-            tools=tools,
-        )
-
-    def decode(self, token_ids: list[int]) -> str:
-        return hf_decode(self._tokenizer, self._tokenizer_lock, token_ids)
 
     # -- generation ------------------------------------------------------------------------
 
