@@ -48,18 +48,24 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 OPTIONS = ("gradient_checkpointing", "activation_offloading", "lora", "packing", "fused_loss")
-BASELINE: dict[str, Any] = {k: False for k in OPTIONS} | {"pad_to_multiple_of": 1}
+BASELINE: dict[str, Any] = {k: False for k in OPTIONS} | {
+    "pad_to_multiple_of": 1,
+    "lora_adapter_dtype": "float32",
+    "lora_quantization": "none",
+}
 # name -> what differs from the baseline; the default list is the issue's, "all_on" early and
 # the slowest (offloading: every activation crosses PCIe twice) last, so a budget cut loses least.
 CONFIGS: dict[str, dict[str, Any]] = {
     "baseline": {},
     **{k: {k: True} for k in OPTIONS},
     "pad_to_multiple_of": {"pad_to_multiple_of": 64},
+    "lora_adapter_model": {"lora": True, "lora_adapter_dtype": "model"},
+    "qlora": {"lora": True, "lora_quantization": "nf4"},  # needs bitsandbytes
     "all_on": {k: True for k in OPTIONS},
 }
 DEFAULT_CONFIGS = (
-    "baseline", "all_on", "gradient_checkpointing", "lora", "fused_loss", "packing",
-    "activation_offloading",
+    "baseline", "all_on", "gradient_checkpointing", "lora", "lora_adapter_model", "qlora",
+    "fused_loss", "packing", "activation_offloading",
 )  # fmt: skip
 LORA_RANK = 16
 RESULT_PREFIX = "RESULT "
@@ -93,7 +99,14 @@ def learner_config_dict(
             "dtype": dtype,
             "gradient_checkpointing": options["gradient_checkpointing"],
             "activation_offloading": options["activation_offloading"],
-            "lora": {"r": LORA_RANK, "alpha": 2 * LORA_RANK} if options["lora"] else None,
+            "lora": {
+                "r": LORA_RANK,
+                "alpha": 2 * LORA_RANK,
+                "adapter_dtype": options["lora_adapter_dtype"],
+                "quantization": options["lora_quantization"],
+            }
+            if options["lora"]
+            else None,
             "attn_implementation": attn_implementation,
         },
         "data": {"path": "unused: synthetic rollouts"},

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -33,6 +33,51 @@ class TrainerState:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.step = int(state["step"])
         self.weight_version = int(state["weight_version"])
+
+
+ADAPTER_DIR = "adapter"
+
+
+def adapter_only_checkpoints(accelerator: Accelerator, policy: Any) -> bool:
+    """With (Q)LoRA and no DeepSpeed, a checkpoint holds the adapter alone, saved by PEFT
+    (``adapter/adapter_model.safetensors`` + ``adapter_config.json``: loadable with
+    ``PeftModel.from_pretrained``), not the frozen base weights; on resume the base comes from
+    the model path again. Returns whether the hooks were installed."""
+    if accelerator.state.deepspeed_plugin is not None:
+        return False  # DeepSpeed's engine writes its own (sharded) model states
+    peft_model = getattr(accelerator.unwrap_model(policy), "model", None)
+    if not (hasattr(peft_model, "peft_config") and hasattr(peft_model, "save_pretrained")):
+        return False
+    index = next(i for i, m in enumerate(accelerator._models) if m is policy)
+
+    def save(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        weights.pop(index)  # accelerate would write the full state dict from it
+        if accelerator.is_main_process:
+            peft_model.save_pretrained(str(Path(output_dir) / ADAPTER_DIR))
+
+    def load(models: list[Any], input_dir: str) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        path = Path(input_dir) / ADAPTER_DIR / "adapter_model.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{input_dir} has no {ADAPTER_DIR}/adapter_model.safetensors: it was not written "
+                "by a LoRA run; resume with the model.lora settings it was written with"
+            )
+        result = set_peft_model_state_dict(peft_model, load_file(str(path)))
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                f"the adapter in {path} does not fit this model.lora config (missing "
+                f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}): resume with the "
+                "r/target_modules it was trained with"
+            )
+        models.remove(policy)  # loaded: accelerate must not look for a full state dict
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+    return True
 
 
 def checkpoints_dir(run_dir: Path) -> Path:

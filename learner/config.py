@@ -28,6 +28,11 @@ class LoraConfig(_Section):
         "is cast to float32 and kept for the backward) or 'model' (the model's dtype: less "
         "activation memory for bf16/fp16 models)",
     )
+    quantization: Literal["none", "nf4", "fp4"] = Field(
+        "none",
+        description="QLoRA: load the frozen base weights 4-bit with bitsandbytes ('nf4' or "
+        "'fp4', double quantization, compute in model.dtype); needs the qlora extra, no DeepSpeed",
+    )
 
 
 class ModelConfig(_Section):

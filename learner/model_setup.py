@@ -1,4 +1,5 @@
-"""Build the trainable policy (optionally PEFT LoRA, with gradient checkpointing) and its reference.
+"""Build the trainable policy (optionally PEFT LoRA or QLoRA, with gradient checkpointing) and its
+reference.
 
 The KL reference is, in order of preference: none (beta = 0); the same model with its LoRA
 adapters disabled (no second copy of the weights); a frozen copy of the initial model.
@@ -7,6 +8,7 @@ adapters disabled (no second copy of the weights); a frozen copy of the initial 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 
@@ -19,9 +21,12 @@ def build_models(
 ) -> tuple[PolicyLogprobs, PolicyLogprobs | None]:
     from transformers import AutoModelForCausalLM
 
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if cfg.model.attn_implementation:
         kwargs["attn_implementation"] = cfg.model.attn_implementation
+    lora = cfg.model.lora
+    if lora is not None and lora.quantization != "none":
+        kwargs["quantization_config"] = _bnb_4bit(lora.quantization, cfg.model.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         model_path,
         dtype=getattr(torch, cfg.model.dtype),
@@ -61,3 +66,23 @@ def build_models(
         PolicyLogprobs(ref, temperature=temperature, chunk_size=chunk) if ref is not None else None
     )
     return policy, ref_policy
+
+
+def _bnb_4bit(quant_type: str, dtype: str) -> Any:
+    """QLoRA's base-weight format: 4-bit ``quant_type`` blocks with double-quantized scales,
+    matmuls computed in the model's dtype."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"model.lora.quantization={quant_type!r} needs bitsandbytes: "
+            "pip install 'grpo-service[qlora]', or set model.lora.quantization = \"none\""
+        ) from e
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=getattr(torch, dtype),
+    )

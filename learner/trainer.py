@@ -32,7 +32,12 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from transformers import AutoTokenizer, get_scheduler
 
-from learner.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
+from learner.checkpoint import (
+    TrainerState,
+    adapter_only_checkpoints,
+    latest_checkpoint,
+    save_checkpoint,
+)
 from learner.config import LearnerConfig
 from learner.data import PromptStream, load_rows
 from learner.embedded import embedded_server
@@ -155,6 +160,12 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             "grpo.beta > 0 under ZeRO-3 needs model.lora (the reference is the adapter-less "
             "model); a frozen full copy is not supported with ZeRO-3 — or set grpo.beta = 0"
         )
+    lora = cfg.model.lora
+    if ds is not None and lora is not None and lora.quantization != "none":
+        raise ValueError(
+            f"model.lora.quantization={lora.quantization!r} (QLoRA) does not run under DeepSpeed: "
+            'launch without a DeepSpeed config (one GPU or DDP), or set it to "none"'
+        )
     model_path = _model_path(cfg, run_dir, accelerator)
     if cfg.sft is not None:  # warm start: SFT first, GRPO starts from its weights (learner/sft.py)
         from learner.sft import warm_start
@@ -194,6 +205,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         stream = PromptStream(rows, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     state = TrainerState()
     accelerator.register_for_checkpointing(stream, state)
+    adapter_only_checkpoints(accelerator, policy)
     ckpt = latest_checkpoint(run_dir) if resume else None
     if ckpt is not None:
         accelerator.load_state(str(ckpt))

@@ -34,10 +34,9 @@ def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def merged_lora_weights(model: nn.Module) -> Iterator[tuple[str, Any]]:
-    """The base model's weights with the LoRA deltas merged in, module by module, under the
-    base checkpoint's names. The model is never modified (no merge/unmerge rounding drift):
-    each merged weight is ``W + scale * B @ A`` computed for that module alone, then sent."""
+def _lora_entries(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, Any]]:
+    """(base checkpoint name, base parameter, its LoRA layer or None) for every weight the
+    servers need: the adapters themselves are skipped, they are merged into their base weight."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()  # type: ignore[operator]
@@ -45,19 +44,39 @@ def merged_lora_weights(model: nn.Module) -> Iterator[tuple[str, Any]]:
         raise ValueError("LoRA weight sync under ZeRO-3 is not supported: use ZeRO-2 with LoRA")
     layers = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
     for name, p in base.named_parameters():
-        if "lora_" in name:  # adapter weights: merged into their base weight below
+        if "lora_" in name:
             continue
         if ".base_layer." not in name:
-            yield name, p.detach()
+            yield name, p, None
             continue
         owner, leaf = name.split(".base_layer.")
-        t = p.detach()
-        if leaf == "weight":
-            layer = layers[owner]
-            for adapter in layer.active_adapters:
-                if adapter in layer.lora_A:
-                    t = t + layer.get_delta_weight(adapter).to(t.dtype)
-        yield f"{owner}.{leaf}", t
+        yield f"{owner}.{leaf}", p, layers[owner] if leaf == "weight" else None
+
+
+def _dense(p: nn.Parameter) -> Any:
+    """The weight as a dense tensor: QLoRA's 4-bit base weights are dequantized."""
+    if getattr(p, "quant_state", None) is None:
+        return p.detach()
+    from peft.utils.integrations import dequantize_bnb_weight
+
+    return dequantize_bnb_weight(p, state=p.quant_state)
+
+
+def merged_lora_weights(model: nn.Module) -> Iterator[tuple[str, Any]]:
+    """The base model's weights with the LoRA deltas merged in, module by module, under the
+    base checkpoint's names (QLoRA's 4-bit weights dequantized first). The model is never
+    modified (no merge/unmerge rounding drift): each merged weight is ``W + scale * B @ A``
+    computed for that module alone, then sent."""
+    import torch
+
+    for name, p, layer in _lora_entries(model):
+        with torch.no_grad():  # not around the yield: grad mode would leak to the consumer
+            t = _dense(p)
+            if layer is not None:
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A:
+                        t = t + layer.get_delta_weight(adapter).to(t.dtype)
+        yield name, t
 
 
 def sync_tensors(model: nn.Module) -> Iterator[tuple[str, Any]]:
@@ -70,10 +89,14 @@ def sync_specs(model: nn.Module, dtype: str | None) -> list[Any]:
         return param_specs(model, dtype=dtype)
     from rollout_server.protocol import TensorSpec
 
-    return [
-        TensorSpec(name=n, dtype=dtype or str(t.dtype).removeprefix("torch."), shape=list(t.shape))
-        for n, t in merged_lora_weights(model)
-    ]
+    specs = []
+    for name, p, _ in _lora_entries(model):  # shapes only: nothing is merged or dequantized
+        q = getattr(p, "quant_state", None)
+        shape, own = (p.shape, p.dtype) if q is None else (q.shape, q.dtype)
+        specs.append(
+            TensorSpec(name=name, dtype=dtype or str(own).removeprefix("torch."), shape=list(shape))
+        )
+    return specs
 
 
 class WeightSyncer:

@@ -62,12 +62,21 @@ def test_each_configuration_turns_on_exactly_its_option():
     assert base == {
         "gradient_checkpointing": False, "activation_offloading": False, "lora": False,
         "packing": False, "fused_loss": False, "pad_to_multiple_of": 1,
+        "lora_adapter_dtype": "float32", "lora_quantization": "none",
     }  # fmt: skip
     for opt in mem.OPTIONS:
         differs = {k for k, v in mem.config_options(opt).items() if v != base[k]}
         assert differs == {opt}
+    for name, extra in (
+        ("lora_adapter_model", "lora_adapter_dtype"),
+        ("qlora", "lora_quantization"),
+    ):
+        differs = {k for k, v in mem.config_options(name).items() if v != base[k]}
+        assert differs == {"lora", extra}  # LoRA variants: LoRA on, one LoRA setting changed
     assert all(mem.config_options("all_on")[k] for k in mem.OPTIONS)
-    assert set(mem.DEFAULT_CONFIGS) == {"baseline", *mem.OPTIONS, "all_on"}
+    assert set(mem.DEFAULT_CONFIGS) == {
+        "baseline", *mem.OPTIONS, "lora_adapter_model", "qlora", "all_on"
+    }  # fmt: skip
     assert mem.DEFAULT_CONFIGS[0] == "baseline"  # the others are compared with it
     with pytest.raises(mem.BenchError, match="unknown configuration 'nope'"):
         mem.config_options("nope")

@@ -43,9 +43,12 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _run_ok(run_dir: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _run_ok(
+    run_dir: Path, *overrides: str, timeout: int = 300, resume: bool = False
+) -> subprocess.CompletedProcess:
     """Run the demo learner with ``--set`` overrides and require it to succeed."""
     args = [a for o in ("run.progress_bar=false", *overrides) for a in ("--set", o)]
+    args += ["--resume"] if resume else []
     proc = subprocess.run(
         _learner(run_dir, *args), env=_env(), capture_output=True, text=True, timeout=timeout
     )
@@ -275,6 +278,23 @@ def test_lora_run_syncs_merged_weights_to_the_server(tmp_path):
     assert [r["weight_version"] for r in records] == [1, 2, 3]
     assert all("kl" in r for r in records)
     assert (run_dir / "final" / "adapter_config.json").exists()  # checkpoints hold the adapter
+
+
+@pytest.mark.slow
+def test_qlora_run_checkpoints_the_adapter_alone_and_resumes(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    run_dir = tmp_path / "qlora"
+    qlora = ("model.lora.r=4", 'model.lora.quantization="nf4"', "run.checkpoint_every=2")
+    _run_ok(run_dir, "run.steps=2", *qlora)
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    files = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
+    assert "adapter/adapter_model.safetensors" in files, files
+    assert not any(f.startswith("model") for f in files), files  # no frozen base weights
+    proc = _run_ok(run_dir, "run.steps=4", *qlora, resume=True)
+    assert "resumed from" in proc.stderr
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [int(r["data/fingerprint"]) for r in records] == _expected_fingerprints(4)
 
 
 def test_ignore_eos_and_no_final_save(tmp_path):
