@@ -314,7 +314,7 @@ def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {}
-    for name in ("torch", "transformers", "accelerate", "peft", "triton"):
+    for name in ("torch", "transformers", "accelerate", "peft", "triton", "bitsandbytes"):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:

@@ -56,6 +56,10 @@ step_setup() {
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
+  # bitsandbytes (QLoRA) is not in the bundle: a wheel carried in .dev/bnb is installed if there
+  if ls .dev/bnb/bitsandbytes-*.whl >/dev/null 2>&1 && ! python3 -c "import bitsandbytes" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/bnb/bitsandbytes-*.whl || return 1
+  fi
   nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv
   nvidia-smi topo -m 2>/dev/null | head -20
   python3 - <<'EOF'
