@@ -61,11 +61,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "pad_to_multiple_of": {"pad_to_multiple_of": 64},
     "lora_adapter_model": {"lora": True, "lora_adapter_dtype": "model"},
     "qlora": {"lora": True, "lora_quantization": "nf4"},  # needs bitsandbytes
+    "qlora_adapter_model": {
+        "lora": True,
+        "lora_quantization": "nf4",
+        "lora_adapter_dtype": "model",
+    },
     "all_on": {k: True for k in OPTIONS},
 }
 DEFAULT_CONFIGS = (
     "baseline", "all_on", "gradient_checkpointing", "lora", "lora_adapter_model", "qlora",
-    "fused_loss", "packing", "activation_offloading",
+    "qlora_adapter_model", "fused_loss", "packing", "activation_offloading",
 )  # fmt: skip
 LORA_RANK = 16
 RESULT_PREFIX = "RESULT "

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -189,10 +190,45 @@ def running_server(model: Path | str, **kw: Any) -> Iterator[ServerProcess]:
         server.stop()
 
 
-def greedy(
-    server: ServerProcess, prompts: list[list[int]], max_tokens: int = 24
-) -> list[list[int]]:
+GREEDY_LOGPROB_TOL = 0.05  # bf16 logits: near-ties are a few 1e-3 apart
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """Greedy continuations (token ids and their log-probs), one per prompt.
+
+    Two runs of the same weights can still differ: the random-weight test model has many
+    near-tied logits, and vLLM's bf16 numerics are not batch-invariant, so one near-tie may
+    resolve the other way (seen on 2xH200 between two identical requests). ``matches`` is the
+    same-weights check that allows exactly that: equal tokens, log-probs within ``tol`` on the
+    common prefix, and where the tokens first differ, both runs' chosen tokens within ``tol`` of
+    each other (a tie flip); what follows a flip is a different continuation, not compared.
+    Different weights (the senders' N(0, 0.02) perturbation) move the log-probs far more."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+
+    def matches(self, other: Greedy, tol: float = GREEDY_LOGPROB_TOL) -> bool:
+        return not self.mismatch(other, tol)
+
+    def mismatch(self, other: Greedy, tol: float = GREEDY_LOGPROB_TOL) -> str:
+        """Why the two are not the same weights' generations ('' when they are)."""
+        if len(self.tokens) != len(other.tokens):
+            return f"{len(self.tokens)} vs {len(other.tokens)} prompts"
+        for p, (ta, tb, la, lb) in enumerate(
+            zip(self.tokens, other.tokens, self.logprobs, other.logprobs, strict=True)
+        ):
+            for i, (x, y) in enumerate(zip(ta, tb, strict=True)):
+                if abs(la[i] - lb[i]) > tol:
+                    return f"prompt {p} token {i}: log-prob {la[i]:.4f} vs {lb[i]:.4f} ({x} vs {y})"
+                if x != y:
+                    break  # a tie flip: both choices equally likely, the rest diverges
+        return ""
+
+
+def greedy(server: ServerProcess, prompts: list[list[int]], max_tokens: int = 24) -> Greedy:
     out = server.generate(
         prompts=prompts, n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True
     )
-    return [r["samples"][0]["token_ids"] for r in out["results"]]
+    samples = [r["samples"][0] for r in out["results"]]
+    return Greedy([s["token_ids"] for s in samples], [s["logprobs"] for s in samples])

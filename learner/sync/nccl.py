@@ -185,6 +185,10 @@ class NcclWeightSender:
         world_size = 1 + sum(sizes)
         offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
         self._device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+        if self._device.type == "cuda" and self._device.index is None:
+            # accelerate's device without a launcher is a bare "cuda"; the communicator needs
+            # the index its tensors will carry
+            self._device = torch.device("cuda", torch.cuda.current_device())
 
         async def post(server: str, offset: int) -> None:
             fields: dict[str, Any] = dict(

@@ -74,8 +74,10 @@ def test_each_configuration_turns_on_exactly_its_option():
         differs = {k for k, v in mem.config_options(name).items() if v != base[k]}
         assert differs == {"lora", extra}  # LoRA variants: LoRA on, one LoRA setting changed
     assert all(mem.config_options("all_on")[k] for k in mem.OPTIONS)
+    differs = {k for k, v in mem.config_options("qlora_adapter_model").items() if v != base[k]}
+    assert differs == {"lora", "lora_quantization", "lora_adapter_dtype"}
     assert set(mem.DEFAULT_CONFIGS) == {
-        "baseline", *mem.OPTIONS, "lora_adapter_model", "qlora", "all_on"
+        "baseline", *mem.OPTIONS, "lora_adapter_model", "qlora", "qlora_adapter_model", "all_on"
     }  # fmt: skip
     assert mem.DEFAULT_CONFIGS[0] == "baseline"  # the others are compared with it
     with pytest.raises(mem.BenchError, match="unknown configuration 'nope'"):
