@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shlex
@@ -165,6 +166,37 @@ def checks(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                  "layer_forwards_per_micro_batch": r.get("layer_forwards_per_micro_batch"),
                  "ok": seen}
             )  # fmt: skip
+        if ok_run and "grad_norm" in r:
+            out.extend(_numerics_checks(r, results))
+    return out
+
+
+# Options that trade memory or time for nothing else: the step must compute the same gradients.
+PURE_TRADES = ("gradient_checkpointing", "activation_offloading", "packing", "fused_loss",
+               "pad_to_multiple_of")  # fmt: skip
+GRAD_NORM_RTOL = 0.05
+
+
+def _numerics_checks(r: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A finite loss and gradient norm; and where the configuration differs from another one
+    of this run only by pure trades (all_on vs lora, offloading vs baseline), the same gradient
+    norm as that one: a memory option must not change what is learned."""
+    loss, norm = r.get("loss"), r.get("grad_norm")
+    finite = all(isinstance(x, (int, float)) and math.isfinite(x) for x in (loss, norm))
+    out = [{"check": f"{r['name']}: finite loss and gradient norm", "loss": loss,
+            "grad_norm": norm, "ok": finite}]  # fmt: skip
+    plain = {k: (BASELINE[k] if k in PURE_TRADES else v) for k, v in r["options"].items()}
+    ref = next(
+        (x for x in results
+         if x is not r and x["status"] == "ok" and x["options"] == plain and "grad_norm" in x),
+        None,
+    )  # fmt: skip
+    if ref is not None and plain != r["options"]:
+        ok = finite and abs(norm - ref["grad_norm"]) <= GRAD_NORM_RTOL * abs(ref["grad_norm"])
+        out.append(
+            {"check": f"{r['name']}: gradient norm as {ref['name']}'s", "grad_norm": norm,
+             "reference_grad_norm": ref["grad_norm"], "ok": ok}
+        )  # fmt: skip
     return out
 
 

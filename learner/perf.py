@@ -42,9 +42,11 @@ def train_flops_per_token(config: Any, seq_len: float) -> float:
 
 class ActivationOffload:
     """Saved-tensor hooks that park activations in (pinned) CPU memory during the forward and
-    bring them back for the backward, copying on a side CUDA stream so the transfers overlap
-    compute. Small tensors (< ``min_bytes``) stay where they are: their copies cost more than
-    they save. On CPU the hooks still copy (so tests exercise the same path)."""
+    bring them back for the backward. The copies out run on a side CUDA stream, so the forward
+    goes on while activations drain; the copies back run on the consuming stream, as in
+    ``torch.autograd.graph.save_on_cpu``. Small tensors (< ``min_bytes``) stay where they
+    are: their copies cost more than they save. On CPU the hooks still copy (so tests exercise
+    the same path)."""
 
     def __init__(self, min_bytes: int = 1 << 20) -> None:
         self.min_bytes = min_bytes
@@ -70,11 +72,13 @@ class ActivationOffload:
         kind, device, host, event = packed
         if kind == "cpu":
             return host
-        event.synchronize()
-        with torch.cuda.stream(self.stream):
-            out = host.to(device, non_blocking=True)
-        torch.cuda.current_stream().wait_stream(self.stream)
-        return out
+        # Back on the stream that uses it, after its copy out (a GPU-side wait, no host sync).
+        # Not on the side stream: a tensor allocated there is handed out again as soon as it is
+        # freed, while this stream may still be reading it (the first GPU run computed NaNs).
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            return host.to(device, non_blocking=True)
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:

@@ -145,6 +145,32 @@ def test_checks_compare_with_the_baseline_and_flag_checkpointing_that_recomputes
     assert all(c["ok"] is None for c in mem.checks(rows[1:]) if "peak" in c["check"])
 
 
+def test_checks_flag_a_memory_option_that_changes_the_gradients():
+    """The first GPU run of activation offloading computed NaNs, and all_on (LoRA + offloading)
+    a gradient norm 10^5 times LoRA's: both must fail, not pass on memory alone."""
+    nums = dict(loss=4.3e-7, grad_norm=4.86e-5)
+    rows = [
+        _row("baseline", 100, **nums),
+        _row("gradient_checkpointing", 40, loss=4.3e-7, grad_norm=4.87e-5),
+        _row("activation_offloading", 6, loss=float("nan"), grad_norm=float("nan")),
+        _row("lora", 120, loss=4.3e-7, grad_norm=5.6e-6),
+        _row("all_on", 4, loss=4.3e-7, grad_norm=0.73),
+        _row("qlora", 110, loss=4.6e-7, grad_norm=5.6e-6),
+    ]
+    got = {c["check"]: c["ok"] for c in mem.checks(rows) if "gradient norm" in c["check"]}
+    assert got == {
+        "baseline: finite loss and gradient norm": True,
+        "gradient_checkpointing: finite loss and gradient norm": True,
+        "gradient_checkpointing: gradient norm as baseline's": True,
+        "activation_offloading: finite loss and gradient norm": False,
+        "activation_offloading: gradient norm as baseline's": False,
+        "lora: finite loss and gradient norm": True,
+        "all_on: finite loss and gradient norm": True,
+        "all_on: gradient norm as lora's": False,
+        "qlora: finite loss and gradient norm": True,  # a different model: nothing to compare
+    }
+
+
 # -- one real run of every configuration on CPU ------------------------------------------------
 
 
