@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from pydantic import BaseModel
+
+log = logging.getLogger(__name__)
 
 
 def make_accelerator() -> Accelerator:
@@ -20,6 +23,14 @@ def make_accelerator() -> Accelerator:
     if ds is not None:
         ds.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
         ds.deepspeed_config["gradient_accumulation_steps"] = 1
+        if ds.zero_stage == 3 and acc.num_processes == 1:
+            log.warning(
+                "DeepSpeed ZeRO-3 with one process partitions nothing but still gathers every "
+                "layer: measured +0.5 s per step for a 0.6B model on an H200 "
+                "(docs/benchmarks.md). With one learner GPU, launch with "
+                "deploy/accelerate/single_gpu.yaml (or plain python -m learner) unless the model "
+                "needs ZeRO-3's CPU offload."
+            )
     return acc
 
 
