@@ -150,15 +150,7 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model(tmp_path, tin
         base_lp = _forward(PolicyLogprobs(base), batch)[0]
     torch.testing.assert_close(ref_lp, base_lp, atol=1e-6, rtol=1e-6)
 
-    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(2):  # lora_B starts at 0: the second step moves lora_A too
-        _loss(policy, batch).backward()
-        opt.step()
-        opt.zero_grad()
-    changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
-    assert changed and all("lora_" in n for n in changed), sorted(changed)[:5]
-    assert any("lora_A" in n for n in changed) and any("lora_B" in n for n in changed)
+    assert_only_adapters_train(policy, batch)
 
     # The servers get merged weights under the base names: equal to peft's own merge.
     merged = dict(merged_lora_weights(policy.model))
@@ -168,6 +160,20 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model(tmp_path, tin
         torch.testing.assert_close(t, reference[name], atol=1e-6, rtol=1e-6, msg=name)
     specs = sync_specs(policy.model, "float32")
     assert [s.name for s in specs] == list(merged)
+
+
+def assert_only_adapters_train(policy: PolicyLogprobs, batch) -> None:
+    """Two optimizer steps (lora_B starts at 0: the second moves lora_A too) change both adapter
+    matrices and nothing else."""
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        _loss(policy, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all("lora_" in n for n in changed), sorted(changed)[:5]
+    assert any("lora_A" in n for n in changed) and any("lora_B" in n for n in changed)
 
 
 def _lora_saved_bytes(tiny_model_dir, adapter_dtype: str) -> tuple[set, int]:

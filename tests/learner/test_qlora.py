@@ -21,7 +21,7 @@ from learner.train_step import _forward
 
 pytest.importorskip("bitsandbytes")  # in the dev extra: CI runs these
 
-from tests.learner.test_memory_options import _loss, _rollouts
+from tests.learner.test_memory_options import _loss, _rollouts, assert_only_adapters_train
 
 QLORA = ['data.path="x.jsonl"', 'rewards=[{name="length"}]', "model.lora.r=4"]
 
@@ -55,17 +55,8 @@ def test_qlora_trains_only_adapters_over_a_4bit_base(tiny_model_dir):
         plain_lp = _forward(PolicyLogprobs(plain), batch)[0]
     torch.testing.assert_close(ref_lp, plain_lp, atol=1e-5, rtol=1e-5)
 
-    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    assert all(p.dtype == torch.float32 for p in trainable)
-    opt = torch.optim.AdamW(trainable, lr=1e-2)
-    for _ in range(2):  # lora_B starts at 0: the second step moves lora_A too
-        _loss(policy, batch).backward()
-        opt.step()
-        opt.zero_grad()
-    changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
-    assert changed and all("lora_" in n for n in changed), sorted(changed)[:5]
-    assert any("lora_A" in n for n in changed) and any("lora_B" in n for n in changed)
+    assert all(p.dtype == torch.float32 for p in policy.parameters() if p.requires_grad)
+    assert_only_adapters_train(policy, batch)
     with torch.no_grad():
         assert not torch.allclose(_forward(policy, batch)[0], ref_lp)  # the adapters act
 
