@@ -18,6 +18,7 @@ by the SFT are merged into it, so GRPO's adapters start fresh on top.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import json
 import logging
@@ -33,7 +34,12 @@ from torch import nn
 from transformers import AutoTokenizer, get_scheduler
 
 from learner.batch import TrainBatch, collate, micro_batches
-from learner.checkpoint import TrainerState, latest_checkpoint, save_checkpoint
+from learner.checkpoint import (
+    TrainerState,
+    adapter_only_checkpoints,
+    latest_checkpoint,
+    save_checkpoint,
+)
 from learner.config import LearnerConfig
 from learner.data import PromptStream
 from learner.logprobs import chunked_nll
@@ -146,15 +152,35 @@ def save_model(accelerator: Accelerator, policy: nn.Module, tokenizer: Any, path
         if accelerator.is_main_process:
             model.save_pretrained(tmp, state_dict=state)
     elif accelerator.is_main_process:
-        if is_peft(model):
-            model = model.merge_and_unload()  # the run is over: merging in place is fine
-        model.save_pretrained(tmp)
+        if is_peft(model) and getattr(model.config, "quantization_config", None) is not None:
+            _save_dense(model, tmp)  # QLoRA: a plain model, not a re-quantized one
+        else:
+            if is_peft(model):
+                model = model.merge_and_unload()  # the run is over: merging in place is fine
+            model.save_pretrained(tmp)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(tmp)
         _portable_tokenizer(tmp / "tokenizer_config.json")
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
     accelerator.wait_for_everyone()
+
+
+def _save_dense(model: nn.Module, path: Path) -> None:
+    """QLoRA: the 4-bit base dequantized with the adapters merged (what the rollout servers
+    get), written as a plain checkpoint in the compute dtype, without the quantization config:
+    GRPO, vLLM and the transformers engine load it as any base model."""
+    from safetensors.torch import save_file
+
+    from learner.sync import merged_lora_weights
+
+    config = copy.deepcopy(model.get_base_model().config)
+    del config.quantization_config
+    state = {n: t.detach().contiguous().cpu() for n, t in merged_lora_weights(model)}
+    config.dtype = next(iter(state.values())).dtype
+    path.mkdir(parents=True)
+    config.save_pretrained(path)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _portable_tokenizer(config_path: Path) -> None:
@@ -209,6 +235,7 @@ def train_sft(
     stream = PromptStream(rows, seed=cfg.run.seed, shuffle=True)
     state = TrainerState()
     accelerator.register_for_checkpointing(stream, state)
+    adapter_only_checkpoints(accelerator, policy)
     ckpt = latest_checkpoint(out) if resume else None
     if ckpt is not None:
         accelerator.load_state(str(ckpt))

@@ -271,6 +271,41 @@ def test_lora_sft_saves_a_merged_plain_model(tmp_path, tiny_model_dir):
     assert changed and all(k.endswith("proj.weight") for k in changed), changed
 
 
+def test_qlora_sft_saves_a_dense_merged_model_and_adapter_checkpoints(tmp_path, tiny_model_dir):
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM
+
+    from learner.sft import train_sft
+
+    run = tmp_path / "qlora"
+    qlora = ("model.lora.r=4", 'model.lora.quantization="nf4"', "run.checkpoint_every=2")
+    train_sft(_sft_cfg(run, tiny_model_dir, "sft.steps=2", *qlora))
+    ckpt = next((run / "checkpoints").iterdir())
+    assert (ckpt / "adapter" / "adapter_model.safetensors").is_file()
+    assert not list(ckpt.glob("model*.safetensors"))  # no (4-bit) base weights in checkpoints
+    base, final = _weights(tiny_model_dir), _weights(run / "final")
+    assert final.keys() == base.keys()
+    config = json.loads((run / "final" / "config.json").read_text())
+    assert "quantization_config" not in config  # a plain model for GRPO and the servers
+    # final = the 4-bit base dequantized + the checkpoint's adapter merged, as PEFT loads them
+    from peft import PeftModel
+
+    from learner.model_setup import _bnb_4bit
+    from learner.sync import merged_lora_weights
+
+    quantized = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, quantization_config=_bnb_4bit("nf4", "float32"), dtype=torch.float32
+    )
+    expected = dict(merged_lora_weights(PeftModel.from_pretrained(quantized, ckpt / "adapter")))
+    assert expected.keys() == base.keys()
+    for k in base:
+        assert final[k].dtype == base[k].dtype, k
+        torch.testing.assert_close(final[k], expected[k], msg=k)
+    assert any(not torch.equal(final[k], base[k]) for k in base)
+    AutoModelForCausalLM.from_pretrained(run / "final")  # loads without bitsandbytes settings
+    train_sft(_sft_cfg(run, tiny_model_dir, "sft.steps=3", *qlora), resume=True)
+
+
 def test_resume_continues_exactly(tmp_path, tiny_model_dir):
     from learner.metrics import read_metrics
     from learner.sft import train_sft
