@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -44,16 +44,22 @@ class ActivationOffload:
     """Saved-tensor hooks that park activations in (pinned) CPU memory during the forward and
     bring them back for the backward. The copies out run on a side CUDA stream, so the forward
     goes on while activations drain; the copies back run on the consuming stream, as in
-    ``torch.autograd.graph.save_on_cpu``. Small tensors (< ``min_bytes``) stay where they
-    are: their copies cost more than they save. On CPU the hooks still copy (so tests exercise
+    ``torch.autograd.graph.save_on_cpu``. Small tensors (< ``min_bytes``) and the tensors of
+    ``keep`` (the model's parameters) stay where they are. On CPU the hooks still copy (so tests exercise
     the same path)."""
 
-    def __init__(self, min_bytes: int = 1 << 20) -> None:
+    def __init__(self, min_bytes: int = 1 << 20, keep: Iterable[torch.Tensor] = ()) -> None:
         self.min_bytes = min_bytes
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        # The weights a layer saves for its backward live on the GPU anyway: copying them out
+        # and back would cost transfers and save nothing.
+        self._keep = {t.untyped_storage().data_ptr() for t in keep}
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if t.numel() * t.element_size() < self.min_bytes:
+        if (
+            t.numel() * t.element_size() < self.min_bytes
+            or t.untyped_storage().data_ptr() in self._keep
+        ):
             return t
         if t.is_cuda and self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())

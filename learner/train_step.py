@@ -109,7 +109,7 @@ def train_on(
                     lp = _forward(ref_policy, b)[0]
                 refs[i] = group[i](lp)
 
-    offload = ActivationOffload() if opts.activation_offloading else None
+    offload = ActivationOffload(keep=policy.parameters()) if opts.activation_offloading else None
     # DeepSpeed owns accumulation and the optimizer step: tell its engine where the step ends
     # (accelerate's backward would step it after every micro-batch).
     engine = policy if hasattr(policy, "set_gradient_accumulation_boundary") else None

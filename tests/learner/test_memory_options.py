@@ -130,6 +130,33 @@ def test_checkpointing_and_offloading_give_the_same_gradients(tiny_model_dir):
     assert len(packed_calls) > 10  # the hooks really parked the activations
 
 
+def test_offloading_keeps_the_weights_in_place(tiny_model_dir):
+    """A layer saves its weight for the backward; the weight stays on its device anyway, so
+    copying it out and back would cost transfers for nothing: only activations leave."""
+    batch = collate(_rollouts(seed=1), pad_id=0)
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+    policy = PolicyLogprobs(m)
+    plain = _grads(m, lambda: _loss(policy, batch))
+    offload = ActivationOffload(min_bytes=0, keep=m.parameters())
+    weights = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    kept, moved = [], []
+    orig = offload._pack
+
+    def sorting(t):
+        packed = orig(t)
+        (kept if packed is t else moved).append(t.untyped_storage().data_ptr() in weights)
+        return packed
+
+    offload._pack = sorting
+
+    def with_offload():
+        with offload():
+            return _loss(policy, batch)
+
+    _assert_same(plain, _grads(m, with_offload))
+    assert any(kept) and moved and not any(moved)  # weights kept, every moved tensor is not one
+
+
 def test_lora_trains_only_adapters_and_reference_is_the_base_model(tmp_path, tiny_model_dir):
     cfg = load_config(
         None,

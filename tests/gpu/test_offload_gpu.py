@@ -1,0 +1,71 @@
+"""Activation offloading on a CUDA GPU: the same loss and gradients as without it.
+
+The CPU tests run the hooks' CPU path only. The GPU path copies on a side stream, and its first
+GPU run (bench_memory_options.py, 2026-11-21) computed NaN: the copies back were allocated on
+the side stream, so a freed copy's memory went to the next copy while the compute stream still
+read it. This test takes the path that exposed it: several micro-batches of different lengths
+accumulated into one set of gradients, so the caching allocator hands freed blocks out again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _model() -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from rollout_server.tiny import tiny_qwen3_config
+
+    torch.manual_seed(0)
+    config = tiny_qwen3_config(
+        vocab_size=32000, hidden=512, layers=6, heads=8, kv_heads=4, head_dim=64,
+        intermediate=1536, attn_implementation="sdpa",
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config).cuda().train()
+
+
+def _accumulate(model: torch.nn.Module, batches: list[torch.Tensor], offload) -> tuple:
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for ids in batches:
+        with offload():
+            logits = model(input_ids=ids).logits.float()
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+            )
+        loss.backward()
+        total += float(loss)
+    torch.cuda.synchronize()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return total, grads
+
+
+def test_offloading_gives_the_same_gradients_on_the_gpu():
+    import contextlib
+
+    from learner.perf import ActivationOffload
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = _model()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    batches = [
+        torch.randint(0, 32000, (b, t), device="cuda", generator=gen)
+        for b, t in ((8, 512), (4, 1024), (16, 256), (8, 768), (2, 2048))
+    ]
+    plain_loss, plain = _accumulate(model, batches, contextlib.nullcontext)
+    offload = ActivationOffload(keep=model.parameters())
+    calls = []
+    pack = offload._pack
+    offload._pack = lambda t: calls.append(t.numel()) or pack(t)
+    for _ in range(2):  # the second pass reuses the cached pinned and device blocks
+        loss, grads = _accumulate(model, batches, offload)
+        assert len(calls) > 100 and max(calls) * 4 >= 1 << 20  # large tensors really went out
+        assert loss == pytest.approx(plain_loss, rel=1e-5)
+        for name, g in grads.items():
+            assert torch.isfinite(g).all(), name
+            torch.testing.assert_close(g, plain[name], rtol=1e-4, atol=1e-6, msg=name)
