@@ -20,9 +20,11 @@ memory allocated when the step starts (weights + optimizer state), the median st
 recomputed their activations in the backward (a forward hook counts a layer's calls: 2 per
 micro-batch under checkpointing, 1 without).
 
-Time (estimated, not yet measured): 2–2.5 min on an H100, 7 processes of ~10–15 s start-up
-(imports, CUDA context, loading 1.2 GB) plus 4 steps of ~1 s (offloading: several s);
-``--budget-s`` (150) keeps the whole run under 3 minutes, skipping what no longer fits.
+Time (measured on an H200): 20–30 s per configuration (start-up, loading 1.2 GB, 4 steps of
+1.3–2.3 s), except activation offloading alone: 86 s with ``--steps 2`` (its first step pins
+tens of GB of host memory; ~7 s per step after), over the default ``--config-timeout`` of 90 s
+with 3 timed steps: give it ``--config-timeout 300``. ``--budget-s`` (150) keeps the whole run
+under 3 minutes, skipping what no longer fits.
 
 ``--cpu-smoke`` runs the same code at a tiny shape on CPU and reports the rise of ``ru_maxrss``
 over the steps instead (the numbers mean nothing; a CPU test exercises the plumbing with it).
