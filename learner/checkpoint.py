@@ -48,9 +48,9 @@ def adapter_only_checkpoints(accelerator: Accelerator, policy: Any) -> bool:
     peft_model = getattr(accelerator.unwrap_model(policy), "model", None)
     if not (hasattr(peft_model, "peft_config") and hasattr(peft_model, "save_pretrained")):
         return False
-    index = next(i for i, m in enumerate(accelerator._models) if m is policy)
 
     def save(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        index = next(i for i, m in enumerate(models) if m is policy)
         weights.pop(index)  # accelerate would write the full state dict from it
         if accelerator.is_main_process:
             peft_model.save_pretrained(str(Path(output_dir) / ADAPTER_DIR))
