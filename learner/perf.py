@@ -45,8 +45,8 @@ class ActivationOffload:
     bring them back for the backward. The copies out run on a side CUDA stream, so the forward
     goes on while activations drain; the copies back run on the consuming stream, as in
     ``torch.autograd.graph.save_on_cpu``. Small tensors (< ``min_bytes``) and the tensors of
-    ``keep`` (the model's parameters) stay where they are. On CPU the hooks still copy (so tests exercise
-    the same path)."""
+    ``keep`` (the model's parameters) stay where they are. On CPU the hooks still copy (so
+    tests exercise the same path)."""
 
     def __init__(self, min_bytes: int = 1 << 20, keep: Iterable[torch.Tensor] = ()) -> None:
         self.min_bytes = min_bytes
