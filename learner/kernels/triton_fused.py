@@ -33,7 +33,9 @@ from learner.kernels.triton_logprobs import (
     _configs,
     _dot,
     _num_sms,
+    _online_lse_step,
     _set_allocator,
+    _target_logit,
 )
 
 TILE_V = 128  # vocab columns per stored tile (one `ref` value per token and tile)
@@ -95,32 +97,16 @@ def _softmax_tiles_kernel(
         cols = v0 + tl.arange(0, BLOCK_V)
         if v0 + BLOCK_V > V:
             z2 = tl.where(cols[None, :] < V, z2, _MASKED)
-        m_new = tl.maximum(m, tl.max(z2, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(z2 - m_new[:, None])  # [BN, BV] in (0, 1]
-        s = s * alpha + tl.sum(p, 1)
-        t = t * alpha + tl.sum(p * z2, 1)
-        m = m_new
+        m, s, t, p = _online_lse_step(m, s, t, z2)
         offs = rows[:, None].to(tl.int64) * P_STRIDE + cols[None, :]
         tl.store(pt_ptr + offs, p.to(tl.float16), mask=row_ok[:, None] & (cols[None, :] < V))
-        tl.store(ref_ptr + rows * REF_STRIDE + v0 // BLOCK_V, m_new, mask=row_ok)
+        tl.store(ref_ptr + rows * REF_STRIDE + v0 // BLOCK_V, m, mask=row_ok)
     out = pid_s * PART_STRIDE + rows
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
     tl.store(t_ptr + out, t, mask=row_ok)
     if pid_s == 0:
-        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0)
-        offs_k = tl.arange(0, BLOCK_K)
-        tz = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            kk = k0 + offs_k
-            a = h_desc.load([row0, k0]).to(tl.float32)
-            wt = tl.load(
-                w_ptr + tgt[:, None].to(tl.int64) * H + kk[None, :],
-                mask=row_ok[:, None] & (kk < H)[None, :],
-                other=0.0,
-            )
-            tz += tl.sum(a * wt.to(tl.float32), 1)
+        tz = _target_logit(h_desc, w_ptr, tgt_ptr, rows, row_ok, row0, H, BLOCK_N, BLOCK_K)
         tl.store(tz_ptr + rows, tz * (inv_t2 * 0.6931471805599453), mask=row_ok)
 
 

@@ -96,6 +96,37 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _online_lse_step(m, s, t, z2):
+    """Fold one tile of base-2 logits ``z2`` [BN, BV] into the running max ``m``, Σ 2^(z2 - m)
+    and Σ 2^(z2 - m)·z2 (rescaled to the new max); also returns the tile's 2^(z2 - m_new)."""
+    m_new = tl.maximum(m, tl.max(z2, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(z2 - m_new[:, None])  # [BN, BV] in (0, 1]
+    return m_new, s * alpha + tl.sum(p, 1), t * alpha + tl.sum(p * z2, 1), p
+
+
+@triton.jit
+def _target_logit(
+    h_desc, w_ptr, tgt_ptr, rows, row_ok, row0, H, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """Each row's target logit (before temperature) as a dot with the gathered weight row:
+    cheaper than a compare-and-select over every logits tile."""
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0)
+    offs_k = tl.arange(0, BLOCK_K)
+    tz = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + offs_k
+        a = h_desc.load([row0, k0]).to(tl.float32)
+        wt = tl.load(
+            w_ptr + tgt[:, None].to(tl.int64) * H + kk[None, :],
+            mask=row_ok[:, None] & (kk < H)[None, :],
+            other=0.0,
+        )
+        tz += tl.sum(a * wt.to(tl.float32), 1)
+    return tz
+
+
 @triton.autotune(configs=_FWD_CONFIGS, key=["H", "V", "IEEE"], prune_configs_by=_PRUNE)
 @triton.jit
 def _fwd_kernel(
@@ -135,12 +166,7 @@ def _fwd_kernel(
         if v0 + BLOCK_V > V:
             cols = v0 + tl.arange(0, BLOCK_V)
             z2 = tl.where(cols[None, :] < V, z2, _MASKED)
-        m_new = tl.maximum(m, tl.max(z2, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(z2 - m_new[:, None])
-        s = s * alpha + tl.sum(p, 1)
-        t = t * alpha + tl.sum(p * z2, 1)
-        m = m_new
+        m, s, t, _ = _online_lse_step(m, s, t, z2)
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     out = pid_s * N + rows
@@ -148,21 +174,7 @@ def _fwd_kernel(
     tl.store(s_ptr + out, s, mask=row_ok)
     tl.store(t_ptr + out, t * 0.6931471805599453, mask=row_ok)
     if pid_s == 0:
-        # The target logit as a row-wise dot with the gathered weight row: cheaper than a
-        # compare-and-select over every logits tile.
-        tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0)
-        offs_k = tl.arange(0, BLOCK_K)
-        tz = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            kk = k0 + offs_k
-            k_ok = kk < H
-            a = h_desc.load([row0, k0]).to(tl.float32)
-            wt = tl.load(
-                w_ptr + tgt[:, None].to(tl.int64) * H + kk[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            tz += tl.sum(a * wt.to(tl.float32), 1)
+        tz = _target_logit(h_desc, w_ptr, tgt_ptr, rows, row_ok, row0, H, BLOCK_N, BLOCK_K)
         tl.store(tz_ptr + rows, tz * (inv_t2 * 0.6931471805599453), mask=row_ok)
 
 
