@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -421,28 +418,21 @@ def run_triton_checks(device, n_lens, hd, v, chunk_sizes, temperature=0.8, seed=
     return out
 
 
-def _assert_all(results):
-    bad = [f"{name}: {err:.3g} > {tol:g}" for name, err, tol in results if not err <= tol]
-    assert not bad, "\n".join(bad)
-
-
 def test_triton_path_under_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.learner.triton_checks import assert_all, run_under_interpreter
+
+    results = run_under_interpreter(__file__)
     assert len(results) > 80
-    _assert_all(results)
+    assert_all(results)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_triton_path_on_gpu():
     # Odd sizes: hidden 520, vocab 50_001 (partial last tile), 2000 tokens in 4 ragged rollouts.
-    _assert_all(run_triton_checks("cuda", [700, 0, 900, 400], 520, 50_001, [512, 2000]))
+    from tests.learner.triton_checks import assert_all
+
+    assert_all(run_triton_checks("cuda", [700, 0, 900, 400], 520, 50_001, [512, 2000]))
 
 
 if __name__ == "__main__":  # the interpreter run: tiny sizes, CPU

@@ -9,9 +9,6 @@ at realistic sizes in bf16 (`pytest -m gpu`).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -114,21 +111,12 @@ def run_checks(device, dtype, n, hd, v, blockings, temperature=0.8, seed=0):
     return out
 
 
-def _assert_all(results):
-    bad = [f"{name}: {err:.3g} > {tol:g}" for name, err, tol in results if not err <= tol]
-    assert not bad, "\n".join(bad)
-
-
 def test_triton_kernels_under_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.learner.triton_checks import assert_all, run_under_interpreter
+
+    results = run_under_interpreter(__file__)
     assert len(results) > 40
-    _assert_all(results)
+    assert_all(results)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -152,7 +140,9 @@ def test_triton_kernels_on_gpu(dtype, blockings, dh_impl):
 
     tk.DH_IMPL = dh_impl
     try:
-        _assert_all(run_checks("cuda", dtype, 2000, 520, 50_001, blockings))
+        from tests.learner.triton_checks import assert_all
+
+        assert_all(run_checks("cuda", dtype, 2000, 520, 50_001, blockings))
     finally:
         tk.DH_IMPL = "auto"
 
