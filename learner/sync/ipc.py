@@ -14,14 +14,20 @@ ZeRO-3 the gathers run bucket by bucket as for NCCL; the other ranks exhaust the
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from learner.sync.nccl import check_checksums, drain, fill_bucket, plan_buckets, specs_bytes
-from rollout_server.client import RolloutClient, RolloutError, WeightSyncError
+from learner.sync.nccl import (
+    announce_to_all,
+    check_checksums,
+    drain,
+    fill_bucket,
+    plan_buckets,
+    specs_bytes,
+)
+from rollout_server.client import RolloutClient
 from rollout_server.nccl_wire import bucket_layout, flat_checksum
 from rollout_server.protocol import IpcUpdateRequest, TensorSpec, WeightUpdateResponse
 
@@ -112,19 +118,10 @@ class IpcWeightSender:
         return responses
 
     async def _announce(self, request: IpcUpdateRequest) -> list[WeightUpdateResponse]:
-        async def one(server: str) -> WeightUpdateResponse:
-            try:
-                return await self.client.ipc_update(server, request)
-            except RolloutError as e:
-                raise WeightSyncError(
-                    server, f"CUDA IPC update failed, its previous weights still serve: {e}"
-                ) from e
-
         # Every server answers before the buffers go (none may still be reading them).
-        results = await asyncio.gather(
-            *(one(s) for s in self.client.servers), return_exceptions=True
+        return await announce_to_all(
+            self.client.servers,
+            lambda s: self.client.ipc_update(s, request),
+            "CUDA IPC",
+            wait_for_all=True,
         )
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return list(results)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -100,6 +100,34 @@ def check_checksums(
     for server, r in zip(servers, responses, strict=True):
         if r.checksum is None or abs(r.checksum - sent) > 1e-9 * max(1.0, abs(sent)):
             raise WeightSyncError(server, f"checksum {r.checksum} differs from the sent {sent}")
+
+
+async def announce_to_all(
+    servers: Sequence[str],
+    post: Callable[[str], Awaitable[WeightUpdateResponse]],
+    transport: str,
+    *,
+    wait_for_all: bool = False,
+) -> list[WeightUpdateResponse]:
+    """``post`` the update to every server at once; a refusal becomes a ``WeightSyncError``
+    naming the server. With ``wait_for_all`` every server answers before one failure is
+    raised (they may still be reading the learner's buffers); without, the first one raises."""
+
+    async def one(server: str) -> WeightUpdateResponse:
+        try:
+            return await post(server)
+        except RolloutError as e:
+            raise WeightSyncError(
+                server, f"{transport} update failed, its previous weights still serve: {e}"
+            ) from e
+
+    if not wait_for_all:
+        return list(await asyncio.gather(*(one(s) for s in servers)))
+    results = await asyncio.gather(*(one(s) for s in servers), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return list(results)  # type: ignore[arg-type]
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -292,16 +320,10 @@ class NcclWeightSender:
     async def _announce(self, request: NcclUpdateRequest) -> list[WeightUpdateResponse]:
         client = self._client
         assert client is not None
-
-        async def one(server: str) -> WeightUpdateResponse:
-            try:
-                return await client.nccl_update(server, request)
-            except RolloutError as e:
-                raise WeightSyncError(
-                    server, f"NCCL update failed, its previous weights still serve: {e}"
-                ) from e
-
-        return list(await asyncio.gather(*(one(s) for s in client.servers)))
+        # The first refusal raises at once: it stops the broadcast (the others would wait).
+        return await announce_to_all(
+            client.servers, lambda s: client.nccl_update(s, request), "NCCL"
+        )
 
     def _broadcast(
         self,
