@@ -50,12 +50,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_common import (
-    MAX_MODEL_LEN,
-    MAX_TOKENS,
-    NUM_GENERATIONS,
-    PROMPTS_PER_STEP,
     REWARD_TARGET_CHARS,
     BenchError,
+    add_workload_args,
     prompt_rows,
     read_json,
     summarize_learner,
@@ -88,11 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["vllm", "transformers"], default="vllm")
     p.add_argument("--steps-colocated", type=int, default=8)
     p.add_argument("--steps-split", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
-    p.add_argument("--prompts-per-step", type=int, default=PROMPTS_PER_STEP)
-    p.add_argument("--num-generations", type=int, default=NUM_GENERATIONS)
-    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
-    p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    add_workload_args(p)
     p.add_argument("--micro-batch-size", type=int, default=32, help="grpo.micro_batch_size")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--colocated-gpu-mem", type=float, default=0.3, help="server, colocated")

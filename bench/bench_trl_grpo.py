@@ -38,12 +38,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_common import (
-    MAX_MODEL_LEN,
-    MAX_TOKENS,
-    NUM_GENERATIONS,
-    PROMPTS_PER_STEP,
     REWARD_TARGET_CHARS,
     BenchError,
+    add_workload_args,
     completion_text,
     prompt_rows,
     seconds_stats,
@@ -61,11 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model directory (with its tokenizer)")
     p.add_argument("--out", type=Path, required=True, help="result JSON")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps in all")
-    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
-    p.add_argument("--prompts-per-step", type=int, default=PROMPTS_PER_STEP)
-    p.add_argument("--num-generations", type=int, default=NUM_GENERATIONS)
-    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
-    p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
+    add_workload_args(p)
     p.add_argument(
         "--per-device-train-batch-size",
         type=int,

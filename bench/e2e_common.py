@@ -7,6 +7,7 @@ apart from the process plumbing so a CPU test can check the arithmetic on hand-m
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from collections.abc import Iterable, Sequence
@@ -174,6 +175,15 @@ def median_step(result: dict[str, Any] | None) -> float | None:
     if not result or result.get("status") != "ok":
         return None
     return result["summary"]["step_s"]["median"]
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags every end-to-end benchmark takes (ours and TRL's: one workload)."""
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    p.add_argument("--prompts-per-step", type=int, default=PROMPTS_PER_STEP)
+    p.add_argument("--num-generations", type=int, default=NUM_GENERATIONS)
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
 
 
 def workload(prompts_per_step: int, num_generations: int, max_tokens: int) -> dict[str, int]:
