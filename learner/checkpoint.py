@@ -9,6 +9,7 @@ no half-written one that ``--resume`` could pick up.
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+log = logging.getLogger(__name__)
 
 
 class TrainerState:
@@ -78,6 +80,22 @@ def adapter_only_checkpoints(accelerator: Accelerator, policy: Any) -> bool:
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)
     return True
+
+
+def restore(
+    accelerator: Accelerator, run_dir: Path, policy: Any, *state: Any, resume: bool
+) -> Path | None:
+    """Make checkpoints hold ``state`` (the data stream, the trainer's counters) besides the
+    model, optimizer and scheduler (with (Q)LoRA: the adapter alone), then, with ``resume``,
+    load the run's last checkpoint. Returns it, or None when the run starts fresh."""
+    accelerator.register_for_checkpointing(*state)
+    adapter_only_checkpoints(accelerator, policy)
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if ckpt is not None:
+        accelerator.load_state(str(ckpt))
+    elif resume:
+        log.warning("--resume: no checkpoint in %s, starting from step 0", run_dir)
+    return ckpt
 
 
 def checkpoints_dir(run_dir: Path) -> Path:

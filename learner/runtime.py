@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -46,3 +47,27 @@ def start_run(
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     set_seed(seed)
+
+
+def optimizer_and_schedule(
+    policy: torch.nn.Module,
+    optim: Any,
+    *,
+    lr: float,
+    schedule: str,
+    warmup_steps: int,
+    steps: int,
+) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over the trainable parameters (``optim``: betas, weight decay) and its schedule."""
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.AdamW(
+        [p for p in policy.parameters() if p.requires_grad],
+        lr=lr,
+        betas=optim.betas,
+        weight_decay=optim.weight_decay,
+    )
+    scheduler = get_scheduler(
+        schedule, optimizer, num_warmup_steps=warmup_steps, num_training_steps=steps
+    )
+    return optimizer, scheduler

@@ -31,22 +31,17 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from torch import nn
-from transformers import AutoTokenizer, get_scheduler
+from transformers import AutoTokenizer
 
 from learner.batch import TrainBatch, collate, micro_batches
-from learner.checkpoint import (
-    TrainerState,
-    adapter_only_checkpoints,
-    latest_checkpoint,
-    save_checkpoint,
-)
+from learner.checkpoint import TrainerState, restore, save_checkpoint
 from learner.config import LearnerConfig
 from learner.data import PromptStream
 from learner.logprobs import chunked_nll
 from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
 from learner.policy import PolicyLogprobs, is_peft
-from learner.runtime import make_accelerator, start_run
+from learner.runtime import make_accelerator, optimizer_and_schedule, start_run
 from learner.sft_data import load_sft_rows, tokenize_row
 from learner.train_step import reduce_metrics
 
@@ -221,24 +216,14 @@ def train_sft(
     policy = NLLPolicy(
         build_models(no_ref, model_path)[0].model, chunk_size=cfg.grpo.logprob_chunk_size
     )
-    o = cfg.optim
-    optimizer = torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad],
-        lr=s.lr,
-        betas=o.betas,
-        weight_decay=o.weight_decay,
-    )
-    scheduler = get_scheduler(
-        s.schedule, optimizer, num_warmup_steps=s.warmup_steps, num_training_steps=steps
+    optimizer, scheduler = optimizer_and_schedule(
+        policy, cfg.optim, lr=s.lr, schedule=s.schedule, warmup_steps=s.warmup_steps, steps=steps
     )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     stream = PromptStream(rows, seed=cfg.run.seed, shuffle=True)
     state = TrainerState()
-    accelerator.register_for_checkpointing(stream, state)
-    adapter_only_checkpoints(accelerator, policy)
-    ckpt = latest_checkpoint(out) if resume else None
+    ckpt = restore(accelerator, out, policy, stream, state, resume=resume)
     if ckpt is not None:
-        accelerator.load_state(str(ckpt))
         logger.info("SFT resumed from %s at step %d", ckpt, state.step)
     log = (
         MetricsLogger(
@@ -270,7 +255,7 @@ def train_sft(
                 collate(mb, pad_id, cfg.grpo.pad_to_multiple_of)
                 for mb in micro_batches(rollouts, s.micro_batch_size)
             ]
-            m = sft_step(accelerator, policy, optimizer, batches, o.max_grad_norm)
+            m = sft_step(accelerator, policy, optimizer, batches, cfg.optim.max_grad_norm)
             scheduler.step()
             state.step += 1
             seconds = time.perf_counter() - t0

@@ -30,14 +30,9 @@ from typing import Any, TypeVar
 import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
-from transformers import AutoTokenizer, get_scheduler
+from transformers import AutoTokenizer
 
-from learner.checkpoint import (
-    TrainerState,
-    adapter_only_checkpoints,
-    latest_checkpoint,
-    save_checkpoint,
-)
+from learner.checkpoint import TrainerState, restore, save_checkpoint
 from learner.config import LearnerConfig
 from learner.data import PromptStream, load_rows
 from learner.embedded import embedded_server
@@ -46,7 +41,7 @@ from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
 from learner.perf import peak_tflops, train_flops_per_token
 from learner.rollouts import StepRollouts, collect, collect_episodes
-from learner.runtime import make_accelerator, start_run
+from learner.runtime import make_accelerator, optimizer_and_schedule, start_run
 from learner.sync import WeightSyncer
 from learner.train_step import StepOptions, build_micro_batches, reduce_metrics, train_on
 from rewards.scoring import RewardRunner, RewardSpec
@@ -175,14 +170,8 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     policy, ref_policy = build_models(cfg, model_path)
     o = cfg.optim
-    optimizer = torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad],
-        lr=o.lr,
-        betas=o.betas,
-        weight_decay=o.weight_decay,
-    )
-    scheduler = get_scheduler(
-        o.schedule, optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=cfg.run.steps
+    optimizer, scheduler = optimizer_and_schedule(
+        policy, o, lr=o.lr, schedule=o.schedule, warmup_steps=o.warmup_steps, steps=cfg.run.steps
     )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     if ref_policy is not None:
@@ -204,14 +193,9 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         rows = load_rows(cfg.data.path, cfg.data.prompt_column)
         stream = PromptStream(rows, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     state = TrainerState()
-    accelerator.register_for_checkpointing(stream, state)
-    adapter_only_checkpoints(accelerator, policy)
-    ckpt = latest_checkpoint(run_dir) if resume else None
+    ckpt = restore(accelerator, run_dir, policy, stream, state, resume=resume)
     if ckpt is not None:
-        accelerator.load_state(str(ckpt))
         logger.info("resumed from %s at step %d", ckpt, state.step)
-    elif resume:
-        logger.warning("--resume: no checkpoint in %s, starting from step 0", run_dir)
 
     scorer = (
         RewardRunner(
