@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import functools
 import json
-import random
 
 import pytest
 import torch
 
-from learner.batch import Rollout, collate
+from learner.batch import collate
 from learner.fused_loss import GRPOTokenLoss, fused_grpo_loss
 from learner.logprobs import token_logprobs
 from learner.loss import LOSS_TYPES, LossConfig, LossInputs, grpo_loss
 from learner.packing import PackedBatch, pack
 from learner.policy import PolicyLogprobs
 from learner.train_step import _forward, _seq_index, regroup
+from tests.learner.rollout_data import random_rollouts
 
 LENS = [9, 0, 14, 5, 11]  # loss tokens per rollout: ragged, one rollout without any
 
@@ -257,21 +257,6 @@ def test_bf16_gradients_and_fp32_weight_grad_accumulation():
     assert 1.5 * one_chunk < errs[8, False] < 1e-2, errs
 
 
-def _rollouts(n=5, seed=0):
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        p, c = rng.randint(2, 7), rng.randint(1, 9)
-        mask = [1] * c
-        if c > 3:
-            mask[1] = 0  # a tool token inside the completion: context, not loss
-        logps = [-rng.random() for _ in range(c)]
-        out.append(Rollout([rng.randrange(5, 250) for _ in range(p)],
-                           [rng.randrange(5, 250) for _ in range(c)], logps, mask,
-                           advantage=rng.uniform(-1, 1)))  # fmt: skip
-    return out
-
-
 def fused_forward(policy, b, token_loss):
     """What `PolicyLogprobs.forward(..., token_loss=...)` does once wired (see the module's
     docstring): the decoder as in `PolicyLogprobs.forward`, then the fused head + loss."""
@@ -295,7 +280,7 @@ def test_whole_model_gradients_equal_the_learner_path(tiny_model_dir, packed, lo
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     policy = PolicyLogprobs(model, temperature=0.9, chunk_size=6)
-    rs = _rollouts()
+    rs = random_rollouts()
     b = pack(rs) if packed else collate(rs, pad_id=0)
     seq, n = _seq_index(b), b.advantages.numel()
     cfg = LossConfig(loss_type=loss_type, beta=0.1, entropy_coef=0.05, max_completion_length=16)
@@ -359,7 +344,7 @@ def test_train_on_with_fused_loss_equals_the_plain_step(tiny_model_dir, packing,
         policy = PolicyLogprobs(model, chunk_size=5, temperature=0.9)
         opts = StepOptions(micro_batch_size=3, num_iterations=num_iterations, packing=packing,
                            max_tokens_per_micro_batch=30, need_reference=True, fused_loss=fused)  # fmt: skip
-        batches = build_micro_batches(_rollouts(6), opts, pad_id=0)
+        batches = build_micro_batches(random_rollouts(6), opts, pad_id=0)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         metrics = train_on(Accelerator(cpu=True), policy, ref, opt, cfg, batches, opts)
         out.append((metrics, {k: p.detach().clone() for k, p in model.named_parameters()}))

@@ -7,13 +7,11 @@ adapters and its reference is the base model).
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.batch import Rollout, collate
+from learner.batch import collate
 from learner.config import load_config
 from learner.loss import LossConfig, LossInputs, grpo_loss
 from learner.model_setup import build_models
@@ -22,26 +20,7 @@ from learner.perf import ActivationOffload, train_flops_per_token
 from learner.policy import PolicyLogprobs
 from learner.sync import merged_lora_weights, sync_specs
 from learner.train_step import _forward, _seq_index, regroup
-
-
-def _rollouts(n: int = 5, seed: int = 0) -> list[Rollout]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        p, c = rng.randint(2, 7), rng.randint(1, 9)
-        mask = [1] * c
-        if c > 3:
-            mask[1] = 0  # a tool token inside the completion
-        out.append(
-            Rollout(
-                [rng.randrange(5, 250) for _ in range(p)],
-                [rng.randrange(5, 250) for _ in range(c)],
-                [-rng.random() for _ in range(c)],
-                mask,
-                advantage=rng.uniform(-1, 1),
-            )
-        )
-    return out
+from tests.learner.rollout_data import random_rollouts
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +71,7 @@ def test_best_fit_decreasing_by_hand():
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_packed_and_padded_give_the_same_loss_and_gradients(model, loss_type):
-    rs = _rollouts()
+    rs = random_rollouts()
     policy = PolicyLogprobs(model)
     padded = _grads(model, lambda: _loss(policy, collate(rs, pad_id=0), loss_type))
     packed = _grads(model, lambda: _loss(policy, pack(rs), loss_type))
@@ -101,7 +80,7 @@ def test_packed_and_padded_give_the_same_loss_and_gradients(model, loss_type):
 
 
 def test_checkpointing_and_offloading_give_the_same_gradients(tiny_model_dir):
-    rs = _rollouts(seed=1)
+    rs = random_rollouts(seed=1)
     batch = collate(rs, pad_id=0)
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -133,7 +112,7 @@ def test_checkpointing_and_offloading_give_the_same_gradients(tiny_model_dir):
 def test_offloading_keeps_the_weights_in_place(tiny_model_dir):
     """A layer saves its weight for the backward; the weight stays on its device anyway, so
     copying it out and back would cost transfers for nothing: only activations leave."""
-    batch = collate(_rollouts(seed=1), pad_id=0)
+    batch = collate(random_rollouts(seed=1), pad_id=0)
     m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
     policy = PolicyLogprobs(m)
     plain = _grads(m, lambda: _loss(policy, batch))
@@ -171,7 +150,7 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model(tmp_path, tin
     policy, ref = build_models(cfg, str(tiny_model_dir))
     assert ref is None  # no second model: the reference is the adapter-less base
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    batch = collate(_rollouts(seed=2), pad_id=0)
+    batch = collate(random_rollouts(seed=2), pad_id=0)
     with torch.no_grad():
         ref_lp = _forward(policy, batch, reference=True)[0]
         base_lp = _forward(PolicyLogprobs(base), batch)[0]
@@ -219,7 +198,7 @@ def _lora_saved_bytes(tiny_model_dir, adapter_dtype: str) -> tuple[set, int]:
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    batch = collate(_rollouts(seed=3), pad_id=0)
+    batch = collate(random_rollouts(seed=3), pad_id=0)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         _loss(policy, batch)
     return adapters, sum(saved.values())

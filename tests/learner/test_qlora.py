@@ -21,7 +21,8 @@ from learner.train_step import _forward
 
 pytest.importorskip("bitsandbytes")  # in the dev extra: CI runs these
 
-from tests.learner.test_memory_options import _loss, _rollouts, assert_only_adapters_train
+from tests.learner.rollout_data import random_rollouts
+from tests.learner.test_memory_options import _loss, assert_only_adapters_train
 
 QLORA = ['data.path="x.jsonl"', 'rewards=[{name="length"}]', "model.lora.r=4"]
 
@@ -44,7 +45,7 @@ def test_qlora_trains_only_adapters_over_a_4bit_base(tiny_model_dir):
     base = policy.model.get_base_model()
     linears = [m for m in base.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(linears) == 7 * base.config.num_hidden_layers  # q k v o gate up down
-    batch = collate(_rollouts(seed=2), pad_id=0)
+    batch = collate(random_rollouts(seed=2), pad_id=0)
 
     # The reference is the same quantized weights with the adapters off: no second model.
     plain = AutoModelForCausalLM.from_pretrained(
@@ -106,7 +107,7 @@ def test_adapter_only_checkpoint_round_trip(tmp_path, tiny_model_dir):
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
     policy, opt = accelerator.prepare(policy, opt)
     assert adapter_only_checkpoints(accelerator, policy)
-    batch = collate(_rollouts(seed=4), pad_id=0)
+    batch = collate(random_rollouts(seed=4), pad_id=0)
     for _ in range(2):
         _loss(policy, batch).backward()
         opt.step()

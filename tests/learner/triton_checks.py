@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +21,9 @@ def run_under_interpreter(script: str) -> list[tuple[str, float, float]]:
     """Run ``script`` (a test file whose ``__main__`` prints its checks as JSON) with
     TRITON_INTERPRET=1, which must be set before triton is imported: hence a subprocess."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = str(Path(__file__).resolve().parents[2])  # the script imports tests.learner.*
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     proc = subprocess.run(
         [sys.executable, script], env=env, capture_output=True, text=True, timeout=600
     )
