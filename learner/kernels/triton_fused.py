@@ -31,7 +31,7 @@ from learner.kernels.triton_logprobs import (
     _PRUNE,
     LOG2E,
     _configs,
-    _dot,
+    _logits_tile,
     _num_sms,
     _online_lse_step,
     _set_allocator,
@@ -90,10 +90,7 @@ def _softmax_tiles_kernel(
     v_start = pid_s * v_per_split
     v_end = tl.minimum(V, v_start + v_per_split)
     for v0 in range(v_start, v_end, BLOCK_V):
-        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            acc = _dot(h_desc.load([row0, k0]), w_desc.load([v0, k0]).T, acc, IEEE)
-        z2 = acc * inv_t2
+        z2 = _logits_tile(h_desc, w_desc, row0, v0, H, inv_t2, IEEE, BLOCK_N, BLOCK_V, BLOCK_K)
         cols = v0 + tl.arange(0, BLOCK_V)
         if v0 + BLOCK_V > V:
             z2 = tl.where(cols[None, :] < V, z2, _MASKED)

@@ -97,6 +97,18 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _logits_tile(
+    h_desc, w_desc, row0, v0, H, inv_t2,
+    IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The base-2 logits tile ``hidden[row0:+BN] @ weight[v0:+BV].T · inv_t2``, fp32."""
+    acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        acc = _dot(h_desc.load([row0, k0]), w_desc.load([v0, k0]).T, acc, IEEE)
+    return acc * inv_t2
+
+
+@triton.jit
 def _online_lse_step(m, s, t, z2):
     """Fold one tile of base-2 logits ``z2`` [BN, BV] into the running max ``m``, Σ 2^(z2 - m)
     and Σ 2^(z2 - m)·z2 (rescaled to the new max); also returns the tile's 2^(z2 - m_new)."""
@@ -159,10 +171,9 @@ def _fwd_kernel(
     v_start = pid_s * v_per_split
     v_end = tl.minimum(V, v_start + v_per_split)
     for v0 in range(v_start, v_end, BLOCK_V):
-        acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            acc = _dot(h_desc.load([row0, k0]), w_desc.load([v0, k0]).T, acc, IEEE)
-        z2 = acc * inv_t2  # base-2 logits
+        z2 = _logits_tile(
+            h_desc, w_desc, row0, v0, H, inv_t2, IEEE, BLOCK_N, BLOCK_V, BLOCK_K
+        )  # base-2 logits
         if v0 + BLOCK_V > V:
             cols = v0 + tl.arange(0, BLOCK_V)
             z2 = tl.where(cols[None, :] < V, z2, _MASKED)
