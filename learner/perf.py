@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -46,20 +47,46 @@ class ActivationOffload:
     goes on while activations drain; the copies back run on the consuming stream, as in
     ``torch.autograd.graph.save_on_cpu``. Small tensors (< ``min_bytes``) and the tensors of
     ``keep`` (the model's parameters) stay where they are. On CPU the hooks still copy (so
-    tests exercise the same path)."""
+    tests exercise the same path).
 
-    def __init__(self, min_bytes: int = 1 << 20, keep: Iterable[torch.Tensor] = ()) -> None:
+    The forward makes activations faster than PCIe drains them. A GPU tensor is kept until its
+    copy out has finished, and at most ``max_in_flight_bytes`` of them are kept at once: past
+    that, the forward waits for the oldest copy. Without the bound the caching allocator kept
+    taking new blocks for the queued tensors, and the reserved memory grew to the size of all
+    the activations (53.5 GB reserved for 6.0 GB allocated, H200, 2026-11-21)."""
+
+    def __init__(
+        self,
+        min_bytes: int = 1 << 20,
+        keep: Iterable[torch.Tensor] = (),
+        max_in_flight_bytes: int = 1 << 30,
+    ) -> None:
         self.min_bytes = min_bytes
+        self.max_in_flight_bytes = max_in_flight_bytes
         self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         # The weights a layer saves for its backward live on the GPU anyway: copying them out
         # and back would cost transfers and save nothing.
         self._keep = {t.untyped_storage().data_ptr() for t in keep}
+        # (copy-done event, the GPU tensor it reads, its bytes), oldest first
+        self._in_flight: collections.deque[tuple[Any, torch.Tensor, int]] = collections.deque()
+        self.in_flight_bytes = 0
+        self.peak_in_flight_bytes = 0
+
+    def _retire(self, budget: int) -> None:
+        """Let go of the GPU tensors whose copy out is done; wait for the oldest copies while
+        more than ``budget`` bytes are still queued."""
+        while self._in_flight:
+            event, _, nbytes = self._in_flight[0]
+            if self.in_flight_bytes > budget:
+                event.synchronize()
+            elif not event.query():
+                return
+            self._in_flight.popleft()
+            self.in_flight_bytes -= nbytes
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if (
-            t.numel() * t.element_size() < self.min_bytes
-            or t.untyped_storage().data_ptr() in self._keep
-        ):
+        nbytes = t.numel() * t.element_size()
+        if nbytes < self.min_bytes or t.untyped_storage().data_ptr() in self._keep:
             return t
         if t.is_cuda and self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
@@ -68,7 +95,12 @@ class ActivationOffload:
                 host.copy_(t, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            t.record_stream(self.stream)
+            # Holding `t` until the event has passed replaces `t.record_stream(side stream)`,
+            # which frees the block to nobody until then while the forward asks for more.
+            self._in_flight.append((event, t, nbytes))
+            self.in_flight_bytes += nbytes
+            self.peak_in_flight_bytes = max(self.peak_in_flight_bytes, self.in_flight_bytes)
+            self._retire(self.max_in_flight_bytes)
             return ("cuda", t.device, host, event)
         return ("cpu", t.device, t.detach().clone(), None)
 
@@ -88,5 +120,10 @@ class ActivationOffload:
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            # The forward is over: the backward brings back what it needs from the host, so
+            # the GPU copies left go as soon as their copies out finish (one wait, here).
+            self._retire(0)

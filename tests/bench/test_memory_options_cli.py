@@ -145,6 +145,20 @@ def test_checks_compare_with_the_baseline_and_flag_checkpointing_that_recomputes
     assert all(c["ok"] is None for c in mem.checks(rows[1:]) if "peak" in c["check"])
 
 
+def test_checks_flag_an_option_that_lowers_allocated_but_not_reserved_memory():
+    rows = [
+        _row("baseline", 100, peak_reserved_bytes=110),
+        _row("activation_offloading", 13, peak_reserved_bytes=114),  # the first fixed GPU run
+        _row("gradient_checkpointing", 40, peak_reserved_bytes=45),
+        _row("packing", 90),  # a CPU run: no reserved figure, no reserved check
+    ]
+    got = {c["check"]: c["ok"] for c in mem.checks(rows)}
+    assert got["activation_offloading lowers peak memory"] is True
+    assert got["activation_offloading lowers peak reserved memory"] is False
+    assert got["gradient_checkpointing lowers peak reserved memory"] is True
+    assert "packing lowers peak reserved memory" not in got
+
+
 def test_checks_flag_a_memory_option_that_changes_the_gradients():
     """The first GPU run of activation offloading computed NaNs, and all_on (LoRA + offloading)
     a gradient norm 10^5 times LoRA's: both must fail, not pass on memory alone."""

@@ -136,6 +136,49 @@ def test_offloading_keeps_the_weights_in_place(tiny_model_dir):
     assert any(kept) and moved and not any(moved)  # weights kept, every moved tensor is not one
 
 
+class _CopyDone:
+    """A stand-in for a CUDA event (none exists here): done once `finish` or `synchronize`."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name, self.done = log, name, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.log.append(f"wait {self.name}")
+        self.done = True
+
+
+def test_offloading_bounds_the_gpu_tensors_waiting_for_their_copy():
+    """The queue of GPU tensors still being copied out: finished copies are let go without a
+    wait; past the byte budget the oldest copies are waited for, oldest first; at the end of
+    the forward every one is let go."""
+    offload = ActivationOffload(max_in_flight_bytes=100)
+    log: list[str] = []
+    events = {}
+
+    def queue(name: str, nbytes: int) -> None:
+        events[name] = _CopyDone(log, name)
+        offload._in_flight.append((events[name], torch.empty(0), nbytes))
+        offload.in_flight_bytes += nbytes
+        offload._retire(offload.max_in_flight_bytes)
+
+    queue("a", 60)
+    queue("b", 30)
+    assert log == [] and offload.in_flight_bytes == 90  # under budget: nobody waits
+    queue("c", 30)  # 120 > 100: wait for the oldest only
+    assert log == ["wait a"] and offload.in_flight_bytes == 60
+    events["b"].done = True  # finished on its own: let go without a wait
+    queue("d", 10)
+    assert log == ["wait a"] and offload.in_flight_bytes == 40
+    queue("e", 200)  # alone over the budget: everything before it, then itself
+    assert log == ["wait a", "wait c", "wait d", "wait e"] and offload.in_flight_bytes == 0
+    queue("f", 50)
+    offload._retire(0)  # what leaving the forward's context does
+    assert log[-1] == "wait f" and not offload._in_flight and offload.in_flight_bytes == 0
+
+
 def test_lora_trains_only_adapters_and_reference_is_the_base_model(tmp_path, tiny_model_dir):
     cfg = load_config(
         None,
