@@ -270,7 +270,7 @@ def breakdown_fused(hd, b, t, chunk):
     ent = torch.zeros(n, device="cuda")
     logp[:c], ent[:c] = chunks.stats(0, c)
     g_lp, g_ent = _token_grads(token_loss, logp, ent, 0, c)
-    g = chunks.logits_grad(g_lp, g_ent)
+    g, _ = chunks.logits_grad(g_lp, g_ent)
     grad_w = torch.empty_like(w2)
     gh = torch.empty(c, hd, device="cuda", dtype=h2.dtype)
 

@@ -44,7 +44,13 @@ import torch
 from torch import Tensor
 
 from learner.batch import TrainBatch
-from learner.logprobs import _check_inputs, _scaled_logits, compute_dtype, logits_grad
+from learner.logprobs import (
+    _check_inputs,
+    _scaled_logits,
+    compute_dtype,
+    fp16_grad_scale,
+    logits_grad,
+)
 from learner.loss import LossConfig, LossInputs, grpo_loss
 
 TokenLoss = Callable[[Tensor, Tensor], Tensor]  # (logp [N], entropy [N]) -> scalar loss
@@ -245,11 +251,16 @@ class FusedLinearLoss(torch.autograd.Function):
                 g_lp, g_ent = _token_grads(token_loss, logp, ent, s, e)
             if g_lp is None and g_ent is None:
                 continue
-            g = chunks.logits_grad(g_lp, g_ent)  # [C, V] ∂loss/∂logits in the matmul dtype
+            # [C, V] ∂loss/∂logits in the matmul dtype, times `scale` (a power of two, fp16 only)
+            g, scale = chunks.logits_grad(g_lp, g_ent)
             if grad_h is not None:
-                torch.mm(g, chunks.w, out=grad_h[s:e])
+                if scale == 1.0:
+                    torch.mm(g, chunks.w, out=grad_h[s:e])
+                else:  # beta 0: the rows' old values are not read
+                    out = grad_h[s:e]
+                    torch.addmm(out, g, chunks.w, beta=0, alpha=1.0 / scale, out=out)
             if grad_w is not None:
-                _accumulate(grad_w, g.T, chunks.h[s:e], first=dw_empty)
+                _accumulate(grad_w, g.T, chunks.h[s:e], first=dw_empty, alpha=1.0 / scale)
                 dw_empty = False
             del g
         if grad_w is not None and dw_empty:
@@ -291,26 +302,18 @@ def _token_grads(
     return (None if g_lp is None else g_lp[s:e]), (None if g_ent is None else g_ent[s:e])
 
 
-def _accumulate(acc: Tensor, a: Tensor, b: Tensor, *, first: bool) -> None:
-    """`acc (+)= a @ b` with fp32 accumulation inside the product (cuBLAS does so for bf16);
-    `acc` is in a's dtype or, for `fp32_weight_grad`, fp32."""
-    if acc.dtype == a.dtype:
-        if first:
-            torch.mm(a, b, out=acc)
-        else:
-            acc.addmm_(a, b)
+def _accumulate(acc: Tensor, a: Tensor, b: Tensor, *, first: bool, alpha: float = 1.0) -> None:
+    """`acc (+)= alpha · a @ b` with fp32 accumulation inside the product (cuBLAS does so for
+    bf16); `acc` is in a's dtype or, for `fp32_weight_grad`, fp32. `first`: `acc` holds nothing
+    yet (beta 0: its values are not read)."""
+    beta = 0.0 if first else 1.0
+    if acc.dtype != a.dtype and _fp32_output_mm_works(acc.device, a.dtype):
+        # bf16/fp16 inputs, fp32 output: no fp32 copies
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, beta=beta, alpha=alpha, out=acc)
         return
-    if _fp32_output_mm_works(acc.device, a.dtype):  # bf16 inputs, fp32 output: no fp32 copies
-        if first:
-            torch.mm(a, b, out_dtype=acc.dtype, out=acc)
-        else:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-        return
-    a, b = a.to(acc.dtype), b.to(acc.dtype)  # fp32 copies (CPU, or torch without out_dtype)
-    if first:
-        torch.mm(a, b, out=acc)
-    else:
-        acc.addmm_(a, b)
+    if acc.dtype != a.dtype:  # fp32 copies (CPU, or torch without out_dtype)
+        a, b = a.to(acc.dtype), b.to(acc.dtype)
+    torch.addmm(acc, a, b, beta=beta, alpha=alpha, out=acc)
 
 
 def _fp32_output_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
@@ -349,7 +352,13 @@ class TorchChunks:
         z, lse, ent, s, e = self._state
         self._state = None
         g = logits_grad(z, lse, ent, self.tgt[s:e], g_lp, g_ent, self.inv_t)  # [C, V], z consumed
-        return g.to(self.w.dtype)
+        scale = fp16_grad_scale(
+            self.w.dtype,
+            None if g_lp is None else g_lp * self.inv_t,
+            None if g_ent is None else g_ent * self.inv_t,
+            self.w.shape[0],
+        )
+        return (g if scale == 1.0 else g.mul_(scale)).to(self.w.dtype), scale
 
 
 __all__ = ["FusedLinearLoss", "GRPOTokenLoss", "TokenLoss", "TorchChunks", "fused_grpo_loss"]

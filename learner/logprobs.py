@@ -21,6 +21,7 @@ and ∂/∂logits = ∂/∂z / T, then grad_hidden = G @ W and grad_weight = G�
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -126,6 +127,33 @@ def _scaled_logits(h: Tensor, weight: Tensor, inv_t: float, cdtype: torch.dtype)
     else:
         z = h.to(cdtype) @ weight.to(cdtype).T
     return z.mul_(inv_t) if inv_t != 1.0 else z
+
+
+FP16_GRAD_CEILING = 2.0**10  # largest |∂loss/∂logit| after fp16 scaling (see below)
+
+
+def fp16_grad_scale(
+    dtype: torch.dtype, g_logp: Tensor | None, g_ent: Tensor | None, vocab: int
+) -> float:
+    """The power of two by which ∂loss/∂logits is multiplied before it is stored in fp16 for
+    the tensor-core gradient products (1.0 for any other dtype); the products divide it out.
+
+    A per-token GRPO gradient is ~1/(tokens in the batch), and its softmax part is that times
+    p, ~1/vocab: 1e-5 · 1e-5 is far below fp16's smallest subnormal (6e-8), so unscaled the
+    gradient would lose its softmax part and keep only the target term. bf16 has fp32's range
+    and needs none. Bound used: |∂loss/∂logit_v| <= |g_logp| + |g_ent| · (1 + log V), since
+    p·|log p| <= 1/e and the entropy <= log V. The ceiling 2^10 keeps ``G @ W`` (a sum of
+    |G| <= 2 · ceiling weighted by W) inside fp16's 65504 for weights below 32."""
+    if dtype != torch.float16:
+        return 1.0
+    bound = 0.0
+    if g_logp is not None and g_logp.numel():
+        bound += float(g_logp.abs().max())
+    if g_ent is not None and g_ent.numel():
+        bound += float(g_ent.abs().max()) * (1.0 + math.log(max(vocab, 2)))
+    if not math.isfinite(bound) or bound <= 0.0:
+        return 1.0
+    return 2.0 ** math.floor(math.log2(FP16_GRAD_CEILING / bound))
 
 
 def logits_grad(

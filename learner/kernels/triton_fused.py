@@ -37,6 +37,7 @@ from learner.kernels.triton_logprobs import (
     _set_allocator,
     _target_logit,
 )
+from learner.logprobs import fp16_grad_scale
 
 TILE_V = 128  # vocab columns per stored tile (one `ref` value per token and tile)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -211,7 +212,10 @@ class TritonChunks:
         self._state = (s, e, lse2, ent)
         return logp, ent
 
-    def logits_grad(self, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> torch.Tensor:
+    def logits_grad(
+        self, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
+    ) -> tuple[torch.Tensor, float]:
+        """∂loss/∂logits of the chunk times `scale` (fp16 only, see `fp16_grad_scale`)."""
         assert self._state is not None
         s, e, lse2, ent = self._state
         self._state = None
@@ -220,6 +224,10 @@ class TritonChunks:
         glp = g_lp.float() * self.inv_t if g_lp is not None else torch.zeros_like(lse2)
         ent_grad = g_ent is not None
         gent = g_ent.float() * self.inv_t if ent_grad else glp
+        scale = fp16_grad_scale(self.w.dtype, glp, gent if ent_grad else None, v)
+        if scale != 1.0:
+            glp = glp * scale
+            gent = gent * scale if ent_grad else glp
         block_m = 16 if _INTERPRET else 32
         grid = (triton.cdiv(nb, block_m), triton.cdiv(v, TILE_V))
         _logits_grad_kernel[grid](
@@ -227,4 +235,4 @@ class TritonChunks:
             self.buf.shape[1], self.ref.shape[1], ENT_GRAD=ent_grad,
             OUT_BF16=self.w.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_V=TILE_V, num_warps=4,
         )  # fmt: skip
-        return self.buf.view(self.w.dtype)[:nb, :v]  # [nb, V], row stride a multiple of 128
+        return self.buf.view(self.w.dtype)[:nb, :v], scale  # [nb, V], row stride % 128 == 0

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from learner.logprobs import fp16_grad_scale
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Triton's CPU interpreter computes bf16 x bf16 dots wrongly (seen with triton 3.9): upcast there.
 _UPCAST = tl.constexpr(_INTERPRET)
@@ -365,8 +367,8 @@ def _cublas_fp32_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
             b = torch.randn(128, 32, device=device, dtype=dtype, generator=g)
             c = torch.ones(64, 32, device=device, dtype=torch.float32)
             torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
-            torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
-            want = 1 + 2 * (a.double() @ b.double())
+            torch.addmm(c, a, b, out_dtype=torch.float32, alpha=0.5, out=c)
+            want = 1 + 1.5 * (a.double() @ b.double())
             _CUBLAS_OK[key] = bool(((c - want).abs().max() / want.abs().max()) < 1e-3)
         except (TypeError, RuntimeError):
             _CUBLAS_OK[key] = False
@@ -404,6 +406,13 @@ def _backward(h, w, targets, lse, ent, g_logp, g_ent, temperature, need_h, need_
     glp = g_logp.float() * inv_t if g_logp is not None else torch.zeros_like(lse)
     ent_grad = g_ent is not None
     gent = g_ent.float() * inv_t if ent_grad else lse
+    # fp16: G is stored scaled (or its softmax part would underflow); the products divide the
+    # scale out: alpha for grad_weight, the fp32 grad_hidden accumulator at the end.
+    scale = fp16_grad_scale(h.dtype, glp, gent if ent_grad else None, v)
+    if scale != 1.0:
+        glp = glp * scale
+        gent = gent * scale if ent_grad else gent
+    unscale = 1.0 / scale
     lse2 = lse * LOG2E
     dh_cublas = need_h and _cublas_fp32_addmm_works(h.device, h.dtype)
     # Persistent G kernel (one program per SM) unless GRPO_TRITON_PERSISTENT=0.
@@ -428,10 +437,12 @@ def _backward(h, w, targets, lse, ent, g_logp, g_ent, temperature, need_h, need_
                 nb, vb, hd, cv, LOG2E * inv_t, progs or (1 << 30), IEEE=ieee, ENT_GRAD=ent_grad,
             )  # fmt: skip
             if need_w:  # cuBLAS, fp32 accumulation, one bf16 rounding per token block
-                if n0 == 0:
+                if n0 == 0 and scale == 1.0:
                     torch.mm(g.T, h_blk, out=grad_w[v0:v1])
+                elif n0 == 0:  # beta 0: the empty output is not read
+                    torch.addmm(grad_w[v0:v1], g.T, h_blk, beta=0, alpha=unscale, out=grad_w[v0:v1])
                 else:
-                    grad_w[v0:v1].addmm_(g.T, h_blk)
+                    grad_w[v0:v1].addmm_(g.T, h_blk, alpha=unscale)
             if need_h:
                 acc = dh_acc[:nb]
                 if dh_cublas:
@@ -448,7 +459,7 @@ def _backward(h, w, targets, lse, ent, g_logp, g_ent, temperature, need_h, need_
                     g, w_blk, acc, nb, hd, vb, cv, IEEE=ieee, ACCUMULATE=v0 > 0
                 )  # fmt: skip
         if need_h:
-            grad_h[n0:n1] = dh_acc[:nb]
+            grad_h[n0:n1] = dh_acc[:nb] if scale == 1.0 else dh_acc[:nb].mul_(unscale)
     return grad_h, grad_w
 
 

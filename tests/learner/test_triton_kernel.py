@@ -13,6 +13,8 @@ import json
 import pytest
 import torch
 
+from tests.learner.fp16_checks import fp16_small_gradient_checks
+
 
 def _rel(a, b):
     a, b = a.detach().double(), b.detach().double()
@@ -162,9 +164,20 @@ def test_triton_matches_torch_path_at_qwen_head_width():
     assert bool((lp <= 0).all()) and bool(torch.isfinite(ent).all())
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_fp16_gradients_at_grpo_magnitudes_on_gpu():
+    """Per-token weights of 1/tokens, as a GRPO batch's: unscaled, fp16 would lose the softmax
+    part of ∂loss/∂logits (1/2000 · 1/50001 is below fp16's smallest subnormal)."""
+    from tests.learner.triton_checks import assert_all
+
+    assert_all(fp16_small_gradient_checks("cuda", 2000, 520, 50_001, weights=(1 / 2000,)))
+
+
 if __name__ == "__main__":  # the interpreter run: tiny sizes, CPU
     torch.manual_seed(0)
     res = []
     res += run_checks("cpu", torch.float32, 24, 40, 70, [None, (16, 32)])
     res += run_checks("cpu", torch.bfloat16, 24, 40, 70, [(16, 32)], seed=1)
+    res += fp16_small_gradient_checks("cpu", 200, 32, 3000)  # both Triton paths
     print(json.dumps(res))
