@@ -62,8 +62,11 @@ def test_offloading_gives_the_same_gradients_on_the_gpu():
     calls = []
     pack = offload._pack
     offload._pack = lambda t: calls.append(t.numel()) or pack(t)
-    for _ in range(2):  # the second pass reuses the cached pinned and device blocks
+    host_chunks = []
+    for _ in range(2):  # the second pass reuses the pinned chunks and the device blocks
         loss, grads = _accumulate(model, batches, offload)
+        host_chunks.append(len(offload.arena.chunks))
+        assert host_chunks[-1] == host_chunks[0]  # every micro-batch reused the same chunks
         assert len(calls) > 100 and max(calls) * 4 >= 1 << 20  # large tensors really went out
         assert loss == pytest.approx(plain_loss, rel=1e-5)
         for name, g in grads.items():

@@ -179,6 +179,74 @@ def test_offloading_bounds_the_gpu_tensors_waiting_for_their_copy():
     assert log[-1] == "wait f" and not offload._in_flight and offload.in_flight_bytes == 0
 
 
+def test_pinned_arena_reuses_its_chunks_once_nothing_handed_out_is_alive():
+    """Offloaded activations live in fixed chunks reused by the next forward: host memory is
+    one micro-batch's activations, not one rounded-up block per tensor per micro-batch."""
+    from learner.perf import PinnedArena
+
+    arena = PinnedArena(chunk_bytes=4096, pin=False)  # pinning needs CUDA; the logic does not
+    a = arena.take(torch.Size([10, 30]), torch.float32)  # 1200 bytes
+    b = arena.take(torch.Size([700]), torch.bfloat16)  # 1400 bytes, at 1536 (512-aligned)
+    c = arena.take(torch.Size([400]), torch.float64)  # 3200 bytes: does not fit, next chunk
+    big = arena.take(torch.Size([2, 1024]), torch.float32)  # 8 KiB > a chunk: its own block
+    assert len(arena.chunks) == 2 and arena.nbytes == 8192
+    assert a.data_ptr() == arena.chunks[0].data_ptr()
+    assert b.data_ptr() == arena.chunks[0].data_ptr() + 1536
+    assert c.data_ptr() == arena.chunks[1].data_ptr()
+    assert big.untyped_storage().data_ptr() not in {x.data_ptr() for x in arena.chunks}
+    for x, v in ((a, 1.0), (b, 2.0), (c, 3.0)):  # no overlap: each keeps what it was given
+        x.fill_(v)
+    assert bool((a == 1).all() and (b == 2).all() and (c == 3).all())
+    assert a.shape == (10, 30) and b.dtype == torch.bfloat16 and c.dtype == torch.float64
+
+    del a, b, big, x  # (x: the loop's last, c)
+    assert not arena.rewind()  # c is alive (a backward still to come): go on after it
+    d = arena.take(torch.Size([16]), torch.float32)
+    assert d.data_ptr() == c.data_ptr() + 3584  # after c, 512-aligned, not over it
+    del c, d
+    assert arena.rewind()
+    for _ in range(3):  # the same pass again and again: the same two chunks
+        e = arena.take(torch.Size([10, 30]), torch.float32)
+        f = arena.take(torch.Size([400]), torch.float64)
+        assert e.data_ptr() == arena.chunks[0].data_ptr() and len(arena.chunks) == 2
+        del e, f
+        assert arena.rewind()
+
+
+def test_offloading_reuses_host_memory_across_micro_batches(tiny_model_dir):
+    """The offloading hooks' forward rewinds the arena: two micro-batches (forward, backward
+    each) take the host memory of one."""
+    from learner.perf import PinnedArena
+
+    batch = collate(random_rollouts(seed=2), pad_id=0)
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+    policy = PolicyLogprobs(m)
+    arena = PinnedArena(chunk_bytes=1 << 20, pin=False)
+    offload = ActivationOffload(min_bytes=0, keep=m.parameters(), arena=arena)
+    taken = []
+    take = arena.take
+    arena.take = lambda shape, dtype: taken.append(shape) or take(shape, dtype)
+    orig_pack = offload._pack
+
+    def cuda_like(t):  # the CPU path clones; send it through the arena as the GPU path does
+        packed = orig_pack(t)
+        if isinstance(packed, tuple):
+            host = arena.take(t.shape, t.dtype)
+            host.copy_(t)
+            return ("cpu", t.device, host, None)
+        return packed
+
+    offload._pack = cuda_like
+    chunks = []
+    for _ in range(2):
+        with offload():
+            loss = _loss(policy, batch)
+        loss.backward()
+        del loss
+        chunks.append(len(arena.chunks))
+    assert taken and chunks[0] >= 1 and chunks[1] == chunks[0]
+
+
 def test_lora_trains_only_adapters_and_reference_is_the_base_model(tmp_path, tiny_model_dir):
     cfg = load_config(
         None,
