@@ -25,7 +25,7 @@ from learner.sync.nccl import (
     drain,
     fill_bucket,
     plan_buckets,
-    specs_bytes,
+    update_stats,
 )
 from rollout_server.client import RolloutClient
 from rollout_server.nccl_wire import bucket_layout, flat_checksum
@@ -108,11 +108,7 @@ class IpcWeightSender:
         finally:
             del flats, request  # the servers answered: they no longer map our buffers
             torch.cuda.ipc_collect()
-        self.last_stats = {
-            "packed_s": packed_s,
-            "total_s": time.perf_counter() - start,
-            "bytes": float(specs_bytes(specs)),
-        }
+        self.last_stats = update_stats(start, specs, packed_s=packed_s)
         if checksum:
             check_checksums(self.client.servers, responses, total)
         return responses

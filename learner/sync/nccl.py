@@ -93,6 +93,12 @@ def specs_bytes(specs: Sequence[TensorSpec]) -> int:
     return sum(_ITEMSIZE[s.dtype] * _numel(s.shape) for s in specs)
 
 
+def update_stats(start: float, specs: Sequence[TensorSpec], **phases: float) -> dict[str, float]:
+    """A sender's ``last_stats`` of one update: its own phases' seconds, the whole update's
+    (since ``start``, a ``time.perf_counter()``) and the bytes it carried."""
+    return {**phases, "total_s": time.perf_counter() - start, "bytes": float(specs_bytes(specs))}
+
+
 def check_checksums(
     servers: Sequence[str], responses: Sequence[WeightUpdateResponse], sent: float
 ) -> None:
@@ -308,11 +314,7 @@ class NcclWeightSender:
             raise
         broadcast_s = time.perf_counter() - start
         responses = await announce
-        self.last_stats = {
-            "broadcast_s": broadcast_s,
-            "total_s": time.perf_counter() - start,
-            "bytes": float(specs_bytes(specs)),
-        }
+        self.last_stats = update_stats(start, specs, broadcast_s=broadcast_s)
         if checksum:
             check_checksums(self._client.servers, responses, sent_checksum)
         return responses
