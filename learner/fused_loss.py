@@ -253,12 +253,9 @@ class FusedLinearLoss(torch.autograd.Function):
                 continue
             # [C, V] ∂loss/∂logits in the matmul dtype, times `scale` (a power of two, fp16 only)
             g, scale = chunks.logits_grad(g_lp, g_ent)
-            if grad_h is not None:
-                if scale == 1.0:
-                    torch.mm(g, chunks.w, out=grad_h[s:e])
-                else:  # beta 0: the rows' old values are not read
-                    out = grad_h[s:e]
-                    torch.addmm(out, g, chunks.w, beta=0, alpha=1.0 / scale, out=out)
+            if grad_h is not None:  # beta 0: the rows' old values are not read
+                out = grad_h[s:e]
+                torch.addmm(out, g, chunks.w, beta=0, alpha=1.0 / scale, out=out)
             if grad_w is not None:
                 _accumulate(grad_w, g.T, chunks.h[s:e], first=dw_empty, alpha=1.0 / scale)
                 dw_empty = False

@@ -108,8 +108,8 @@ class ActivationOffload:
     bring them back for the backward. The copies out run on a side CUDA stream, so the forward
     goes on while activations drain; the copies back run on the consuming stream, as in
     ``torch.autograd.graph.save_on_cpu``. Small tensors (< ``min_bytes``) and the tensors of
-    ``keep`` (the model's parameters) stay where they are. On CPU the hooks still copy (so
-    tests exercise the same path).
+    ``keep`` (the model's parameters) stay where they are. On CPU the hooks still copy into the
+    arena (so tests exercise the same path).
 
     The forward makes activations faster than PCIe drains them. A GPU tensor is kept until its
     copy out has finished, and at most ``max_in_flight_bytes`` of them are kept at once: past
@@ -167,7 +167,9 @@ class ActivationOffload:
             self.peak_in_flight_bytes = max(self.peak_in_flight_bytes, self.in_flight_bytes)
             self._retire(self.max_in_flight_bytes)
             return ("cuda", t.device, host, event)
-        return ("cpu", t.device, t.detach().clone(), None)
+        host = self.arena.take(t.shape, t.dtype)  # CPU tensors: the same arena, unpinned
+        host.copy_(t)
+        return ("cpu", t.device, host, None)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):

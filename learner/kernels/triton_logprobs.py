@@ -437,12 +437,8 @@ def _backward(h, w, targets, lse, ent, g_logp, g_ent, temperature, need_h, need_
                 nb, vb, hd, cv, LOG2E * inv_t, progs or (1 << 30), IEEE=ieee, ENT_GRAD=ent_grad,
             )  # fmt: skip
             if need_w:  # cuBLAS, fp32 accumulation, one bf16 rounding per token block
-                if n0 == 0 and scale == 1.0:
-                    torch.mm(g.T, h_blk, out=grad_w[v0:v1])
-                elif n0 == 0:  # beta 0: the empty output is not read
-                    torch.addmm(grad_w[v0:v1], g.T, h_blk, beta=0, alpha=unscale, out=grad_w[v0:v1])
-                else:
-                    grad_w[v0:v1].addmm_(g.T, h_blk, alpha=unscale)
+                out = grad_w[v0:v1]  # the first token block writes it (beta 0: not read)
+                torch.addmm(out, g.T, h_blk, beta=float(n0 > 0), alpha=unscale, out=out)
             if need_h:
                 acc = dh_acc[:nb]
                 if dh_cublas:
