@@ -171,6 +171,9 @@ class ServerProcess:
     def post(self, path: str, body: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:
         return self.http.post(path, json=body, **kw)
 
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return self.http.get(path, **kw).raise_for_status()
+
     def generate(self, **body: Any) -> dict[str, Any]:
         r = self.post("/generate", body)
         if r.status_code != 200:

@@ -41,10 +41,11 @@ def load_model(model_dir: str, perturb_seed: int | None = None) -> Any:
 
 
 def reference_checksum(model: Any) -> float:
-    """sum(x) + sum(x*x) over every parameter, tensor by tensor (independent of the buckets)."""
-    from rollout_server.nccl_wire import flat_checksum
+    """sum(x) + sum(x*x) over every parameter, tensor by tensor (independent of the buckets,
+    and of vLLM's fused layout: ``GET /weights/checksum`` computes the same)."""
+    from rollout_server.nccl_wire import params_checksum
 
-    return float(sum(flat_checksum(p.detach().reshape(-1)) for p in model.parameters()))
+    return params_checksum(model)
 
 
 async def connect(url: str, master_port: int, timeout_s: float) -> tuple[Any, Any]:

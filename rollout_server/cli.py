@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--data-parallel-size", type=int, help="vLLM (default 1)")
     engine.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    engine.add_argument(
+        "--direct-weight-copy",
+        action=argparse.BooleanOptionalAction,
+        help="vLLM: load verified NCCL/IPC updates by direct copies (default on)",
+    )
     engine.add_argument("--trust-remote-code", action="store_true")
     engine.add_argument(
         "--vllm-arg",

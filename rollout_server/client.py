@@ -33,6 +33,7 @@ from rollout_server.protocol import (
     SleepRequest,
     SleepStatus,
     WakeUpRequest,
+    WeightChecksum,
     WeightFileRequest,
     WeightUpdateBegin,
     WeightUpdateCommit,
@@ -259,6 +260,10 @@ class RolloutClient:
         """Ask one server's workers to join the NCCL weight-sync group (they block until the
         learner, rank 0, joins too: run this concurrently with the learner's own join)."""
         await self._call(server, "POST", "/weights/nccl/init", body=request, retry=False)
+
+    async def weights_checksum(self) -> list[WeightChecksum]:
+        """Every server's checksum of the weights it serves (``GET /weights/checksum``)."""
+        return await self._all(lambda s: self._json(s, "GET", "/weights/checksum", WeightChecksum))
 
     async def nccl_update(self, server: str, request: NcclUpdateRequest) -> WeightUpdateResponse:
         """Announce one NCCL update to one server; answers once it loaded (or refused) it."""

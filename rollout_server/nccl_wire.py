@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 # bucket by bucket in chunks of CHECKSUM_CHUNK elements. The learner computes it the same way
 # (learner.sync.nccl.flat_checksum) over the same flat buffers, so equal numbers mean equal bytes.
 CHECKSUM_CHUNK = 1 << 26
-_POLL_S = 0.0005
+_POLL_S = 0.0005  # the longest sleep between polls; the first ones are much shorter
+_POLL_FIRST_S = 0.00002
 
 
 def flat_checksum(flat: torch.Tensor, chunk: int = CHECKSUM_CHUNK) -> torch.Tensor:
@@ -33,6 +34,13 @@ def flat_checksum(flat: torch.Tensor, chunk: int = CHECKSUM_CHUNK) -> torch.Tens
         part = flat[start : start + chunk].double()  # [<=chunk]
         total += part.sum() + part.square().sum()
     return total
+
+
+def params_checksum(model: torch.nn.Module) -> float:
+    """``flat_checksum`` summed over a model's parameters (shared ones once): the same number
+    for the same weights however they are fused, split or renamed (padding rows are zeros)."""
+    with torch.no_grad():
+        return float(sum(flat_checksum(p.detach().reshape(-1)) for p in model.parameters()))
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,7 @@ def wait_event(
     On timeout, a NCCL async error, or ``stop`` being set (a threading.Event), the communicator
     is aborted and ``NcclGroupError`` raised."""
     deadline = time.monotonic() + timeout_s
+    delay = _POLL_FIRST_S  # doubles up to _POLL_S: a short wait ends within tens of us
     while not event.query():
         reason = None
         if stop is not None and stop.is_set():
@@ -130,7 +139,8 @@ def wait_event(
         if reason:
             nccl_abort(comm)
             raise NcclGroupError(f"{what}: {reason}; the weight-sync group was aborted")
-        time.sleep(_POLL_S)
+        time.sleep(delay)
+        delay = min(2 * delay, _POLL_S)
 
 
 def join_group(

@@ -226,6 +226,19 @@ class WeightUpdateResponse(_Model):
     num_bytes: int
     seconds: float
     checksum: float | None = None
+    # NCCL / CUDA IPC updates: where the server's ``seconds`` went, and how it loaded
+    received_s: float | None = None
+    loaded_s: float | None = None
+    loader: str | None = None
+
+
+class WeightChecksum(_Model):
+    """``GET /weights/checksum``: float64 sum(x) + sum(x*x) over every served parameter (a
+    shared one once), layout-independent: compare it with the learner's over its parameters
+    (``rollout_server.nccl_wire.params_checksum``)."""
+
+    weight_version: int
+    checksum: float
 
 
 class ErrorResponse(_Model):

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from rollout_server.engine.base import Engine, WeightsError
+from rollout_server.engine.base import Engine, ReceivedUpdate, WeightsError
 from rollout_server.errors import BadRequest, Conflict, Unavailable
 from rollout_server.gate import PauseGate
 from rollout_server.metrics import Metrics
@@ -24,6 +24,7 @@ from rollout_server.protocol import (
     PromptResult,
     Sample,
     SleepStatus,
+    WeightChecksum,
     WeightUpdateResponse,
 )
 from rollout_server.weights import WeightStager, validate_tensors
@@ -286,6 +287,15 @@ class RolloutService:
             checksum=checksum,
         )
 
+    async def weights_checksum(self) -> WeightChecksum:
+        """The served weights' checksum, between loads (never of half-loaded weights)."""
+        self._require_weights_awake()
+        async with self.gate.read():
+            self._require_weights_awake()
+            return WeightChecksum(
+                weight_version=self.version, checksum=await self.engine.weights_checksum()
+            )
+
     async def init_weight_group(self, request: NcclInitRequest) -> None:
         self.require_loaded()
         await self.engine.init_weight_group(request)
@@ -319,18 +329,23 @@ class RolloutService:
         request: NcclUpdateRequest,
         num_bytes: int,
         transport: str,
-        receive: Callable[[Any], Awaitable[float | None]],
+        receive: Callable[[Any], Awaitable[ReceivedUpdate]],
     ) -> WeightUpdateResponse:
         """Receive and load under the write gate; the version moves only once all loaded."""
         async with self.gate.write():
             self._require_weights_awake()
             new_version = self._next_version(request.version)
             start = time.perf_counter()
-            checksum = await receive(request)
+            got = await receive(request)
             await self.engine.reset_prefix_cache()
             seconds = time.perf_counter() - start
             self._set_version(new_version)
-        return self._record_update(transport, len(request.tensors), num_bytes, seconds, checksum)
+        response = self._record_update(
+            transport, len(request.tensors), num_bytes, seconds, got.checksum
+        )
+        return response.model_copy(
+            update=dict(received_s=got.received_s, loaded_s=got.loaded_s, loader=got.loader)
+        )
 
     # --- sleep -----------------------------------------------------------------------------
 

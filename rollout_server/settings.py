@@ -67,6 +67,12 @@ class ServerSettings(BaseModel):
         True, description="vLLM: reserve memory so /sleep can offload (transformers: always)"
     )
     enable_prefix_caching: bool = True
+    direct_weight_copy: bool = Field(
+        True,
+        description="vLLM, NCCL/IPC sync: copy updates straight into the parameters once the "
+        "first update of a layout has verified the copy plan against load_weights (off: "
+        "always load_weights)",
+    )
     vllm_engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="more vLLM AsyncEngineArgs, e.g. {'enforce_eager': True, "

@@ -43,6 +43,16 @@ class WeightsError(ValueError):
 
 
 @dataclass(frozen=True)
+class ReceivedUpdate:
+    """What an engine reports of one announced (NCCL / CUDA IPC) update it loaded."""
+
+    checksum: float | None = None  # of the received bytes, when the announce asked for one
+    received_s: float | None = None  # receiving (NCCL: the wire) before anything loads
+    loaded_s: float | None = None  # loading into the model
+    loader: str | None = None  # how: "direct", "load_weights" or "load_weights+verify"
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     model: str
     engine: str
@@ -165,18 +175,23 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def is_sleeping(self) -> bool: ...
 
+    async def weights_checksum(self) -> float:
+        """Float64 ``sum(x) + sum(x*x)`` over every parameter the engine serves with (a shared
+        one once): independent of how the engine fuses or renames tensors, so it equals the
+        learner's over its own parameters when the weights are equal."""
+        raise UnsupportedError(f"the {self.name} engine cannot checksum its weights")
+
     async def init_weight_group(self, request: NcclInitRequest) -> None:
         raise UnsupportedError(f"the {self.name} engine does not support NCCL weight sync")
 
-    async def receive_nccl_update(self, request: NcclUpdateRequest) -> float | None:
-        """Receive the announced buckets over NCCL, then load them all (or none).
-
-        Returns a checksum of the loaded tensors when ``request.checksum`` is set."""
+    async def receive_nccl_update(self, request: NcclUpdateRequest) -> ReceivedUpdate:
+        """Receive the announced buckets over NCCL, then load them all (or none). The result
+        has a checksum of the loaded tensors when ``request.checksum`` is set."""
         raise UnsupportedError(f"the {self.name} engine does not support NCCL weight sync")
 
-    async def receive_ipc_update(self, request: IpcUpdateRequest) -> float | None:
+    async def receive_ipc_update(self, request: IpcUpdateRequest) -> ReceivedUpdate:
         """Open the announced CUDA IPC buckets (learner on this GPU), then load them all (or
-        none). Returns a checksum of the loaded tensors when ``request.checksum`` is set."""
+        none), as ``receive_nccl_update``."""
         raise UnsupportedError(
             f"the {self.name} engine does not support CUDA IPC weight sync (the vllm engine "
             "does); use sync = 'http' or 'file'"

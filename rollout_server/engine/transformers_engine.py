@@ -248,6 +248,11 @@ class TransformersEngine(HFTokenizerMixin, Engine):
                     target = self.model.get_buffer(name)
                 target.copy_(tensor)
 
+    async def weights_checksum(self) -> float:
+        from rollout_server.nccl_wire import params_checksum
+
+        return await self._run(params_checksum, self.model)
+
     # --- sleep -----------------------------------------------------------------------------
 
     async def sleep(self, level: int) -> None:

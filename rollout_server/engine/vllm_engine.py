@@ -40,6 +40,7 @@ from rollout_server.engine.base import (
     EngineError,
     EngineInfo,
     HFTokenizerMixin,
+    ReceivedUpdate,
     SampleOutput,
     TensorMeta,
     UnsupportedError,
@@ -339,6 +340,14 @@ class VLLMEngine(HFTokenizerMixin, Engine):
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
+    async def weights_checksum(self) -> float:
+        if self.settings.tensor_parallel_size > 1:
+            raise UnsupportedError(
+                "weights_checksum with tensor parallelism: shards replicate some tensors, so "
+                "their sum is not the model's; compare NCCL checksums of the received bytes"
+            )
+        return (await self._rpc("grpo_params_checksum"))[0]
+
     async def reset_prefix_cache(self) -> None:
         await self._llm.reset_prefix_cache()
 
@@ -353,10 +362,10 @@ class VLLMEngine(HFTokenizerMixin, Engine):
             request.timeout_s,
         )
 
-    async def receive_nccl_update(self, request: NcclUpdateRequest) -> float | None:
+    async def receive_nccl_update(self, request: NcclUpdateRequest) -> ReceivedUpdate:
         return await self._receive("NCCL", request, "grpo_receive_update")
 
-    async def receive_ipc_update(self, request: IpcUpdateRequest) -> float | None:
+    async def receive_ipc_update(self, request: IpcUpdateRequest) -> ReceivedUpdate:
         handles = [h.model_dump() for h in request.handles]
         return await self._receive(
             "CUDA IPC", request, "grpo_receive_ipc", handles, request.gpu_uuid
@@ -364,14 +373,21 @@ class VLLMEngine(HFTokenizerMixin, Engine):
 
     async def _receive(
         self, transport: str, request: NcclUpdateRequest, method: str, *extra: Any
-    ) -> float | None:
+    ) -> ReceivedUpdate:
         """One announced update through the workers' ``method``, under vLLM's pause."""
         specs = [t.model_dump() for t in request.tensors]
         start = time.perf_counter()
+        direct = self.settings.direct_weight_copy
         try:
             async with self._paused():
                 results = await self._rpc(
-                    method, specs, request.buckets, request.bucket_dtypes, request.checksum, *extra
+                    method,
+                    specs,
+                    request.buckets,
+                    request.bucket_dtypes,
+                    request.checksum,
+                    *extra,
+                    direct,
                 )
         except Exception as exc:
             raise EngineError(
@@ -379,18 +395,25 @@ class VLLMEngine(HFTokenizerMixin, Engine):
             ) from exc
         first = results[0]
         log.info(
-            "%s update: %d tensors received in %.3fs, loaded in %.3fs (staged on %s), %.3fs in all",
+            "%s update: %d tensors received in %.4fs, loaded in %.4fs (%s, staged on %s), "
+            "%.4fs in all",
             transport,
             len(specs),
             first["received_s"],
             first["loaded_s"],
+            first["loader"],
             first["staged_on"],
             time.perf_counter() - start,
         )
         sums = {r["checksum"] for r in results}
         if len(sums) > 1:
             raise EngineError(f"workers received different bytes (checksums {sorted(sums)})")
-        return first["checksum"]
+        return ReceivedUpdate(
+            checksum=first["checksum"],
+            received_s=max(r["received_s"] for r in results),
+            loaded_s=max(r["loaded_s"] for r in results),
+            loader=first["loader"],
+        )
 
     # -- sleep -----------------------------------------------------------------------------
 
@@ -402,6 +425,7 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         if self._asleep:
             log.info("sleep(level=%d) ignored: already asleep", level)
             return
+        await self._rpc("grpo_release_staging")  # kept NCCL staging is not vLLM's to offload
         params = inspect.signature(self._llm.sleep).parameters
         await (self._llm.sleep(level, mode="wait") if "mode" in params else self._llm.sleep(level))
         self._asleep = {"weights", "kv_cache"}

@@ -18,6 +18,11 @@ The NCCL protocol, shared with ``learner.sync.nccl.NcclWeightSender`` (rank 0):
    (``ncclCommAbort`` unblocks the stuck kernel); either way the staged buckets are dropped and
    the previous weights keep serving. After an abort the group must be initialized again.
 
+Loading: the first update of a layout goes through vLLM's ``load_weights`` and verifies a copy
+plan against it (``rollout_server.engine.direct_load``); later updates of that layout are copied
+straight into the parameters. GPU staging buffers are kept between updates of one layout (no
+allocation per sync) and released before the engine sleeps (``grpo_release_staging``).
+
 Import-safe without vLLM or a GPU: vLLM is imported only inside the methods.
 """
 
@@ -64,6 +69,9 @@ class WeightSyncWorkerExtension:
 
     _grpo_comm: Any = None
     _grpo_timeout_s: float = 300.0
+    # set per instance on first use (vLLM builds the worker; the extension has no __init__)
+    _grpo_plans: dict[Any, Any] | None = None  # layout key -> verified CopyPlan, or None
+    _grpo_staging: tuple[Any, list[torch.Tensor]] | None = None  # (layout key, GPU buffers)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -79,6 +87,73 @@ class WeightSyncWorkerExtension:
         with torch.no_grad():
             self._grpo_model().load_weights(weights=weights)
         torch.cuda.synchronize()
+
+    def _grpo_load_update(self, weights: list[tuple[str, torch.Tensor]], direct: bool) -> str:
+        """Load one received update; returns how ("direct", "load_weights", or
+        "load_weights+verify" for the first update of a layout)."""
+        from rollout_server.engine import direct_load
+
+        if not direct:
+            self._grpo_load(weights)
+            return "load_weights"
+        if self._grpo_plans is None or len(self._grpo_plans) > 64:  # many partial layouts
+            self._grpo_plans = {}
+        key = tuple((n, tuple(t.shape), t.dtype) for n, t in weights)
+        tensors = [t for _, t in weights]
+        if key in self._grpo_plans:
+            plan = self._grpo_plans[key]
+            if plan is None:
+                self._grpo_load(weights)
+                return "load_weights"
+            direct_load.copy_in(plan, tensors)
+            torch.cuda.synchronize()
+            return "direct"
+        plan = self._grpo_copy_plan(key)
+        if isinstance(plan, str):
+            log.info("weight updates go through load_weights: %s", plan)
+            self._grpo_plans[key] = None
+            self._grpo_load(weights)
+            return "load_weights"
+        self._grpo_load(weights)
+        problem = direct_load.verify(plan, tensors)
+        if problem:
+            log.warning("direct weight copies disagree with load_weights (%s); kept off", problem)
+        else:
+            log.info("direct weight copies verified for this layout (%d tensors)", len(key))
+        self._grpo_plans[key] = None if problem else plan
+        return "load_weights" if problem else "load_weights+verify"
+
+    def _grpo_copy_plan(self, key: tuple) -> Any:
+        """A copy plan for this layout, or why there is none (quantized or sharded models,
+        updates of part of the model)."""
+        from rollout_server.engine import direct_load
+
+        config = self.vllm_config  # type: ignore[attr-defined]
+        if getattr(config.model_config, "quantization", None):
+            return "the model is quantized"
+        if int(config.parallel_config.tensor_parallel_size) > 1:
+            return "tensor parallelism shards the parameters"
+        model = self._grpo_model()
+        hf = getattr(config.model_config, "hf_config", None)
+        tied = bool(getattr(hf, "tie_word_embeddings", False))
+        return direct_load.plan_copies(
+            dict(model.named_parameters()),
+            [(n, s, d) for n, s, d in key],
+            getattr(model, "packed_modules_mapping", None) or direct_load.COMMON_PACKED,
+            skip=frozenset({"lm_head.weight"}) if tied else frozenset(),
+        )
+
+    def grpo_params_checksum(self) -> float:
+        """``params_checksum`` of this worker's model (its shard under tensor parallelism)."""
+        from rollout_server.nccl_wire import params_checksum
+
+        return params_checksum(self._grpo_model())
+
+    def grpo_release_staging(self) -> None:
+        """Free the kept GPU staging buffers (before sleeping: vLLM cannot offload them)."""
+        if self._grpo_staging is not None:
+            self._grpo_staging = None
+            torch.cuda.empty_cache()
 
     # -- NCCL group ------------------------------------------------------------------------
 
@@ -120,8 +195,10 @@ class WeightSyncWorkerExtension:
         buckets: list[list[int]],
         bucket_dtypes: list[str],
         checksum: bool,
+        direct: bool = True,
     ) -> dict[str, Any]:
-        """Receive every announced bucket, then load them all, or none."""
+        """Receive every announced bucket, then load them all, or none. ``direct``: copy
+        straight into the parameters once a plan is verified (else always ``load_weights``)."""
         comm = self._grpo_comm
         if comm is None:
             raise NcclGroupError(
@@ -130,11 +207,18 @@ class WeightSyncWorkerExtension:
             )
         layout = bucket_layout(tensors, buckets, bucket_dtypes)
         device = self._grpo_device()
-        on_gpu = _stage_on_gpu(layout, device)
         start = time.perf_counter()
+        key = tuple((b.dtype, b.entries) for b in layout)
+        kept = self._grpo_staging
+        if kept is not None and kept[0] != key:
+            self.grpo_release_staging()  # another layout: its buffers are the wrong sizes
+            kept = None
+        on_gpu = kept is not None or _stage_on_gpu(layout, device)
         staged: list[torch.Tensor] = []
         try:
-            staged = self._grpo_receive_buckets(comm, layout, device, on_gpu)
+            staged = self._grpo_receive_buckets(
+                comm, layout, device, on_gpu, kept[1] if kept is not None else None
+            )
             committed = self._grpo_receive_commit(comm, device)
         except NcclGroupError:
             self._grpo_comm = None  # aborted inside wait_event
@@ -151,29 +235,42 @@ class WeightSyncWorkerExtension:
         if checksum:
             total = float(sum(flat_checksum(f.to(device, non_blocking=True)) for f in staged))
         weights = [w for flat, b in zip(staged, layout, strict=True) for w in unflatten(flat, b)]
-        self._grpo_load(weights)
+        loader = self._grpo_load_update(weights, direct)
+        if on_gpu and loader != "load_weights":  # the parameters hold copies, not the buffers
+            self._grpo_staging = (key, staged)  # reused by the next update of this layout
         del weights, staged
-        torch.cuda.empty_cache()  # staging memory back to the KV cache / sleep accounting
+        if self._grpo_staging is None:
+            torch.cuda.empty_cache()  # staging memory back to the KV cache / sleep accounting
         return {
             "checksum": total,
             "received_s": received_s,
             "loaded_s": time.perf_counter() - start - received_s,
             "staged_on": "gpu" if on_gpu else "cpu",
+            "loader": loader,
         }
 
     def _grpo_receive_buckets(
-        self, comm: Any, layout: list[Bucket], device: torch.device, on_gpu: bool
+        self,
+        comm: Any,
+        layout: list[Bucket],
+        device: torch.device,
+        on_gpu: bool,
+        kept: list[torch.Tensor] | None,
     ) -> list[torch.Tensor]:
-        """Staged on the GPU, every receive is queued at once (no gap between buckets) and
-        then awaited in order; staged on the CPU, one reused GPU buffer per dtype is received
-        into and copied out bucket by bucket."""
+        """Staged on the GPU (in ``kept`` buffers when given), every receive is queued at once
+        (no gap between buckets) and then awaited in order; staged on the CPU, one reused GPU
+        buffer per dtype is received into and copied out bucket by bucket."""
         stream = torch.cuda.current_stream(device)
         staged: list[torch.Tensor] = []
         recv: dict[torch.dtype, torch.Tensor] = {}
         queued: list[torch.cuda.Event] = []
-        for bucket in layout:
+        for b, bucket in enumerate(layout):
             if on_gpu:
-                flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+                flat = (
+                    kept[b]
+                    if kept is not None
+                    else torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
+                )
             else:
                 if bucket.dtype not in recv:
                     size = max(x.numel for x in layout if x.dtype == bucket.dtype)
@@ -213,6 +310,7 @@ class WeightSyncWorkerExtension:
         checksum: bool,
         handles: list[dict[str, Any]],
         gpu_uuid: str,
+        direct: bool = True,
     ) -> dict[str, Any]:
         """Open every bucket's IPC handle (all of them before loading anything), then load
         straight from the learner's memory. The learner keeps the buffers until we answer."""
@@ -233,7 +331,8 @@ class WeightSyncWorkerExtension:
             total = float(sum(flat_checksum(f) for f in flats)) if checksum else None
             received_s = time.perf_counter() - start
             weights = [w for f, b in zip(flats, layout, strict=True) for w in unflatten(f, b)]
-            self._grpo_load(weights)  # synchronizes: the learner may free its buffers after
+            # synchronizes: the learner may free its buffers after
+            loader = self._grpo_load_update(weights, direct)
             del weights
         finally:
             del flats
@@ -242,6 +341,7 @@ class WeightSyncWorkerExtension:
             "received_s": received_s,
             "loaded_s": time.perf_counter() - start - received_s,
             "staged_on": "learner's gpu (ipc)",
+            "loader": loader,
         }
 
     # -- file / HTTP transports ------------------------------------------------------------

@@ -17,6 +17,7 @@ from rollout_server.protocol import (
     IpcUpdateRequest,
     NcclInitRequest,
     NcclUpdateRequest,
+    WeightChecksum,
     WeightFileRequest,
     WeightUpdateBegin,
     WeightUpdateCommit,
@@ -116,6 +117,16 @@ async def load_file(request: WeightFileRequest, service: ServiceDep) -> WeightUp
     service.check_update_version(request.version)
     tensors = await asyncio.to_thread(read_safetensors_path, request.path)
     return await service.apply_weights(tensors, request.version, transport="file")
+
+
+@router.get(
+    "/checksum",
+    response_model=WeightChecksum,
+    responses={409: {"model": ErrorResponse}, 501: {"model": ErrorResponse}},
+)
+async def checksum(service: ServiceDep) -> WeightChecksum:
+    """A checksum of the weights being served, to compare with the learner's after a sync."""
+    return await service.weights_checksum()
 
 
 @router.post("/nccl/init", responses={501: {"model": ErrorResponse}})

@@ -69,10 +69,16 @@ def test_ipc_sync_replaces_the_weights_exactly(server, qwen3_dir, log_dir) -> No
     assert resp["weight_version"] == v0 + 1 and resp["num_tensors"] == 310
     assert resp["num_bytes"] == 2 * 596_049_920
     assert resp["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
+    assert resp["loader"] == "load_weights+verify"  # the layout's first update
+    served = server.get("/weights/checksum").json()["checksum"]
+    assert served == pytest.approx(out["reference_checksum"], rel=1e-9)
     changed = greedy(server, PROMPTS)
     assert not changed.matches(original), "the perturbed weights generate as before"
     rc, out = send(server, qwen3_dir, log_dir)  # the original weights back, over IPC
     assert rc == 0 and "responses" in out, out
+    assert out["responses"][0]["loader"] == "direct"
+    served = server.get("/weights/checksum").json()["checksum"]
+    assert served == pytest.approx(out["reference_checksum"], rel=1e-9)
     restored = greedy(server, PROMPTS)
     again = reload_checkpoint()
     print("ipc restore vs file reload:", restored.mismatch(again) or "same", "| same tokens:",

@@ -93,11 +93,19 @@ def test_sync_replaces_the_weights_exactly(server, qwen3_dir, log_dir) -> None:
     # what it sent); the learner's own per-tensor float64 reference agrees.
     assert resp["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
     assert server.info()["weight_version"] == version + 1
+    # ... and so do the weights vLLM now serves (fused q/k/v, gate/up), summed over its params;
+    # the first update of this layout went through vLLM's loader and verified the copy plan
+    assert resp["loader"] == "load_weights+verify"
+    served = server.get("/weights/checksum").json()
+    assert served["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
     changed = greedy(server, PROMPTS)
     assert not changed.matches(original), "the perturbed weights generate as before"
     rc, out = send(server, qwen3_dir, log_dir=log_dir)  # the original weights, back over NCCL
     assert rc == 0, out
     assert out["responses"][0]["weight_version"] == version + 2
+    assert out["responses"][0]["loader"] == "direct"  # copied straight into the parameters
+    served = server.get("/weights/checksum").json()
+    assert served["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
     restored = greedy(server, PROMPTS)
     again = reload_checkpoint()
     assert restored.matches(again), restored.mismatch(again)

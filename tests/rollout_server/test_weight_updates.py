@@ -258,3 +258,17 @@ async def test_32_concurrent_generates_race_a_weight_update(client, states, mode
             assert _weights_of(models, result.prompt_token_ids, s.token_ids, s.logprobs) == want
         if i >= 16:
             assert resp.weight_version == new_version  # sent after the update returned
+
+
+async def test_the_checksum_route_tells_which_weights_serve(client, states, models):
+    """``GET /weights/checksum`` equals the learner-side ``params_checksum`` of the model whose
+    weights serve (an HF model, not the server's own copy), before and after an update."""
+    from rollout_server.nccl_wire import params_checksum
+
+    want = {name: params_checksum(m) for name, m in models.items()}
+    assert want["A"] != pytest.approx(want["B"], rel=1e-6)
+    for name in ("A", "B", "A"):
+        (resp,) = await client.update_weights(states[name].items(), bucket_bytes=64 * 1024)
+        (got,) = await client.weights_checksum()
+        assert got.weight_version == resp.weight_version
+        assert got.checksum == pytest.approx(want[name], rel=1e-9), name
