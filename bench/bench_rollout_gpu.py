@@ -276,6 +276,15 @@ async def measure_sync(
                 "server_received_s": r.received_s,
                 "server_loaded_s": r.loaded_s,
                 "loader": r.loader,
+                # ms after the learner's send() began at which each stage happened (one host,
+                # one wall clock): where the time between bytes/bandwidth and total goes
+                "timeline_ms": {
+                    k: (t - sender.last_stats["sent_at"]) * 1e3
+                    for k, t in {
+                        **(r.timeline or {}),
+                        "learner": sender.last_stats["answered_at"],
+                    }.items()
+                },
             }
             print(f"[bench] sync {i}: {json.dumps(record)}", flush=True)
             if i:  # the first one is a warm-up (and verifies the direct-copy plan)
@@ -286,6 +295,14 @@ async def measure_sync(
         ideal = nbytes / (bw_gb_s * 1e9)
         best = min(r["total_s"] for r in ours)
         median = sorted(r["total_s"] for r in ours)[len(ours) // 2]
+        stages = list(ours[0]["timeline_ms"])
+        timeline = {
+            k: sorted(r["timeline_ms"][k] for r in ours)[len(ours) // 2]
+            for k in sorted(stages, key=lambda k: ours[0]["timeline_ms"][k])
+        }
+        print("[bench] sync timeline, median ms after send():", flush=True)
+        for k, v in timeline.items():
+            print(f"    {k:<14} {v:7.2f}", flush=True)
         t0 = time.perf_counter()
         for spec, (name, t) in zip(specs, iter_gathered_params(model), strict=True):
             await sender.send([spec], [(name, t)], bucket_bytes=1 << 40)
@@ -300,6 +317,7 @@ async def measure_sync(
         "ours": ours,
         "ours_best_s": best,
         "ours_median_s": median,
+        "timeline_median_ms": timeline,
         "ours_vs_ideal": best / ideal,
         "ours_median_vs_ideal": median / ideal,
         "per_tensor_s": per_tensor,

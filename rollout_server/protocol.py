@@ -230,6 +230,8 @@ class WeightUpdateResponse(_Model):
     received_s: float | None = None
     loaded_s: float | None = None
     loader: str | None = None
+    # wall-clock time (time.time()) of each stage on the server, for profiling a sync
+    timeline: dict[str, float] | None = None
 
 
 class WeightChecksum(_Model):

@@ -303,18 +303,20 @@ class RolloutService:
     async def nccl_update(self, request: NcclUpdateRequest) -> WeightUpdateResponse:
         from rollout_server.weights import validate_nccl_announce
 
+        announced = time.time()
         num_bytes = self._check_announce(validate_nccl_announce, request)
         return await self._announced_update(
-            request, num_bytes, "nccl", self.engine.receive_nccl_update
+            announced, request, num_bytes, "nccl", self.engine.receive_nccl_update
         )
 
     async def ipc_update(self, request: IpcUpdateRequest) -> WeightUpdateResponse:
         """Colocated sync: the buckets are CUDA IPC handles to the learner's GPU memory."""
         from rollout_server.weights import validate_ipc_announce
 
+        announced = time.time()
         num_bytes = self._check_announce(validate_ipc_announce, request)
         return await self._announced_update(
-            request, num_bytes, "ipc", self.engine.receive_ipc_update
+            announced, request, num_bytes, "ipc", self.engine.receive_ipc_update
         )
 
     def _check_announce(self, validate: Callable[..., int], request: NcclUpdateRequest) -> int:
@@ -326,6 +328,7 @@ class RolloutService:
 
     async def _announced_update(
         self,
+        announced: float,
         request: NcclUpdateRequest,
         num_bytes: int,
         transport: str,
@@ -336,15 +339,23 @@ class RolloutService:
             self._require_weights_awake()
             new_version = self._next_version(request.version)
             start = time.perf_counter()
+            paused = time.time()
             got = await receive(request)
-            await self.engine.reset_prefix_cache()
+            if not got.prefix_cache_reset:
+                await self.engine.reset_prefix_cache()
             seconds = time.perf_counter() - start
             self._set_version(new_version)
         response = self._record_update(
             transport, len(request.tensors), num_bytes, seconds, got.checksum
         )
+        timeline = {"announced": announced, "paused": paused, **got.timeline}
         return response.model_copy(
-            update=dict(received_s=got.received_s, loaded_s=got.loaded_s, loader=got.loader)
+            update=dict(
+                received_s=got.received_s,
+                loaded_s=got.loaded_s,
+                loader=got.loader,
+                timeline={**timeline, "answered": time.time()},
+            )
         )
 
     # --- sleep -----------------------------------------------------------------------------

@@ -86,6 +86,15 @@ QWEN3_0_6B_SHAPE: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
+# Qwen3-4B (4.0B parameters, ~8 GB in bf16): a weight-sync size where bandwidth dominates
+QWEN3_4B_SHAPE: dict[str, Any] = {
+    **QWEN3_0_6B_SHAPE,
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+}
+
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (what the ByteLevel decoder inverts)."""
@@ -220,9 +229,15 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="the real Qwen3-0.6B shape (vocab 151936, 28 layers; ~1.2 GB in bf16)",
     )
+    parser.add_argument(
+        "--qwen3-4b-shape",
+        dest="qwen3_4b_shape",
+        action="store_true",
+        help="the real Qwen3-4B shape (hidden 2560, 36 layers; ~8 GB in bf16)",
+    )
     args = parser.parse_args(argv)
-    if args.qwen3_shape:
-        overrides = dict(QWEN3_0_6B_SHAPE)
+    if args.qwen3_shape or args.qwen3_4b_shape:
+        overrides = dict(QWEN3_4B_SHAPE if args.qwen3_4b_shape else QWEN3_0_6B_SHAPE)
         dtype = args.dtype or "bfloat16"
     else:
         overrides = {

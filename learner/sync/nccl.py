@@ -298,7 +298,7 @@ class NcclWeightSender:
         announce.add_done_callback(
             lambda f: stop.set() if f.cancelled() or f.exception() is not None else None
         )
-        start = time.perf_counter()
+        start, sent_at = time.perf_counter(), time.time()
         try:
             sent_checksum = await _in_daemon_thread(
                 self._broadcast, specs, plan, tensor_iter, stop, checksum, on_bucket
@@ -314,7 +314,10 @@ class NcclWeightSender:
             raise
         broadcast_s = time.perf_counter() - start
         responses = await announce
-        self.last_stats = update_stats(start, specs, broadcast_s=broadcast_s)
+        # wall-clock stamps too, to line up with the servers' response timelines
+        self.last_stats = update_stats(
+            start, specs, broadcast_s=broadcast_s, sent_at=sent_at, answered_at=time.time()
+        )
         if checksum:
             check_checksums(self._client.servers, responses, sent_checksum)
         return responses

@@ -50,6 +50,8 @@ class ReceivedUpdate:
     received_s: float | None = None  # receiving (NCCL: the wire) before anything loads
     loaded_s: float | None = None  # loading into the model
     loader: str | None = None  # how: "direct", "load_weights" or "load_weights+verify"
+    prefix_cache_reset: bool = False  # the engine already reset its prefix cache
+    timeline: dict[str, float] = field(default_factory=dict)  # stage -> time.time(), profiling
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -363,32 +363,59 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         )
 
     async def receive_nccl_update(self, request: NcclUpdateRequest) -> ReceivedUpdate:
-        return await self._receive("NCCL", request, "grpo_receive_update")
+        """The workers queue every receive (``grpo_begin_update``); while the bytes arrive the
+        prefix cache is reset (vLLM walks every KV block: milliseconds); then the workers
+        wait and load (``grpo_finish_update``)."""
+
+        async def receive(specs: list[dict[str, Any]], timeline: dict[str, float]) -> list[Any]:
+            begun = await self._rpc(
+                "grpo_begin_update",
+                specs,
+                request.buckets,
+                request.bucket_dtypes,
+                request.checksum,
+                self.settings.direct_weight_copy,
+            )
+            timeline["worker_begin"] = min(begun)
+            timeline["queued"] = time.time()
+            reset = asyncio.ensure_future(self._llm.reset_prefix_cache())
+            try:
+                results = await self._rpc("grpo_finish_update")
+            finally:
+                await asyncio.wait([reset])
+            timeline["finished"] = time.time()
+            reset.result()  # raises if the reset failed
+            return results
+
+        return await self._receive("NCCL", request, receive, prefix_cache_reset=True)
 
     async def receive_ipc_update(self, request: IpcUpdateRequest) -> ReceivedUpdate:
         handles = [h.model_dump() for h in request.handles]
-        return await self._receive(
-            "CUDA IPC", request, "grpo_receive_ipc", handles, request.gpu_uuid
-        )
+
+        async def receive(specs: list[dict[str, Any]], timeline: dict[str, float]) -> list[Any]:
+            args = (request.buckets, request.bucket_dtypes, request.checksum, handles)
+            direct = self.settings.direct_weight_copy
+            results = await self._rpc("grpo_receive_ipc", specs, *args, request.gpu_uuid, direct)
+            timeline["finished"] = time.time()
+            return results
+
+        return await self._receive("CUDA IPC", request, receive, prefix_cache_reset=False)
 
     async def _receive(
-        self, transport: str, request: NcclUpdateRequest, method: str, *extra: Any
+        self,
+        transport: str,
+        request: NcclUpdateRequest,
+        receive: Callable[[list[dict[str, Any]], dict[str, float]], Awaitable[list[Any]]],
+        *,
+        prefix_cache_reset: bool,
     ) -> ReceivedUpdate:
-        """One announced update through the workers' ``method``, under vLLM's pause."""
+        """One announced update through the workers (``receive``), under vLLM's pause."""
         specs = [t.model_dump() for t in request.tensors]
         start = time.perf_counter()
-        direct = self.settings.direct_weight_copy
+        timeline = {"engine": time.time()}
         try:
             async with self._paused():
-                results = await self._rpc(
-                    method,
-                    specs,
-                    request.buckets,
-                    request.bucket_dtypes,
-                    request.checksum,
-                    *extra,
-                    direct,
-                )
+                results = await receive(specs, timeline)
         except Exception as exc:
             raise EngineError(
                 f"{transport} weight update failed, the previous weights still serve: {exc}"
@@ -413,6 +440,8 @@ class VLLMEngine(HFTokenizerMixin, Engine):
             received_s=max(r["received_s"] for r in results),
             loaded_s=max(r["loaded_s"] for r in results),
             loader=first["loader"],
+            prefix_cache_reset=prefix_cache_reset,
+            timeline={**timeline, **first.get("timeline", {})},
         )
 
     # -- sleep -----------------------------------------------------------------------------

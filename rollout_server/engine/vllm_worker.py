@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +49,22 @@ from rollout_server.nccl_wire import (  # the wire format, shared with the learn
 log = logging.getLogger(__name__)
 
 _GPU_STAGING_MARGIN = 1 << 30  # leave this much free memory when staging buckets on the GPU
+
+
+@dataclass
+class _Pending:
+    """An update whose receives ``grpo_begin_update`` queued."""
+
+    layout: list[Bucket]
+    key: Any
+    staged: list[torch.Tensor]
+    queued: list[torch.cuda.Event]  # one per bucket received on the GPU, then the commit word's
+    word: torch.Tensor
+    on_gpu: bool
+    checksum: bool
+    direct: bool
+    start: float  # perf_counter
+    started: float  # wall clock
 
 
 def _pick_rank(worker: Any, rank_offset: int) -> int:
@@ -72,6 +89,7 @@ class WeightSyncWorkerExtension:
     # set per instance on first use (vLLM builds the worker; the extension has no __init__)
     _grpo_plans: dict[Any, Any] | None = None  # layout key -> verified CopyPlan, or None
     _grpo_staging: tuple[Any, list[torch.Tensor]] | None = None  # (layout key, GPU buffers)
+    _grpo_pending: _Pending | None = None  # queued by grpo_begin_update, for grpo_finish_update
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -197,8 +215,28 @@ class WeightSyncWorkerExtension:
         checksum: bool,
         direct: bool = True,
     ) -> dict[str, Any]:
-        """Receive every announced bucket, then load them all, or none. ``direct``: copy
-        straight into the parameters once a plan is verified (else always ``load_weights``)."""
+        """Receive every announced bucket, then load them all, or none: ``grpo_begin_update``
+        and ``grpo_finish_update`` in one call."""
+        self.grpo_begin_update(tensors, buckets, bucket_dtypes, checksum, direct)
+        return self.grpo_finish_update()
+
+    def grpo_begin_update(
+        self,
+        tensors: list[dict[str, Any]],
+        buckets: list[list[int]],
+        bucket_dtypes: list[str],
+        checksum: bool,
+        direct: bool = True,
+    ) -> float:
+        """Queue the receive of every bucket and of the commit word, and return: staged on the
+        GPU, the bytes arrive while the engine does other work (resets its prefix cache);
+        staged on the CPU, they have all arrived when this returns. ``grpo_finish_update``
+        must follow. ``direct``: copy straight into the parameters once a copy plan is verified
+        (else always ``load_weights``). Returns the wall-clock time it started."""
+        started = time.time()
+        if self._grpo_pending is not None:  # a begin whose finish never came: state unknown
+            self._grpo_pending = None
+            self.grpo_close_weight_group()
         comm = self._grpo_comm
         if comm is None:
             raise NcclGroupError(
@@ -214,39 +252,73 @@ class WeightSyncWorkerExtension:
             self.grpo_release_staging()  # another layout: its buffers are the wrong sizes
             kept = None
         on_gpu = kept is not None or _stage_on_gpu(layout, device)
-        staged: list[torch.Tensor] = []
         try:
-            staged = self._grpo_receive_buckets(
+            staged, queued = self._grpo_receive_buckets(
                 comm, layout, device, on_gpu, kept[1] if kept is not None else None
             )
-            committed = self._grpo_receive_commit(comm, device)
+            word = torch.zeros(1, dtype=torch.int32, device=device)
+            stream = torch.cuda.current_stream(device)
+            comm.broadcast(word, src=0, stream=stream)
+            queued.append(torch.cuda.Event())
+            queued[-1].record(stream)
         except NcclGroupError:
             self._grpo_comm = None  # aborted inside wait_event
             raise
         except BaseException:
             self.grpo_close_weight_group()
             raise
-        received_s = time.perf_counter() - start
+        self._grpo_pending = _Pending(
+            layout, key, staged, queued, word, on_gpu, checksum, direct, start, started
+        )
+        return started
+
+    def grpo_finish_update(self) -> dict[str, Any]:
+        """Wait for the update ``grpo_begin_update`` queued, then load all of it or none."""
+        p, self._grpo_pending = self._grpo_pending, None
+        if p is None:
+            raise RuntimeError("grpo_finish_update without a grpo_begin_update before it")
+        finish_start = time.time()
+        comm, device = self._grpo_comm, self._grpo_device()
+        try:
+            n = len(p.queued) - 1
+            for b, done in enumerate(p.queued):  # the timeout counts from the previous bucket
+                what = f"bucket {b + 1}/{n}" if b < n else "commit word"
+                wait_event(done, comm, self._grpo_timeout_s, what)
+            committed = int(p.word.item()) == 1
+        except NcclGroupError:
+            self._grpo_comm = None  # aborted inside wait_event
+            raise
+        except BaseException:
+            self.grpo_close_weight_group()
+            raise
+        received_s = time.perf_counter() - p.start
+        received_at = time.time()
         if not committed:
             raise RuntimeError(
                 "the learner abandoned this update part way (commit word 0); nothing was loaded"
             )
         total = None
-        if checksum:
-            total = float(sum(flat_checksum(f.to(device, non_blocking=True)) for f in staged))
-        weights = [w for flat, b in zip(staged, layout, strict=True) for w in unflatten(flat, b)]
-        loader = self._grpo_load_update(weights, direct)
-        if on_gpu and loader != "load_weights":  # the parameters hold copies, not the buffers
-            self._grpo_staging = (key, staged)  # reused by the next update of this layout
-        del weights, staged
+        if p.checksum:
+            total = float(sum(flat_checksum(f.to(device, non_blocking=True)) for f in p.staged))
+        weights = [w for f, b in zip(p.staged, p.layout, strict=True) for w in unflatten(f, b)]
+        loader = self._grpo_load_update(weights, p.direct)
+        if p.on_gpu and loader != "load_weights":  # the parameters hold copies, not buffers
+            self._grpo_staging = (p.key, p.staged)  # reused by the next update of this layout
+        on_gpu = p.on_gpu
+        del weights, p
         if self._grpo_staging is None:
             torch.cuda.empty_cache()  # staging memory back to the KV cache / sleep accounting
         return {
             "checksum": total,
             "received_s": received_s,
-            "loaded_s": time.perf_counter() - start - received_s,
+            "loaded_s": time.time() - received_at,
             "staged_on": "gpu" if on_gpu else "cpu",
             "loader": loader,
+            "timeline": {
+                "worker_finish": finish_start,
+                "received": received_at,
+                "loaded": time.time(),
+            },
         }
 
     def _grpo_receive_buckets(
@@ -256,10 +328,11 @@ class WeightSyncWorkerExtension:
         device: torch.device,
         on_gpu: bool,
         kept: list[torch.Tensor] | None,
-    ) -> list[torch.Tensor]:
+    ) -> tuple[list[torch.Tensor], list[torch.cuda.Event]]:
         """Staged on the GPU (in ``kept`` buffers when given), every receive is queued at once
-        (no gap between buckets) and then awaited in order; staged on the CPU, one reused GPU
-        buffer per dtype is received into and copied out bucket by bucket."""
+        (no gap between buckets) and their events returned, to be awaited in order; staged on
+        the CPU, one reused GPU buffer per dtype is received into and copied out bucket by
+        bucket, all before this returns (no events)."""
         stream = torch.cuda.current_stream(device)
         staged: list[torch.Tensor] = []
         recv: dict[torch.dtype, torch.Tensor] = {}
@@ -287,18 +360,7 @@ class WeightSyncWorkerExtension:
             host = torch.empty(bucket.numel, dtype=bucket.dtype, pin_memory=True)
             host.copy_(flat)
             staged.append(host)
-        for b, done in enumerate(queued):  # the timeout counts from the previous bucket
-            wait_event(done, comm, self._grpo_timeout_s, f"bucket {b + 1}/{len(layout)}")
-        return staged
-
-    def _grpo_receive_commit(self, comm: Any, device: torch.device) -> bool:
-        word = torch.zeros(1, dtype=torch.int32, device=device)
-        stream = torch.cuda.current_stream(device)
-        comm.broadcast(word, src=0, stream=stream)
-        done = torch.cuda.Event()
-        done.record(stream)
-        wait_event(done, comm, self._grpo_timeout_s, "commit word")
-        return int(word.item()) == 1
+        return staged, queued
 
     # -- CUDA IPC update (learner on this GPU) ---------------------------------------------
 
