@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+_SWITCH_INTERVAL_S = 0.0002  # GIL switch interval while a send is in progress
 
 _ITEMSIZE = {
     "float64": 8,
@@ -299,6 +302,10 @@ class NcclWeightSender:
             lambda f: stop.set() if f.cancelled() or f.exception() is not None else None
         )
         start, sent_at = time.perf_counter(), time.time()
+        # The broadcast thread fills buckets in Python while this loop writes the announce: with
+        # the default 5 ms GIL switch interval the announce could wait that long to go out.
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, _SWITCH_INTERVAL_S))
         try:
             sent_checksum = await _in_daemon_thread(
                 self._broadcast, specs, plan, tensor_iter, stop, checksum, on_bucket
@@ -312,6 +319,8 @@ class NcclWeightSender:
         except BaseException:
             await asyncio.gather(announce, return_exceptions=True)  # the server says why
             raise
+        finally:
+            sys.setswitchinterval(switch)
         broadcast_s = time.perf_counter() - start
         responses = await announce
         # wall-clock stamps too, to line up with the servers' response timelines
