@@ -10,9 +10,10 @@ The NCCL protocol, shared with ``learner.sync.nccl.NcclWeightSender`` (rank 0):
 1. ``grpo_init_weight_group``: the learner and every worker join a ``StatelessProcessGroup``
    (TCP rendezvous on the learner) and build a ``PyNcclCommunicator`` over it.
 2. One HTTP announce lists every tensor and the bucket layout; the server pauses generation and
-   calls ``grpo_receive_update``. Bucket ``b`` is one flat buffer of ``bucket_dtypes[b]`` holding
-   its tensors back to back; rank 0 broadcasts the buckets in order, then one int32 *commit word*
-   (1 = every bucket is genuine, 0 = the sender failed part way and filled the rest with zeros).
+   calls ``grpo_begin_update`` then ``grpo_finish_update``. Bucket ``b`` is one flat buffer of
+   ``bucket_dtypes[b]`` holding its tensors back to back; rank 0 broadcasts the buckets in
+   order, then one int32 *commit word* (1 = every bucket is genuine, 0 = the sender failed part
+   way and filled the rest with zeros).
 3. The worker stages every bucket and loads nothing until the commit word says 1. A broadcast
    that fails or makes no progress for ``timeout_s`` (the sender died) aborts the communicator
    (``ncclCommAbort`` unblocks the stuck kernel); either way the staged buckets are dropped and
@@ -206,19 +207,6 @@ class WeightSyncWorkerExtension:
             self._grpo_comm = None
 
     # -- NCCL update -----------------------------------------------------------------------
-
-    def grpo_receive_update(
-        self,
-        tensors: list[dict[str, Any]],
-        buckets: list[list[int]],
-        bucket_dtypes: list[str],
-        checksum: bool,
-        direct: bool = True,
-    ) -> dict[str, Any]:
-        """Receive every announced bucket, then load them all, or none: ``grpo_begin_update``
-        and ``grpo_finish_update`` in one call."""
-        self.grpo_begin_update(tensors, buckets, bucket_dtypes, checksum, direct)
-        return self.grpo_finish_update()
 
     def grpo_begin_update(
         self,

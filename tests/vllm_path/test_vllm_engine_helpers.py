@@ -46,7 +46,8 @@ def test_engine_kwargs_from_settings() -> None:
     assert kw["enable_sleep_mode"] is True and "max_model_len" not in kw
     module, cls = WORKER_EXTENSION.rsplit(".", 1)
     ext = getattr(importlib.import_module(module), cls)
-    assert callable(ext.grpo_receive_update) and callable(ext.grpo_init_weight_group)
+    for method in ("grpo_init_weight_group", "grpo_begin_update", "grpo_finish_update"):
+        assert callable(getattr(ext, method)), method
     s2 = ServerSettings(model="/m", dtype="float16", max_model_len=1024, tensor_parallel_size=2)
     kw2 = engine_kwargs(s2)
     assert kw2["dtype"] == "float16" and kw2["max_model_len"] == 1024
