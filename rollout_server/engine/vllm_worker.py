@@ -29,8 +29,10 @@ Import-safe without vLLM or a GPU: vLLM is imported only inside the methods.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,6 +210,19 @@ class WeightSyncWorkerExtension:
 
     # -- NCCL update -----------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _grpo_group_dropped_on_failure(self) -> Iterator[None]:
+        """A failure while receiving leaves the group unusable: forget it (``wait_event``
+        already aborted it) or abort it; the next update needs a new init."""
+        try:
+            yield
+        except NcclGroupError:
+            self._grpo_comm = None  # aborted inside wait_event
+            raise
+        except BaseException:
+            self.grpo_close_weight_group()
+            raise
+
     def grpo_begin_update(
         self,
         tensors: list[dict[str, Any]],
@@ -240,7 +255,7 @@ class WeightSyncWorkerExtension:
             self.grpo_release_staging()  # another layout: its buffers are the wrong sizes
             kept = None
         on_gpu = kept is not None or _stage_on_gpu(layout, device)
-        try:
+        with self._grpo_group_dropped_on_failure():
             staged, queued = self._grpo_receive_buckets(
                 comm, layout, device, on_gpu, kept[1] if kept is not None else None
             )
@@ -249,12 +264,6 @@ class WeightSyncWorkerExtension:
             comm.broadcast(word, src=0, stream=stream)
             queued.append(torch.cuda.Event())
             queued[-1].record(stream)
-        except NcclGroupError:
-            self._grpo_comm = None  # aborted inside wait_event
-            raise
-        except BaseException:
-            self.grpo_close_weight_group()
-            raise
         self._grpo_pending = _Pending(
             layout, key, staged, queued, word, on_gpu, checksum, direct, start, started
         )
@@ -267,18 +276,12 @@ class WeightSyncWorkerExtension:
             raise RuntimeError("grpo_finish_update without a grpo_begin_update before it")
         finish_start = time.time()
         comm, device = self._grpo_comm, self._grpo_device()
-        try:
+        with self._grpo_group_dropped_on_failure():
             n = len(p.queued) - 1
             for b, done in enumerate(p.queued):  # the timeout counts from the previous bucket
                 what = f"bucket {b + 1}/{n}" if b < n else "commit word"
                 wait_event(done, comm, self._grpo_timeout_s, what)
             committed = int(p.word.item()) == 1
-        except NcclGroupError:
-            self._grpo_comm = None  # aborted inside wait_event
-            raise
-        except BaseException:
-            self.grpo_close_weight_group()
-            raise
         received_s = time.perf_counter() - p.start
         received_at = time.time()
         if not committed:
