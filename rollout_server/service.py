@@ -348,13 +348,18 @@ class RolloutService:
         response = self._record_update(
             transport, len(request.tensors), num_bytes, seconds, got.checksum
         )
-        timeline = {"announced": announced, "paused": paused, **got.timeline}
+        timeline = {
+            "announced": announced,
+            "paused": paused,
+            **got.timeline,
+            "answered": time.time(),
+        }
         return response.model_copy(
             update=dict(
                 received_s=got.received_s,
                 loaded_s=got.loaded_s,
                 loader=got.loader,
-                timeline={**timeline, "answered": time.time()},
+                timeline=timeline,
             )
         )
 
