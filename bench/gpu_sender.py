@@ -9,6 +9,10 @@ handle, to test refused updates):
         --model DIR --master-port 29612 [--perturb-seed 1] [--die-after-first-bucket]
     CUDA_VISIBLE_DEVICES=0 python bench/gpu_sender.py --transport ipc --url URL --model DIR
 
+``--prepare`` prepares the NCCL update first (``NcclWeightSender.prepare``), generates and tries
+to sleep while it is prepared (recorded under ``while_prepared``), then sends;
+``--die-after-prepare`` exits right after preparing (a learner that crashed in its step).
+
 The last line of stdout is a JSON summary (responses, checksums, timings).
 """
 
@@ -97,9 +101,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 os._exit(3)
 
         extra["on_bucket"] = on_bucket
+    specs = param_specs(model, dtype=torch.bfloat16)
+    if args.prepare:
+        extra_out = await prepare_and_probe(client, sender, specs, args)
+        extra_out["prepare_s"] = sender.last_prepare_s
     try:
         responses = await sender.send(
-            param_specs(model, dtype=torch.bfloat16),
+            specs,
             iter_gathered_params(model),
             bucket_bytes=args.bucket_mb << 20,
             checksum=True,
@@ -113,6 +121,31 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "responses": [r.model_dump() for r in responses],
         "reference_checksum": reference_checksum(model),
         "stats": sender.last_stats,
+        **(extra_out if args.prepare else {}),
+    }
+
+
+async def prepare_and_probe(client: Any, sender: Any, specs: Any, args: Any) -> dict[str, Any]:
+    """Prepare the update; while it waits, a generation must work and sleep must be refused."""
+    import httpx
+
+    from rollout_server.protocol import GenerateRequest
+
+    assert await sender.prepare(specs, bucket_bytes=args.bucket_mb << 20, checksum=True)
+    if args.die_after_prepare:
+        print(json.dumps({"died_after_prepare": True}), flush=True)
+        os._exit(3)
+    out = await client.generate(
+        GenerateRequest(prompts=[[1, 2, 3, 4]], n=2, max_tokens=16, ignore_eos=True)
+    )
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        sleep = await http.post(f"{args.url}/sleep", json={"level": 1})
+    return {
+        "while_prepared": {
+            "generated_tokens": sum(len(s.token_ids) for r in out.results for s in r.samples),
+            "sleep_status": sleep.status_code,
+            "sleep_detail": sleep.json().get("detail", ""),
+        }
     }
 
 
@@ -127,6 +160,8 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--die-after-first-bucket", action="store_true")
+    p.add_argument("--prepare", action="store_true", help="NCCL: prepare, probe, then send")
+    p.add_argument("--die-after-prepare", action="store_true")
     args = p.parse_args()
     print(json.dumps(asyncio.run(run(args))), flush=True)
 

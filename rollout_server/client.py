@@ -28,7 +28,9 @@ from rollout_server.protocol import (
     GenerateResponse,
     InfoResponse,
     IpcUpdateRequest,
+    NcclCommitRequest,
     NcclInitRequest,
+    NcclPrepared,
     NcclUpdateRequest,
     SleepRequest,
     SleepStatus,
@@ -269,6 +271,18 @@ class RolloutClient:
         """Announce one NCCL update to one server; answers once it loaded (or refused) it."""
         return await self._json(
             server, "POST", "/weights/nccl/update", WeightUpdateResponse, body=request, retry=False
+        )
+
+    async def nccl_prepare(self, server: str, request: NcclUpdateRequest) -> NcclPrepared:
+        """Queue an update's receives on ``server`` ahead of its broadcast (``nccl_commit``)."""
+        return await self._json(
+            server, "POST", "/weights/nccl/prepare", NcclPrepared, body=request, retry=False
+        )
+
+    async def nccl_commit(self, server: str, prepared_id: str) -> WeightUpdateResponse:
+        body = NcclCommitRequest(prepared_id=prepared_id)
+        return await self._json(
+            server, "POST", "/weights/nccl/commit", WeightUpdateResponse, body=body, retry=False
         )
 
     async def ipc_update(self, server: str, request: IpcUpdateRequest) -> WeightUpdateResponse:

@@ -194,6 +194,19 @@ class NcclUpdateRequest(_Model):
     checksum: bool = Field(False, description="return a float64 checksum of the loaded weights")
 
 
+class NcclPrepared(_Model):
+    """``POST /weights/nccl/prepare``'s answer: the workers wait for this update's broadcast
+    (generation goes on); ``POST /weights/nccl/commit`` with this id loads it."""
+
+    prepared_id: str
+    num_bytes: int
+    expires_s: float = Field(description="dropped (and the group aborted) if not committed by then")
+
+
+class NcclCommitRequest(_Model):
+    prepared_id: str
+
+
 class IpcHandle(_Model):
     """A CUDA IPC handle to one flat bucket in the learner's GPU memory (``rollout_server.
     cuda_ipc``); byte strings in base64."""

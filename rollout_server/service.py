@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from rollout_server.engine.base import Engine, ReceivedUpdate, WeightsError
@@ -21,6 +23,8 @@ from rollout_server.protocol import (
     GenerateRequest,
     GenerateResponse,
     InfoResponse,
+    NcclCommitRequest,
+    NcclPrepared,
     PromptResult,
     Sample,
     SleepStatus,
@@ -41,6 +45,16 @@ _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8
              "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}  # fmt: skip
 
 
+@dataclass
+class _Prepared:
+    """An NCCL update whose receives the workers queued ahead of the broadcast."""
+
+    id: str
+    request: NcclUpdateRequest
+    num_bytes: int
+    expiry: asyncio.TimerHandle | None = None  # None while the workers are still queuing
+
+
 class RolloutService:
     def __init__(self, settings: ServerSettings, engine: Engine, metrics: Metrics) -> None:
         self.settings = settings
@@ -55,6 +69,8 @@ class RolloutService:
         self.sleep_level = 0
         self.asleep: set[str] = set()  # "weights", "kv_cache"
         self.weights_discarded = False
+        self.prepared: _Prepared | None = None
+        self._group_timeout_s = 300.0  # the weight-sync group's (a prepared update's lifetime)
         metrics.waiting.set_function(lambda: self.gate.waiting)
         metrics.in_flight.set_function(lambda: self.gate.readers)
         metrics.weight_version.set(0)
@@ -75,6 +91,7 @@ class RolloutService:
 
     async def close(self) -> None:
         if self.state == "ready":
+            await self._drop_prepared("the server is shutting down")
             await self.engine.close()
         self.state = "closed"
 
@@ -242,7 +259,17 @@ class RolloutService:
     def check_update_version(self, version: int | None) -> None:
         """Early refusal (at begin/announce) of a version that could never be committed."""
         self._require_weights_awake()
+        self._refuse_if_prepared("another weight update")
         self._next_version(version)
+
+    def _refuse_if_prepared(self, what: str) -> None:
+        """While a prepared NCCL update waits, its receives hold the weight-sync group and the
+        staging buffers: nothing else may load weights or sleep."""
+        if self.prepared is not None:
+            raise Conflict(
+                f"{what} cannot run while NCCL update {self.prepared.id} is prepared; POST "
+                "/weights/nccl/commit first (or /weights/nccl/init, which drops it)"
+            )
 
     def validate(self, tensors: Mapping[str, torch.Tensor]) -> int:
         return validate_tensors(tensors, self.engine.weight_metadata())
@@ -256,6 +283,7 @@ class RolloutService:
             num_bytes = await asyncio.to_thread(self.validate, tensors)
             async with self.gate.write():
                 self._require_weights_awake()
+                self._refuse_if_prepared("another weight update")
                 new_version = self._next_version(version)
                 start = time.perf_counter()
                 await self.engine.load_weights(tensors.items())
@@ -298,7 +326,73 @@ class RolloutService:
 
     async def init_weight_group(self, request: NcclInitRequest) -> None:
         self.require_loaded()
+        self.prepared = None  # joining again aborts the old group, and its waiting receives
+        self._group_timeout_s = request.timeout_s
         await self.engine.init_weight_group(request)
+
+    async def nccl_prepare(self, request: NcclUpdateRequest) -> NcclPrepared:
+        """Queue an update's receives ahead of its broadcast, generation going on; the commit
+        then only waits for the bytes and loads. Dropped if not committed within the group's
+        timeout."""
+        from rollout_server.weights import validate_nccl_announce
+
+        self._refuse_if_prepared("preparing another update")
+        num_bytes = self._check_announce(validate_nccl_announce, request)
+        prepared = self.prepared = _Prepared(uuid.uuid4().hex, request, num_bytes)
+        try:
+            async with self.gate.read():  # after any load or sleep in progress
+                self._require_weights_awake()
+                await self.engine.prepare_nccl_update(request)
+        except BaseException:
+            if self.prepared is prepared:
+                self.prepared = None
+            raise
+        timeout = self._group_timeout_s
+        prepared.expiry = asyncio.get_running_loop().call_later(
+            timeout, lambda: asyncio.ensure_future(self._expire(prepared))
+        )
+        return NcclPrepared(prepared_id=prepared.id, num_bytes=num_bytes, expires_s=timeout)
+
+    async def _expire(self, prepared: _Prepared) -> None:
+        if self.prepared is prepared:
+            await self._drop_prepared(f"not committed within {self._group_timeout_s:.0f} s")
+
+    async def _drop_prepared(self, why: str) -> None:
+        prepared, self.prepared = self.prepared, None
+        if prepared is None:
+            return
+        if prepared.expiry is not None:
+            prepared.expiry.cancel()
+        log.warning("prepared NCCL update %s dropped (%s); the learner must init the weight-sync "
+                    "group again", prepared.id, why)  # fmt: skip
+        await self.engine.drop_prepared_update()
+
+    async def nccl_commit(self, request: NcclCommitRequest) -> WeightUpdateResponse:
+        """Load the prepared update once its broadcast arrived; the version moves only if all of
+        it loaded. A refused or failed commit drops it (and the group: init again)."""
+        announced = time.time()
+        prepared = self.prepared
+        if prepared is None or prepared.id != request.prepared_id or prepared.expiry is None:
+            raise Conflict(
+                f"no prepared NCCL update {request.prepared_id!r} (a failed commit, an init or "
+                "its expiry drops one); prepare the update again"
+            )
+        prepared.expiry.cancel()
+        try:
+            self._require_weights_awake()
+            self._next_version(prepared.request.version)
+            self.prepared = None  # from here the workers' own pending update decides
+            return await self._announced_update(
+                announced,
+                prepared.request,
+                prepared.num_bytes,
+                "nccl",
+                self.engine.commit_nccl_update,
+            )
+        except BaseException:
+            self.prepared = prepared  # refused before loading: its receives may still wait
+            await self._drop_prepared("its commit failed")
+            raise
 
     async def nccl_update(self, request: NcclUpdateRequest) -> WeightUpdateResponse:
         from rollout_server.weights import validate_nccl_announce
@@ -322,6 +416,7 @@ class RolloutService:
     def _check_announce(self, validate: Callable[..., int], request: NcclUpdateRequest) -> int:
         """Refuse early (4xx, nothing paused) what could never load; returns its bytes."""
         self._require_weights_awake()
+        self._refuse_if_prepared("another weight update")
         num_bytes = validate(request, self.engine.weight_metadata(), _ITEMSIZE)
         self._next_version(request.version)
         return num_bytes
@@ -370,7 +465,9 @@ class RolloutService:
 
     async def sleep(self, level: int) -> SleepStatus:
         self.require_loaded()
+        self._refuse_if_prepared("sleep")
         async with self.gate.write():  # in-flight generations finish first
+            self._refuse_if_prepared("sleep")
             await self.engine.sleep(level)
             self.sleep_level = max(self.sleep_level, level)
             self.asleep = {"weights", "kv_cache"}

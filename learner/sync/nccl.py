@@ -3,7 +3,13 @@
 One ``send`` is one HTTP announce per server (every tensor's name/dtype/shape and the bucket
 layout) plus one broadcast per bucket and a final commit word, never one round trip per tensor.
 The announce answers once the server has loaded the update (or refused it), so it runs
-concurrently with the broadcasts. The wire details (bucket layout, commit word, checksum, abort
+concurrently with the broadcasts.
+
+``prepare`` moves the announce off the sync's critical path: called while the optimizer still
+steps, it has every server queue the next update's receives (``POST /weights/nccl/prepare``).
+The ``send`` that follows then broadcasts at once and only commits (``/weights/nccl/commit``),
+so the bytes no longer wait for the announce to reach the workers. Any failure of a prepared
+send drops the group on both ends; the next ``send`` forms it again. The wire details (bucket layout, commit word, checksum, abort
 on a dead peer) live in ``rollout_server.engine.vllm_worker``, the receiving side, and are
 imported from there so both ends share one definition.
 
@@ -40,6 +46,7 @@ from rollout_server.nccl_wire import (
 )
 from rollout_server.protocol import (
     NcclInitRequest,
+    NcclPrepared,
     NcclUpdateRequest,
     TensorSpec,
     WeightUpdateResponse,
@@ -170,14 +177,23 @@ async def _first_failure(futures: list[asyncio.Future]) -> None:
     assert not pending
 
 
+@dataclass(frozen=True)
+class _PreparedSend:
+    request: NcclUpdateRequest
+    ids: list[str]  # per server, in client.servers order
+
+
 class NcclWeightSender:
-    """Learner rank 0 of the weight-sync group. ``init`` once, then ``send`` after each step."""
+    """Learner rank 0 of the weight-sync group. ``init`` once, then ``send`` after each step
+    (``prepare`` before it, while the optimizer steps, takes the announce off its path)."""
 
     def __init__(self) -> None:
         self._client: RolloutClient | None = None
         self._comm: Any = None
         self._init_args: dict[str, Any] = {}
+        self._prepared: _PreparedSend | None = None
         self.last_stats: dict[str, float] = {}
+        self.last_prepare_s: float | None = None
 
     @property
     def ready(self) -> bool:
@@ -264,9 +280,66 @@ class NcclWeightSender:
         )
 
     def close(self) -> None:
+        self._prepared = None  # the servers drop theirs when the group is formed again
         if self._comm is not None:
             nccl_abort(self._comm)
             self._comm = None
+
+    @staticmethod
+    def _request(
+        specs: Sequence[TensorSpec], bucket_bytes: int, version: int | None, checksum: bool
+    ) -> NcclUpdateRequest:
+        plan = plan_buckets(specs, bucket_bytes)
+        return NcclUpdateRequest(
+            tensors=list(specs),
+            buckets=plan.buckets,
+            bucket_dtypes=plan.dtypes,
+            version=version,
+            checksum=checksum,
+        )
+
+    async def prepare(
+        self,
+        specs: Sequence[TensorSpec],
+        *,
+        bucket_bytes: int = 1 << 30,
+        version: int | None = None,
+        checksum: bool = False,
+    ) -> bool:
+        """Have every server queue the receives of the next ``send`` of these ``specs`` (same
+        arguments), which then broadcasts at once and commits. Call it while the learner is
+        still busy (the optimizer step) and the servers are idle: a prepared receive can hold
+        a few of the server GPU's SMs until the broadcast. Returns False, and ``send`` then
+        announces as usual, if a server could not prepare (e.g. no GPU memory to stage on)."""
+        if self._client is None:
+            raise RuntimeError("NcclWeightSender.prepare before init()")
+        request = self._request(specs, bucket_bytes, version, checksum)
+        if self._prepared is not None:
+            if self._prepared.request == request:
+                return True
+            self.close()  # a different update: forming the group again drops the old one
+        if self._comm is None:
+            await self.init(self._client, **self._init_args)
+        client = self._client
+        start = time.perf_counter()
+        answers = await asyncio.gather(
+            *(client.nccl_prepare(s, request) for s in client.servers), return_exceptions=True
+        )
+        failed = [(s, a) for s, a in zip(client.servers, answers, strict=True)
+                  if isinstance(a, BaseException)]  # fmt: skip
+        if failed:
+            for server, exc in failed:
+                log.warning("%s could not prepare the NCCL update (%s); it is announced with "
+                            "the send instead", server, exc)  # fmt: skip
+            if len(failed) < len(answers):
+                self.close()  # the others wait on receives: forming the group again drops them
+            if not all(isinstance(a, RolloutError) for _, a in failed):
+                raise failed[0][1]
+            return False
+        prepared = [a for a in answers if isinstance(a, NcclPrepared)]
+        self._prepared = _PreparedSend(request, [a.prepared_id for a in prepared])
+        self.last_prepare_s = time.perf_counter() - start
+        return True
 
     async def send(
         self,
@@ -285,19 +358,35 @@ class NcclWeightSender:
         weights). ``on_bucket(b)`` runs once bucket ``b`` has left this GPU."""
         if self._client is None:
             raise RuntimeError("NcclWeightSender.send before init()")
+        specs = list(specs)
+        request = self._request(specs, bucket_bytes, version, checksum)
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared.request != request:
+            log.warning("the update differs from the prepared one; announcing it instead")
+            self.close()  # forming the group again drops the servers' prepared receives
+            prepared = None
         if self._comm is None:  # a failed update aborted the group: form it again
             await self.init(self._client, **self._init_args)
-        specs = list(specs)
-        plan = plan_buckets(specs, bucket_bytes)
-        request = NcclUpdateRequest(
-            tensors=specs,
-            buckets=plan.buckets,
-            bucket_dtypes=plan.dtypes,
-            version=version,
-            checksum=checksum,
-        )
+        try:
+            return await self._send(request, prepared, tensor_iter, on_bucket)
+        except BaseException:
+            if prepared is not None:
+                self.close()  # the servers dropped theirs (and the group) with the commit
+            raise
+
+    async def _send(
+        self,
+        request: NcclUpdateRequest,
+        prepared: _PreparedSend | None,
+        tensor_iter: Iterable[tuple[str, torch.Tensor]],
+        on_bucket: Callable[[int], None] | None,
+    ) -> list[WeightUpdateResponse]:
+        specs, checksum = request.tensors, request.checksum
+        plan = BucketPlan(request.buckets, request.bucket_dtypes)
         stop = threading.Event()
-        announce = asyncio.ensure_future(self._announce(request))
+        announce = asyncio.ensure_future(
+            self._announce(request) if prepared is None else self._commit(prepared)
+        )
         announce.add_done_callback(
             lambda f: stop.set() if f.cancelled() or f.exception() is not None else None
         )
@@ -325,7 +414,12 @@ class NcclWeightSender:
         responses = await announce
         # wall-clock stamps too, to line up with the servers' response timelines
         self.last_stats = update_stats(
-            start, specs, broadcast_s=broadcast_s, sent_at=sent_at, answered_at=time.time()
+            start,
+            specs,
+            broadcast_s=broadcast_s,
+            sent_at=sent_at,
+            answered_at=time.time(),
+            prepared=float(prepared is not None),
         )
         if checksum:
             check_checksums(self._client.servers, responses, sent_checksum)
@@ -337,6 +431,14 @@ class NcclWeightSender:
         # The first refusal raises at once: it stops the broadcast (the others would wait).
         return await announce_to_all(
             client.servers, lambda s: client.nccl_update(s, request), "NCCL"
+        )
+
+    async def _commit(self, prepared: _PreparedSend) -> list[WeightUpdateResponse]:
+        client = self._client
+        assert client is not None
+        ids = dict(zip(client.servers, prepared.ids, strict=True))
+        return await announce_to_all(
+            client.servers, lambda s: client.nccl_commit(s, ids[s]), "NCCL"
         )
 
     def _broadcast(

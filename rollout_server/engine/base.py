@@ -191,6 +191,20 @@ class Engine(abc.ABC):
         has a checksum of the loaded tensors when ``request.checksum`` is set."""
         raise UnsupportedError(f"the {self.name} engine does not support NCCL weight sync")
 
+    async def prepare_nccl_update(self, request: NcclUpdateRequest) -> None:
+        """Queue the announced update's receives ahead of the broadcast, generation going on;
+        ``commit_nccl_update`` (under the pause) then waits for them and loads."""
+        raise UnsupportedError(f"the {self.name} engine does not support NCCL weight sync")
+
+    async def commit_nccl_update(self, request: NcclUpdateRequest) -> ReceivedUpdate:
+        """Load the update ``prepare_nccl_update`` queued (``request``), as
+        ``receive_nccl_update`` does."""
+        raise UnsupportedError(f"the {self.name} engine does not support NCCL weight sync")
+
+    async def drop_prepared_update(self) -> None:  # noqa: B027
+        """Give up a prepared update (its receives end; the weight-sync group must be formed
+        again)."""
+
     async def receive_ipc_update(self, request: IpcUpdateRequest) -> ReceivedUpdate:
         """Open the announced CUDA IPC buckets (learner on this GPU), then load them all (or
         none), as ``receive_nccl_update``."""

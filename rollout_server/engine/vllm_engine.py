@@ -368,26 +368,45 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         wait and load (``grpo_finish_update``)."""
 
         async def receive(specs: list[dict[str, Any]], timeline: dict[str, float]) -> list[Any]:
-            begun = await self._rpc(
-                "grpo_begin_update",
-                specs,
-                request.buckets,
-                request.bucket_dtypes,
-                request.checksum,
-                self.settings.direct_weight_copy,
-            )
+            begun = await self._rpc("grpo_begin_update", specs, *self._queue_args(request))
             timeline["worker_begin"] = min(begun)
             timeline["queued"] = time.time()
-            reset = asyncio.ensure_future(self._llm.reset_prefix_cache())
-            try:
-                results = await self._rpc("grpo_finish_update")
-            finally:
-                await asyncio.wait([reset])
-            timeline["finished"] = time.time()
-            reset.result()  # raises if the reset failed
-            return results
+            return await self._reset_then_finish(timeline)
 
         return await self._receive("NCCL", request, receive, prefix_cache_reset=True)
+
+    async def prepare_nccl_update(self, request: NcclUpdateRequest) -> None:
+        specs = [t.model_dump() for t in request.tensors]
+        try:
+            await self._rpc("grpo_prepare_update", specs, *self._queue_args(request))
+        except Exception as exc:
+            raise EngineError(f"could not prepare the NCCL update: {exc}") from exc
+
+    async def commit_nccl_update(self, request: NcclUpdateRequest) -> ReceivedUpdate:
+        return await self._receive(
+            "NCCL", request, lambda _, timeline: self._reset_then_finish(timeline),
+            prefix_cache_reset=True,
+        )  # fmt: skip
+
+    async def drop_prepared_update(self) -> None:
+        await self._rpc("grpo_drop_prepared")
+
+    def _queue_args(self, request: NcclUpdateRequest) -> tuple[Any, ...]:
+        direct = self.settings.direct_weight_copy
+        return request.buckets, request.bucket_dtypes, request.checksum, direct
+
+    async def _reset_then_finish(self, timeline: dict[str, float]) -> list[Any]:
+        """Reset the prefix cache, then wait for the queued receives and load. Both go to the
+        engine core back to back (it runs them in order), so the reset overlaps the wire."""
+        reset = asyncio.ensure_future(self._llm.reset_prefix_cache())
+        await asyncio.sleep(0)  # let the reset go out first
+        try:
+            results = await self._rpc("grpo_finish_update")
+        finally:
+            await asyncio.wait([reset])
+        timeline["finished"] = time.time()
+        reset.result()  # raises if the reset failed
+        return results
 
     async def receive_ipc_update(self, request: IpcUpdateRequest) -> ReceivedUpdate:
         handles = [h.model_dump() for h in request.handles]

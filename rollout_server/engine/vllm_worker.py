@@ -14,6 +14,10 @@ The NCCL protocol, shared with ``learner.sync.nccl.NcclWeightSender`` (rank 0):
    ``bucket_dtypes[b]`` holding its tensors back to back; rank 0 broadcasts the buckets in
    order, then one int32 *commit word* (1 = every bucket is genuine, 0 = the sender failed part
    way and filled the rest with zeros).
+   A *prepared* update splits this in two: ``grpo_prepare_update`` (``POST /weights/nccl/prepare``,
+   while the learner is still training) queues the receives on a side stream and returns, with
+   generation running on; the learner then broadcasts at once and ``POST /weights/nccl/commit``
+   pauses and calls ``grpo_finish_update``. The wire no longer waits for the announce.
 3. The worker stages every bucket and loads nothing until the commit word says 1. A broadcast
    that fails or makes no progress for ``timeout_s`` (the sender died) aborts the communicator
    (``ncclCommAbort`` unblocks the stuck kernel); either way the staged buckets are dropped and
@@ -55,6 +59,17 @@ _GPU_STAGING_MARGIN = 1 << 30  # leave this much free memory when staging bucket
 
 
 @dataclass
+class _Staging:
+    """GPU staging buffers kept for the next update of one layout, with the views the loader
+    reads (made once per layout, not per update)."""
+
+    key: Any  # the bucket layout
+    buffers: list[torch.Tensor]
+    weights: list[tuple[str, torch.Tensor]]  # (name, view into a buffer), in announce order
+    tensor_key: tuple  # ((name, shape, dtype), ...): the copy plans' key
+
+
+@dataclass
 class _Pending:
     """An update whose receives ``grpo_begin_update`` queued."""
 
@@ -68,6 +83,8 @@ class _Pending:
     direct: bool
     start: float  # perf_counter
     started: float  # wall clock
+    kept: _Staging | None  # the kept buffers the bytes land in, if any
+    prepared: bool  # queued by grpo_prepare_update (on the side stream, outside the pause)
 
 
 def _pick_rank(worker: Any, rank_offset: int) -> int:
@@ -91,8 +108,9 @@ class WeightSyncWorkerExtension:
     _grpo_timeout_s: float = 300.0
     # set per instance on first use (vLLM builds the worker; the extension has no __init__)
     _grpo_plans: dict[Any, Any] | None = None  # layout key -> verified CopyPlan, or None
-    _grpo_staging: tuple[Any, list[torch.Tensor]] | None = None  # (layout key, GPU buffers)
-    _grpo_pending: _Pending | None = None  # queued by grpo_begin_update, for grpo_finish_update
+    _grpo_staging: _Staging | None = None
+    _grpo_pending: _Pending | None = None  # queued by begin/prepare, for grpo_finish_update
+    _grpo_side_stream: torch.cuda.Stream | None = None  # prepared receives wait on it
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -109,9 +127,12 @@ class WeightSyncWorkerExtension:
             self._grpo_model().load_weights(weights=weights)
         torch.cuda.synchronize()
 
-    def _grpo_load_update(self, weights: list[tuple[str, torch.Tensor]], direct: bool) -> str:
+    def _grpo_load_update(
+        self, weights: list[tuple[str, torch.Tensor]], direct: bool, key: tuple | None = None
+    ) -> str:
         """Load one received update; returns how ("direct", "load_weights", or
-        "load_weights+verify" for the first update of a layout)."""
+        "load_weights+verify" for the first update of a layout). ``key``: ``tensor_key`` of
+        ``weights``, when the caller has it."""
         from rollout_server.engine import direct_load
 
         if not direct:
@@ -119,7 +140,8 @@ class WeightSyncWorkerExtension:
             return "load_weights"
         if self._grpo_plans is None or len(self._grpo_plans) > 64:  # many partial layouts
             self._grpo_plans = {}
-        key = tuple((n, tuple(t.shape), t.dtype) for n, t in weights)
+        if key is None:
+            key = tensor_key(weights)
         tensors = [t for _, t in weights]
         if key in self._grpo_plans:
             plan = self._grpo_plans[key]
@@ -127,7 +149,7 @@ class WeightSyncWorkerExtension:
                 self._grpo_load(weights)
                 return "load_weights"
             direct_load.copy_in(plan, tensors)
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()  # the forwards' stream, not the device
             return "direct"
         plan = self._grpo_copy_plan(key)
         if isinstance(plan, str):
@@ -172,6 +194,8 @@ class WeightSyncWorkerExtension:
 
     def grpo_release_staging(self) -> None:
         """Free the kept GPU staging buffers (before sleeping: vLLM cannot offload them)."""
+        if self._grpo_pending is not None and self._grpo_pending.prepared:
+            raise RuntimeError("a prepared weight update is receiving into the staging buffers")
         if self._grpo_staging is not None:
             self._grpo_staging = None
             torch.cuda.empty_cache()
@@ -202,11 +226,14 @@ class WeightSyncWorkerExtension:
         return rank
 
     def grpo_close_weight_group(self) -> None:
-        """Drop the communicator. Abort, not destroy: destroy is collective and the learner may
-        be gone."""
+        """Drop the communicator, and any update queued on it. Abort, not destroy: destroy is
+        collective and the learner may be gone; abort also ends receives still waiting."""
+        pending, self._grpo_pending = self._grpo_pending, None
         if self._grpo_comm is not None:
             nccl_abort(self._grpo_comm)
             self._grpo_comm = None
+        if pending is not None and pending.kept is not None:
+            self._grpo_staging = None  # an aborted receive may have written part of them
 
     # -- NCCL update -----------------------------------------------------------------------
 
@@ -236,9 +263,41 @@ class WeightSyncWorkerExtension:
         staged on the CPU, they have all arrived when this returns. ``grpo_finish_update``
         must follow. ``direct``: copy straight into the parameters once a copy plan is verified
         (else always ``load_weights``). Returns the wall-clock time it started."""
+        return self._grpo_queue(tensors, buckets, bucket_dtypes, checksum, direct, prepared=False)
+
+    def grpo_prepare_update(
+        self,
+        tensors: list[dict[str, Any]],
+        buckets: list[list[int]],
+        bucket_dtypes: list[str],
+        checksum: bool,
+        direct: bool = True,
+    ) -> float:
+        """``grpo_begin_update`` ahead of time, outside the pause: the receives wait on a side
+        stream, so generation goes on until the learner broadcasts and the commit calls
+        ``grpo_finish_update``. Needs GPU staging (a CPU-staged receive cannot wait queued)."""
+        return self._grpo_queue(tensors, buckets, bucket_dtypes, checksum, direct, prepared=True)
+
+    def grpo_drop_prepared(self) -> bool:
+        """Give up a prepared update whose commit never came: the group is aborted (that ends
+        the waiting receives); the learner must init again. Returns whether one was dropped."""
+        if self._grpo_pending is None or not self._grpo_pending.prepared:
+            return False
+        self.grpo_close_weight_group()
+        return True
+
+    def _grpo_queue(
+        self,
+        tensors: list[dict[str, Any]],
+        buckets: list[list[int]],
+        bucket_dtypes: list[str],
+        checksum: bool,
+        direct: bool,
+        *,
+        prepared: bool,
+    ) -> float:
         started = time.time()
         if self._grpo_pending is not None:  # a begin whose finish never came: state unknown
-            self._grpo_pending = None
             self.grpo_close_weight_group()
         comm = self._grpo_comm
         if comm is None:
@@ -251,21 +310,43 @@ class WeightSyncWorkerExtension:
         start = time.perf_counter()
         key = tuple((b.dtype, b.entries) for b in layout)
         kept = self._grpo_staging
-        if kept is not None and kept[0] != key:
+        if kept is not None and kept.key != key:
             self.grpo_release_staging()  # another layout: its buffers are the wrong sizes
             kept = None
         on_gpu = kept is not None or _stage_on_gpu(layout, device)
-        with self._grpo_group_dropped_on_failure():
+        if prepared and not on_gpu:
+            raise RuntimeError(
+                f"preparing an update needs {sum(b.nbytes for b in layout) >> 20} MiB of free GPU "
+                "memory to stage it; lower gpu_memory_utilization, or send it unprepared "
+                "(staged in CPU memory)"
+            )
+        if prepared:
+            if self._grpo_side_stream is None:
+                self._grpo_side_stream = torch.cuda.Stream(device)
+            stream = self._grpo_side_stream
+        else:
+            stream = torch.cuda.current_stream(device)
+        with self._grpo_group_dropped_on_failure(), torch.cuda.stream(stream):
             staged, queued = self._grpo_receive_buckets(
-                comm, layout, device, on_gpu, kept[1] if kept is not None else None
+                comm, layout, device, on_gpu, kept.buffers if kept is not None else None
             )
             word = torch.zeros(1, dtype=torch.int32, device=device)
-            stream = torch.cuda.current_stream(device)
             comm.broadcast(word, src=0, stream=stream)
             queued.append(torch.cuda.Event())
             queued[-1].record(stream)
         self._grpo_pending = _Pending(
-            layout, key, staged, queued, word, on_gpu, checksum, direct, start, started
+            layout,
+            key,
+            staged,
+            queued,
+            word,
+            on_gpu,
+            checksum,
+            direct,
+            start,
+            started,
+            kept,
+            prepared,
         )
         return started
 
@@ -288,15 +369,20 @@ class WeightSyncWorkerExtension:
             raise RuntimeError(
                 "the learner abandoned this update part way (commit word 0); nothing was loaded"
             )
+        torch.cuda.current_stream(device).wait_event(p.queued[-1])  # prepared: the side stream
         total = None
         if p.checksum:
             total = float(sum(flat_checksum(f.to(device, non_blocking=True)) for f in p.staged))
-        weights = [w for f, b in zip(p.staged, p.layout, strict=True) for w in unflatten(f, b)]
-        loader = self._grpo_load_update(weights, p.direct)
+        if p.kept is not None:
+            staging = p.kept  # the views into kept buffers are made once per layout
+        else:
+            weights = [w for f, b in zip(p.staged, p.layout, strict=True) for w in unflatten(f, b)]
+            staging = _Staging(p.key, p.staged, weights, tensor_key(weights))
+        loader = self._grpo_load_update(staging.weights, p.direct, staging.tensor_key)
         if p.on_gpu and loader != "load_weights":  # the parameters hold copies, not buffers
-            self._grpo_staging = (p.key, p.staged)  # reused by the next update of this layout
+            self._grpo_staging = staging  # reused by the next update of this layout
         on_gpu = p.on_gpu
-        del weights, p
+        del staging, p
         if self._grpo_staging is None:
             torch.cuda.empty_cache()  # staging memory back to the KV cache / sleep accounting
         return {
@@ -408,6 +494,11 @@ class WeightSyncWorkerExtension:
             weights = [(n, f.get_tensor(n)) for n in names]
         self._grpo_load(weights)
         return len(weights)
+
+
+def tensor_key(weights: list[tuple[str, torch.Tensor]]) -> tuple:
+    """What a copy plan depends on: every tensor's name, shape and dtype, in order."""
+    return tuple((n, tuple(t.shape), t.dtype) for n, t in weights)
 
 
 def _stage_on_gpu(layout: list[Bucket], device: torch.device) -> bool:

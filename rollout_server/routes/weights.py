@@ -15,7 +15,9 @@ from rollout_server.errors import PayloadTooLarge
 from rollout_server.protocol import (
     ErrorResponse,
     IpcUpdateRequest,
+    NcclCommitRequest,
     NcclInitRequest,
+    NcclPrepared,
     NcclUpdateRequest,
     WeightChecksum,
     WeightFileRequest,
@@ -144,6 +146,29 @@ async def nccl_init(request: NcclInitRequest, service: ServiceDep) -> dict[str, 
 async def nccl_update(request: NcclUpdateRequest, service: ServiceDep) -> WeightUpdateResponse:
     """Announce a whole update, then receive its buckets over NCCL and load them all."""
     return await service.nccl_update(request)
+
+
+@router.post(
+    "/nccl/prepare",
+    response_model=NcclPrepared,
+    responses=_ERRORS | {501: {"model": ErrorResponse}},
+)
+async def nccl_prepare(request: NcclUpdateRequest, service: ServiceDep) -> NcclPrepared:
+    """Announce an update ahead of its broadcast: the workers queue its receives on a side
+    stream and generation goes on. The learner then broadcasts at once, without waiting for an
+    announce, and commits. Other weight updates and sleep answer 409 until the commit."""
+    return await service.nccl_prepare(request)
+
+
+@router.post(
+    "/nccl/commit",
+    response_model=WeightUpdateResponse,
+    responses=_ERRORS | {501: {"model": ErrorResponse}},
+)
+async def nccl_commit(request: NcclCommitRequest, service: ServiceDep) -> WeightUpdateResponse:
+    """Pause, wait for the prepared update's broadcast, load all of it (or none) and bump the
+    version, as ``/nccl/update`` does."""
+    return await service.nccl_commit(request)
 
 
 @router.post(

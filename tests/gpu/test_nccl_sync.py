@@ -7,6 +7,9 @@ a subprocess so it can be killed mid-sync).
   tensor reached the right place in vLLM's fused, renamed parameters).
 - A sync whose sender dies after the first bucket leaves the previous version serving, and a
   new sender can form the group again and sync.
+- A prepared sync (receives queued before the broadcast) loads the same exact weights; while
+  it is prepared the server generates and refuses to sleep; a learner that dies after
+  preparing leaves the old weights serving, and the next learner's init drops its update.
 """
 
 from __future__ import annotations
@@ -42,7 +45,17 @@ def server(qwen3_dir, log_dir):
     proc.stop()
 
 
-def send(server, model_dir, *, perturb_seed=None, die=False, timeout_s=60.0, log_dir=None):
+def send(
+    server,
+    model_dir,
+    *,
+    perturb_seed=None,
+    die=False,
+    prepare=False,
+    die_after_prepare=False,
+    timeout_s=60.0,
+    log_dir=None,
+):
     """Run one learner-side sync in a subprocess on GPU 0; return (returncode, summary)."""
     from gpu_common import free_port, gpu_env
 
@@ -64,6 +77,10 @@ def send(server, model_dir, *, perturb_seed=None, die=False, timeout_s=60.0, log
         argv += ["--perturb-seed", str(perturb_seed)]
     if die:
         argv.append("--die-after-first-bucket")
+    if prepare:
+        argv.append("--prepare")
+    if die_after_prepare:
+        argv.append("--die-after-prepare")
     proc = subprocess.run(argv, env=gpu_env("0"), capture_output=True, text=True, timeout=300)
     if log_dir is not None:
         with (log_dir / "test_nccl_sync.sender.log").open("a") as f:
@@ -130,3 +147,39 @@ def test_interrupted_sync_keeps_the_previous_version(server, qwen3_dir, log_dir)
     assert rc == 0, out
     assert out["responses"][0]["weight_version"] == before_version + 1
     assert not greedy(server, PROMPTS).matches(before)
+
+
+def test_prepared_sync(server, qwen3_dir, log_dir) -> None:
+    from gpu_common import greedy
+
+    version = server.info()["weight_version"]
+    before = greedy(server, PROMPTS)
+    rc, out = send(server, qwen3_dir, perturb_seed=5, prepare=True, log_dir=log_dir)
+    assert rc == 0, out
+    probe = out["while_prepared"]
+    assert probe["generated_tokens"] == 32, probe  # generation goes on while prepared
+    assert probe["sleep_status"] == 409 and "prepared" in probe["sleep_detail"], probe
+    assert out["stats"]["prepared"] == 1.0
+    (resp,) = out["responses"]
+    assert resp["weight_version"] == version + 1
+    assert resp["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
+    served = server.get("/weights/checksum").json()
+    assert served["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
+    perturbed = greedy(server, PROMPTS)
+    assert not perturbed.matches(before)
+
+    # A learner that dies with its update prepared: the server goes on serving what it had,
+    # and refuses other updates until the next learner's init drops the stale one.
+    rc, out = send(server, qwen3_dir, perturb_seed=6, prepare=True, die_after_prepare=True,
+                   log_dir=log_dir)  # fmt: skip
+    assert rc == 3, out
+    assert greedy(server, PROMPTS).matches(perturbed)
+    refused = server.post("/weights/load_file", {"path": str(qwen3_dir)})
+    assert refused.status_code == 409 and "prepared" in refused.json()["detail"]
+    rc, out = send(server, qwen3_dir, prepare=True, log_dir=log_dir)  # the original weights
+    assert rc == 0, out
+    assert out["responses"][0]["weight_version"] == version + 2
+    assert out["responses"][0]["loader"] == "direct"
+    served = server.get("/weights/checksum").json()
+    assert served["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
+    assert server.info()["weight_version"] == version + 2
