@@ -295,7 +295,6 @@ async def measure_sync(
     from gpu_sender import connect, load_model
 
     from learner.sync.zero3 import iter_gathered_params, param_specs
-    from rollout_server.protocol import GenerateRequest
 
     model = load_model(model_dir)
     specs = param_specs(model, dtype=torch.bfloat16)
@@ -326,19 +325,6 @@ async def measure_sync(
             print(f"[bench] sync {mode}: timeline, median ms after send():", flush=True)
             for k, v in m["timeline_median_ms"].items():
                 print(f"    {k:<14} {v:7.2f}", flush=True)
-        # generation with a prepared update waiting (its receive kernels hold some SMs)
-        gen = {}
-        for mode in ("idle", "prepared"):
-            if mode == "prepared":
-                await sender.prepare(specs, bucket_bytes=1 << 30)
-            prompts = [[1 + (i * 7 + j) % 1000 for j in range(64)] for i in range(64)]
-            t0 = time.perf_counter()
-            out = await client.generate(GenerateRequest(**request_body(prompts, 8, 128)))
-            seconds = time.perf_counter() - t0
-            tokens = sum(len(s.token_ids) for p in out.results for s in p.samples)
-            gen[mode] = {"seconds": seconds, "tokens_per_s": tokens / seconds}
-        await sender.send(specs, iter_gathered_params(model), bucket_bytes=1 << 30)
-        gen["prepared_vs_idle"] = gen["prepared"]["tokens_per_s"] / gen["idle"]["tokens_per_s"]
         t0 = time.perf_counter()
         for spec, (name, t) in zip(specs, iter_gathered_params(model), strict=True):
             await sender.send([spec], [(name, t)], bucket_bytes=1 << 40)
@@ -352,7 +338,6 @@ async def measure_sync(
         "ideal_s": ideal,
         "runs": runs,
         "modes": modes,
-        "generate_while_prepared": gen,
         # the verdict: the sync's critical path (prepared), the announced one beside it
         "ours_best_s": best,
         "ours_median_s": modes["prepared"]["median_s"],

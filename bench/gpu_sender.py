@@ -9,8 +9,9 @@ handle, to test refused updates):
         --model DIR --master-port 29612 [--perturb-seed 1] [--die-after-first-bucket]
     CUDA_VISIBLE_DEVICES=0 python bench/gpu_sender.py --transport ipc --url URL --model DIR
 
-``--prepare`` prepares the NCCL update first (``NcclWeightSender.prepare``), generates and tries
-to sleep while it is prepared (recorded under ``while_prepared``), then sends;
+``--prepare`` prepares the NCCL update first (``NcclWeightSender.prepare``), then asks for a
+generation (it must wait behind the prepared update) and a sleep (refused), then sends
+(recorded under ``while_prepared``);
 ``--die-after-prepare`` exits right after preparing (a learner that crashed in its step).
 
 The last line of stdout is a JSON summary (responses, checksums, timings).
@@ -103,7 +104,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         extra["on_bucket"] = on_bucket
     specs = param_specs(model, dtype=torch.bfloat16)
     if args.prepare:
-        extra_out = await prepare_and_probe(client, sender, specs, args)
+        extra_out, waiting = await prepare_and_probe(client, sender, specs, args)
         extra_out["prepare_s"] = sender.last_prepare_s
     try:
         responses = await sender.send(
@@ -113,6 +114,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             checksum=True,
             **extra,
         )
+        if args.prepare:  # the generation that waited ran after the commit, on the new weights
+            out = await waiting
+            extra_out["while_prepared"]["generated_version"] = out.weight_version
     except WeightSyncError as e:
         return {"error": str(e)}
     finally:
@@ -125,8 +129,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-async def prepare_and_probe(client: Any, sender: Any, specs: Any, args: Any) -> dict[str, Any]:
-    """Prepare the update; while it waits, a generation must work and sleep must be refused."""
+async def prepare_and_probe(
+    client: Any, sender: Any, specs: Any, args: Any
+) -> tuple[dict[str, Any], Any]:
+    """Prepare the update; while it waits, a generation must wait too (returned, to be awaited
+    after the send) and sleep must be refused."""
     import httpx
 
     from rollout_server.protocol import GenerateRequest
@@ -135,18 +142,17 @@ async def prepare_and_probe(client: Any, sender: Any, specs: Any, args: Any) -> 
     if args.die_after_prepare:
         print(json.dumps({"died_after_prepare": True}), flush=True)
         os._exit(3)
-    out = await client.generate(
-        GenerateRequest(prompts=[[1, 2, 3, 4]], n=2, max_tokens=16, ignore_eos=True)
-    )
+    request = GenerateRequest(prompts=[[1, 2, 3, 4]], n=2, max_tokens=16, ignore_eos=True)
+    waiting = asyncio.ensure_future(client.generate(request))
+    await asyncio.sleep(1.0)
     async with httpx.AsyncClient(headers={"Authorization": f"Bearer {API_KEY}"}) as http:
         sleep = await http.post(f"{args.url}/sleep", json={"level": 1})
-    return {
-        "while_prepared": {
-            "generated_tokens": sum(len(s.token_ids) for r in out.results for s in r.samples),
-            "sleep_status": sleep.status_code,
-            "sleep_detail": sleep.json().get("detail", ""),
-        }
+    probe = {
+        "generate_waited": not waiting.done(),
+        "sleep_status": sleep.status_code,
+        "sleep_detail": sleep.json().get("detail", ""),
     }
+    return {"while_prepared": probe}, waiting
 
 
 def main() -> None:

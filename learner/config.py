@@ -91,6 +91,11 @@ class RolloutConfig(_Section):
         "127.0.0.1", description="an address of the learner's host that the servers can reach"
     )
     nccl_master_port: int = Field(0, ge=0, le=65535, description="0 = a free port")
+    prepare_sync: bool = Field(
+        True,
+        description="nccl: while the learner trains on a step whose rollouts are all in, have "
+        "the servers queue the next sync's receives (the sync then broadcasts at once)",
+    )
     max_staleness: int = Field(
         0,
         ge=0,

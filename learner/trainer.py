@@ -268,6 +268,10 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 sleep_level = cfg.rollout.sleep_while_training
                 if sleep_level and accelerator.is_main_process:
                     loop.run(client.sleep(sleep_level))  # colocated: give the GPU to training
+                prepared = None
+                if _may_prepare(cfg, accelerator, pending):  # the servers are idle: queue the
+                    hf_model = accelerator.unwrap_model(policy).model  # sync's receives now
+                    prepared = loop.submit(syncer.prepare(hf_model))
                 t0 = time.perf_counter()
                 batches = build_micro_batches(step_rollouts.rollouts, opts, pad_id)
                 train_metrics = train_on(
@@ -278,6 +282,11 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 t0 = time.perf_counter()
                 if sleep_level and accelerator.is_main_process:
                     loop.run(client.wake_up(["weights"]))  # weights first, KV cache after the load
+                if prepared is not None:
+                    try:
+                        prepared.result()
+                    except Exception:  # the push announces instead
+                        logger.warning("preparing the weight sync failed", exc_info=True)
                 _sync(accelerator, loop, syncer, policy, state)
                 if sleep_level and accelerator.is_main_process:
                     loop.run(client.wake_up(["kv_cache"]))
@@ -328,6 +337,19 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return last if accelerator.is_main_process else {}
+
+
+def _may_prepare(cfg: Any, accelerator: Accelerator, pending: Any) -> bool:
+    """Prepare the NCCL sync during training only when no rollouts are being generated (a
+    prepared update holds the servers' generation paused) and the servers stay awake."""
+    r = cfg.rollout
+    return (
+        accelerator.is_main_process
+        and r.sync == "nccl"
+        and r.prepare_sync
+        and not r.sleep_while_training
+        and not pending
+    )
 
 
 def _sync(

@@ -57,6 +57,15 @@ class PauseGate:
 
     @asynccontextmanager
     async def write(self) -> AsyncIterator[None]:
+        await self.acquire_write()
+        try:
+            yield
+        finally:
+            await asyncio.shield(self.release_write())
+
+    async def acquire_write(self) -> None:
+        """Take the write side beyond one block (a prepared NCCL update holds it from prepare
+        to commit); ``release_write`` gives it back."""
         async with self._cond:
             self._writers_waiting += 1
             try:
@@ -67,12 +76,8 @@ class PauseGate:
                 raise
             self._writers_waiting -= 1
             self._writing = True
-        try:
-            yield
-        finally:
-            await asyncio.shield(self._release_write())
 
-    async def _release_write(self) -> None:
+    async def release_write(self) -> None:
         async with self._cond:
             self._writing = False
             self._cond.notify_all()

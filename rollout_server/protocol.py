@@ -195,8 +195,8 @@ class NcclUpdateRequest(_Model):
 
 
 class NcclPrepared(_Model):
-    """``POST /weights/nccl/prepare``'s answer: the workers wait for this update's broadcast
-    (generation goes on); ``POST /weights/nccl/commit`` with this id loads it."""
+    """``POST /weights/nccl/prepare``'s answer: the workers wait for this update's broadcast,
+    generation paused; ``POST /weights/nccl/commit`` with this id loads it."""
 
     prepared_id: str
     num_bytes: int

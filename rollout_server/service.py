@@ -326,26 +326,32 @@ class RolloutService:
 
     async def init_weight_group(self, request: NcclInitRequest) -> None:
         self.require_loaded()
-        self.prepared = None  # joining again aborts the old group, and its waiting receives
+        if self.prepared is not None:  # a learner that restarted after preparing
+            await self._drop_prepared("the weight-sync group is being formed again")
         self._group_timeout_s = request.timeout_s
         await self.engine.init_weight_group(request)
 
     async def nccl_prepare(self, request: NcclUpdateRequest) -> NcclPrepared:
-        """Queue an update's receives ahead of its broadcast, generation going on; the commit
-        then only waits for the bytes and loads. Dropped if not committed within the group's
-        timeout."""
+        """Pause early: wait for the generations in flight, then have the workers queue the
+        update's receives and reset the prefix cache, and hold the pause (new generations wait,
+        as behind any load) until the commit, which then only waits for the bytes and loads.
+        Dropped (and the pause lifted) if not committed within the group's timeout."""
         from rollout_server.weights import validate_nccl_announce
 
         self._refuse_if_prepared("preparing another update")
         num_bytes = self._check_announce(validate_nccl_announce, request)
         prepared = self.prepared = _Prepared(uuid.uuid4().hex, request, num_bytes)
         try:
-            async with self.gate.read():  # after any load or sleep in progress
-                self._require_weights_awake()
-                await self.engine.prepare_nccl_update(request)
+            await self.gate.acquire_write()
         except BaseException:
-            if self.prepared is prepared:
-                self.prepared = None
+            self.prepared = None
+            raise
+        try:
+            self._require_weights_awake()
+            await self.engine.prepare_nccl_update(request)
+        except BaseException:
+            self.prepared = None
+            await asyncio.shield(self.gate.release_write())
             raise
         timeout = self._group_timeout_s
         prepared.expiry = asyncio.get_running_loop().call_later(
@@ -358,18 +364,27 @@ class RolloutService:
             await self._drop_prepared(f"not committed within {self._group_timeout_s:.0f} s")
 
     async def _drop_prepared(self, why: str) -> None:
+        """Give a prepared update up: the workers abort the group (ending its receives) and
+        generation resumes on the weights it had."""
         prepared, self.prepared = self.prepared, None
         if prepared is None:
             return
-        if prepared.expiry is not None:
-            prepared.expiry.cancel()
         log.warning("prepared NCCL update %s dropped (%s); the learner must init the weight-sync "
                     "group again", prepared.id, why)  # fmt: skip
-        await self.engine.drop_prepared_update()
+        await self._release_prepared(prepared, drop=True)
+
+    async def _release_prepared(self, prepared: _Prepared, *, drop: bool) -> None:
+        if prepared.expiry is not None:
+            prepared.expiry.cancel()
+        try:
+            if drop:
+                await self.engine.drop_prepared_update()
+        finally:
+            await asyncio.shield(self.gate.release_write())
 
     async def nccl_commit(self, request: NcclCommitRequest) -> WeightUpdateResponse:
         """Load the prepared update once its broadcast arrived; the version moves only if all of
-        it loaded. A refused or failed commit drops it (and the group: init again)."""
+        it loaded. A failed commit drops it (and the group: init again)."""
         announced = time.time()
         prepared = self.prepared
         if prepared is None or prepared.id != request.prepared_id or prepared.expiry is None:
@@ -377,22 +392,19 @@ class RolloutService:
                 f"no prepared NCCL update {request.prepared_id!r} (a failed commit, an init or "
                 "its expiry drops one); prepare the update again"
             )
+        self.prepared = None
         prepared.expiry.cancel()
         try:
-            self._require_weights_awake()
-            self._next_version(prepared.request.version)
-            self.prepared = None  # from here the workers' own pending update decides
-            return await self._announced_update(
-                announced,
-                prepared.request,
-                prepared.num_bytes,
-                "nccl",
-                self.engine.commit_nccl_update,
-            )
-        except BaseException:
-            self.prepared = prepared  # refused before loading: its receives may still wait
-            await self._drop_prepared("its commit failed")
+            response = await self._load_announced(
+                announced, prepared.request, prepared.num_bytes, "nccl",
+                self.engine.commit_nccl_update, paused=None,
+            )  # fmt: skip
+        except BaseException as exc:
+            log.warning("prepared NCCL update %s failed: %s", prepared.id, exc)
+            await self._release_prepared(prepared, drop=True)  # its receives may still wait
             raise
+        await self._release_prepared(prepared, drop=False)
+        return response
 
     async def nccl_update(self, request: NcclUpdateRequest) -> WeightUpdateResponse:
         from rollout_server.weights import validate_nccl_announce
@@ -431,24 +443,34 @@ class RolloutService:
     ) -> WeightUpdateResponse:
         """Receive and load under the write gate; the version moves only once all loaded."""
         async with self.gate.write():
-            self._require_weights_awake()
-            new_version = self._next_version(request.version)
-            start = time.perf_counter()
-            paused = time.time()
-            got = await receive(request)
-            if not got.prefix_cache_reset:
-                await self.engine.reset_prefix_cache()
-            seconds = time.perf_counter() - start
-            self._set_version(new_version)
+            return await self._load_announced(
+                announced, request, num_bytes, transport, receive, paused=time.time()
+            )
+
+    async def _load_announced(
+        self,
+        announced: float,
+        request: NcclUpdateRequest,
+        num_bytes: int,
+        transport: str,
+        receive: Callable[[Any], Awaitable[ReceivedUpdate]],
+        *,
+        paused: float | None,
+    ) -> WeightUpdateResponse:
+        """The load itself, the write gate held (``paused``: since when; None: since prepare)."""
+        self._require_weights_awake()
+        new_version = self._next_version(request.version)
+        start = time.perf_counter()
+        got = await receive(request)
+        if not got.prefix_cache_reset:
+            await self.engine.reset_prefix_cache()
+        seconds = time.perf_counter() - start
+        self._set_version(new_version)
         response = self._record_update(
             transport, len(request.tensors), num_bytes, seconds, got.checksum
         )
-        timeline = {
-            "announced": announced,
-            "paused": paused,
-            **got.timeline,
-            "answered": time.time(),
-        }
+        stamps = {"announced": announced} | ({"paused": paused} if paused else {})
+        timeline = {**stamps, **got.timeline, "answered": time.time()}
         return response.model_copy(
             update=dict(
                 received_s=got.received_s,
@@ -478,6 +500,7 @@ class RolloutService:
 
     async def wake_up(self, tags: list[str] | None) -> SleepStatus:
         self.require_loaded()
+        self._refuse_if_prepared("wake_up")
         async with self.gate.write():
             await self.engine.wake_up(tags)
             self.asleep -= set(tags or ["weights", "kv_cache"])

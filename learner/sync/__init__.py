@@ -135,6 +135,17 @@ class WeightSyncer:
             self._server_dtype = (await self.client.info())[0].dtype
         return self._ipc
 
+    async def prepare(self, model: nn.Module) -> bool:
+        """NCCL only: have the servers queue the next ``push``'s receives now (they hold
+        generation paused until it). Call it while the learner trains and nothing is asked of
+        the servers. Returns whether the next push is prepared."""
+        if self.cfg.sync != "nccl":
+            return False
+        sender = await self._nccl_sender()
+        return await sender.prepare(
+            sync_specs(model, self._server_dtype), bucket_bytes=self.cfg.bucket_mb << 20
+        )
+
     async def push(self, model: nn.Module) -> list[WeightUpdateResponse]:
         """Main process only. ``model`` is the HF model (under ZeRO-3: still partitioned)."""
         cfg = self.cfg

@@ -308,9 +308,10 @@ class NcclWeightSender:
     ) -> bool:
         """Have every server queue the receives of the next ``send`` of these ``specs`` (same
         arguments), which then broadcasts at once and commits. Call it while the learner is
-        still busy (the optimizer step) and the servers are idle: a prepared receive can hold
-        a few of the server GPU's SMs until the broadcast. Returns False, and ``send`` then
-        announces as usual, if a server could not prepare (e.g. no GPU memory to stage on)."""
+        still busy (the optimizer step) and no generation is wanted from the servers: from
+        prepare to commit they hold generation paused (requests wait, as behind any weight
+        load). Returns False, and ``send`` then announces as usual, if a server could not
+        prepare (e.g. no GPU memory to stage on)."""
         if self._client is None:
             raise RuntimeError("NcclWeightSender.prepare before init()")
         request = self._request(specs, bucket_bytes, version, checksum)
@@ -531,7 +532,12 @@ class NcclWeightSender:
 
 
 def fill_bucket(flat: torch.Tensor, bucket: Any, it: Any) -> None:
-    """Copy (and cast) the next tensors of the stream into their places in ``flat``."""
+    """Copy (and cast) the next tensors of the stream into their places in ``flat``: one
+    ``torch.cat`` into it (one kernel, not one copy per tensor: a bucket of a few hundred
+    tensors would otherwise cost milliseconds of launches on the sync's critical path)."""
+    import torch
+
+    parts = []
     for e in bucket.entries:
         try:
             name, tensor = next(it)
@@ -542,7 +548,12 @@ def fill_bucket(flat: torch.Tensor, bucket: Any, it: Any) -> None:
                 f"the tensor stream yielded {name!r} {list(tensor.shape)} where the specs "
                 f"announced {e.name!r} {list(e.shape)}; build specs and stream from one model"
             )
-        flat.narrow(0, e.offset, e.numel).view(e.shape).copy_(tensor, non_blocking=True)
+        parts.append(tensor.reshape(-1))
+    if all(t.device == flat.device for t in parts):
+        torch.cat(parts, out=flat)  # the layout packs the tensors back to back, in this order
+        return
+    for e, t in zip(bucket.entries, parts, strict=True):  # e.g. a CPU-offloaded parameter
+        flat.narrow(0, e.offset, e.numel).copy_(t, non_blocking=True)
 
 
 def drain(it: Any, quiet: bool) -> None:

@@ -192,8 +192,9 @@ class Engine(abc.ABC):
         raise UnsupportedError(f"the {self.name} engine does not support NCCL weight sync")
 
     async def prepare_nccl_update(self, request: NcclUpdateRequest) -> None:
-        """Queue the announced update's receives ahead of the broadcast, generation going on;
-        ``commit_nccl_update`` (under the pause) then waits for them and loads."""
+        """Queue the announced update's receives ahead of the broadcast and reset the prefix
+        cache; called paused, and the pause holds until ``commit_nccl_update`` waits for the
+        bytes and loads."""
         raise UnsupportedError(f"the {self.name} engine does not support NCCL weight sync")
 
     async def commit_nccl_update(self, request: NcclUpdateRequest) -> ReceivedUpdate:

@@ -376,17 +376,27 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         return await self._receive("NCCL", request, receive, prefix_cache_reset=True)
 
     async def prepare_nccl_update(self, request: NcclUpdateRequest) -> None:
+        """Called paused, and the pause holds until the commit: the prefix cache is reset now
+        (no generation can fill it before the load), off the commit's critical path."""
         specs = [t.model_dump() for t in request.tensors]
         try:
             await self._rpc("grpo_prepare_update", specs, *self._queue_args(request))
         except Exception as exc:
             raise EngineError(f"could not prepare the NCCL update: {exc}") from exc
+        try:
+            await self._llm.reset_prefix_cache()
+        except BaseException:
+            await self.drop_prepared_update()
+            raise
 
     async def commit_nccl_update(self, request: NcclUpdateRequest) -> ReceivedUpdate:
-        return await self._receive(
-            "NCCL", request, lambda _, timeline: self._reset_then_finish(timeline),
-            prefix_cache_reset=True,
-        )  # fmt: skip
+        async def finish(_: list[dict[str, Any]], timeline: dict[str, float]) -> list[Any]:
+            results = await self._rpc("grpo_finish_update")
+            timeline["finished"] = time.time()
+            return results
+
+        # the prefix cache was reset at prepare, with generation paused since
+        return await self._receive("NCCL", request, finish, prefix_cache_reset=True)
 
     async def drop_prepared_update(self) -> None:
         await self._rpc("grpo_drop_prepared")

@@ -15,9 +15,10 @@ The NCCL protocol, shared with ``learner.sync.nccl.NcclWeightSender`` (rank 0):
    order, then one int32 *commit word* (1 = every bucket is genuine, 0 = the sender failed part
    way and filled the rest with zeros).
    A *prepared* update splits this in two: ``grpo_prepare_update`` (``POST /weights/nccl/prepare``,
-   while the learner is still training) queues the receives on a side stream and returns, with
-   generation running on; the learner then broadcasts at once and ``POST /weights/nccl/commit``
-   pauses and calls ``grpo_finish_update``. The wire no longer waits for the announce.
+   while the learner is still training; generation stays paused from then) queues the receives
+   on a side stream and returns; the learner then broadcasts at once and
+   ``POST /weights/nccl/commit`` calls ``grpo_finish_update``. The wire no longer waits for the
+   announce to reach the workers.
 3. The worker stages every bucket and loads nothing until the commit word says 1. A broadcast
    that fails or makes no progress for ``timeout_s`` (the sender died) aborts the communicator
    (``ncclCommAbort`` unblocks the stuck kernel); either way the staged buckets are dropped and
@@ -273,9 +274,9 @@ class WeightSyncWorkerExtension:
         checksum: bool,
         direct: bool = True,
     ) -> float:
-        """``grpo_begin_update`` ahead of time, outside the pause: the receives wait on a side
-        stream, so generation goes on until the learner broadcasts and the commit calls
-        ``grpo_finish_update``. Needs GPU staging (a CPU-staged receive cannot wait queued)."""
+        """``grpo_begin_update`` ahead of the broadcast (the service holds generation paused
+        until the commit calls ``grpo_finish_update``). The receives wait on a side stream, off
+        the forwards' stream. Needs GPU staging (a CPU-staged receive cannot wait queued)."""
         return self._grpo_queue(tensors, buckets, bucket_dtypes, checksum, direct, prepared=True)
 
     def grpo_drop_prepared(self) -> bool:

@@ -154,9 +154,10 @@ async def nccl_update(request: NcclUpdateRequest, service: ServiceDep) -> Weight
     responses=_ERRORS | {501: {"model": ErrorResponse}},
 )
 async def nccl_prepare(request: NcclUpdateRequest, service: ServiceDep) -> NcclPrepared:
-    """Announce an update ahead of its broadcast: the workers queue its receives on a side
-    stream and generation goes on. The learner then broadcasts at once, without waiting for an
-    announce, and commits. Other weight updates and sleep answer 409 until the commit."""
+    """Announce an update ahead of its broadcast: generation pauses (once the requests in
+    flight finish), the workers queue its receives and the prefix cache is reset. The learner
+    then broadcasts at once and commits. Until the commit new generations wait, as behind any
+    load; other weight updates, sleep and wake_up answer 409."""
     return await service.nccl_prepare(request)
 
 
@@ -166,8 +167,8 @@ async def nccl_prepare(request: NcclUpdateRequest, service: ServiceDep) -> NcclP
     responses=_ERRORS | {501: {"model": ErrorResponse}},
 )
 async def nccl_commit(request: NcclCommitRequest, service: ServiceDep) -> WeightUpdateResponse:
-    """Pause, wait for the prepared update's broadcast, load all of it (or none) and bump the
-    version, as ``/nccl/update`` does."""
+    """Wait for the prepared update's broadcast, load all of it (or none), bump the version
+    and resume generation."""
     return await service.nccl_commit(request)
 
 

@@ -8,8 +8,9 @@ a subprocess so it can be killed mid-sync).
 - A sync whose sender dies after the first bucket leaves the previous version serving, and a
   new sender can form the group again and sync.
 - A prepared sync (receives queued before the broadcast) loads the same exact weights; while
-  it is prepared the server generates and refuses to sleep; a learner that dies after
-  preparing leaves the old weights serving, and the next learner's init drops its update.
+  it is prepared generations wait (then run on the new weights) and sleep is refused; a
+  learner that dies after preparing leaves the old weights serving once the update expires,
+  and the next learner syncs.
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ def test_prepared_sync(server, qwen3_dir, log_dir) -> None:
     rc, out = send(server, qwen3_dir, perturb_seed=5, prepare=True, log_dir=log_dir)
     assert rc == 0, out
     probe = out["while_prepared"]
-    assert probe["generated_tokens"] == 32, probe  # generation goes on while prepared
+    assert probe["generate_waited"], probe  # a generation waits behind the prepared update
+    assert probe["generated_version"] == version + 1, probe  # ... and runs on the new weights
     assert probe["sleep_status"] == 409 and "prepared" in probe["sleep_detail"], probe
     assert out["stats"]["prepared"] == 1.0
     (resp,) = out["responses"]
@@ -168,18 +170,22 @@ def test_prepared_sync(server, qwen3_dir, log_dir) -> None:
     perturbed = greedy(server, PROMPTS)
     assert not perturbed.matches(before)
 
-    # A learner that dies with its update prepared: the server goes on serving what it had,
-    # and refuses other updates until the next learner's init drops the stale one.
+    # A learner that dies with its update prepared: other updates are refused, generations
+    # wait until the update expires (the group's timeout, 15 s), then run on the old weights.
+    start = time.monotonic()
     rc, out = send(server, qwen3_dir, perturb_seed=6, prepare=True, die_after_prepare=True,
-                   log_dir=log_dir)  # fmt: skip
+                   timeout_s=15.0, log_dir=log_dir)  # fmt: skip
     assert rc == 3, out
-    assert greedy(server, PROMPTS).matches(perturbed)
     refused = server.post("/weights/load_file", {"path": str(qwen3_dir)})
     assert refused.status_code == 409 and "prepared" in refused.json()["detail"]
-    rc, out = send(server, qwen3_dir, prepare=True, log_dir=log_dir)  # the original weights
+    after = greedy(server, PROMPTS)
+    assert time.monotonic() - start >= 10, "the generation did not wait for the expiry"
+    assert after.matches(perturbed), after.mismatch(perturbed)
+    assert server.info()["weight_version"] == version + 1
+    # The next learner forms the group again and syncs (the original weights, prepared).
+    rc, out = send(server, qwen3_dir, prepare=True, log_dir=log_dir)
     assert rc == 0, out
     assert out["responses"][0]["weight_version"] == version + 2
     assert out["responses"][0]["loader"] == "direct"
     served = server.get("/weights/checksum").json()
     assert served["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
-    assert server.info()["weight_version"] == version + 2
