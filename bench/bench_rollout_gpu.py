@@ -277,7 +277,12 @@ def _summary(records: list[dict[str, Any]], ideal: float) -> dict[str, Any]:
         k: sorted(r["timeline_ms"][k] for r in records)[len(records) // 2]
         for k in sorted(first, key=lambda k: first[k])
     }
+    sender = {
+        k: sorted(r["sender_ms"][k] for r in records)[len(records) // 2]
+        for k in records[0].get("sender_ms", {})
+    }
     return {
+        "sender_median_ms": sender,  # the learner's broadcast thread, ms after send() began
         "best_s": totals[0],
         "median_s": totals[len(totals) // 2],
         "best_vs_ideal": totals[0] / ideal,
@@ -325,6 +330,8 @@ async def measure_sync(
             print(f"[bench] sync {mode}: timeline, median ms after send():", flush=True)
             for k, v in m["timeline_median_ms"].items():
                 print(f"    {k:<14} {v:7.2f}", flush=True)
+            print("  learner's broadcast thread: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in m["sender_median_ms"].items()), flush=True)  # fmt: skip
         t0 = time.perf_counter()
         for spec, (name, t) in zip(specs, iter_gathered_params(model), strict=True):
             await sender.send([spec], [(name, t)], bucket_bytes=1 << 40)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout_server.client import RolloutClient, RolloutError, WeightSyncError
 from rollout_server.nccl_wire import (
+    Bucket,
     NcclGroupError,
     bucket_layout,
     flat_checksum,
@@ -181,6 +182,7 @@ async def _first_failure(futures: list[asyncio.Future]) -> None:
 class _PreparedSend:
     request: NcclUpdateRequest
     ids: list[str]  # per server, in client.servers order
+    layout: list[Bucket]  # the request's, made at prepare (off the send's critical path)
 
 
 class NcclWeightSender:
@@ -338,7 +340,8 @@ class NcclWeightSender:
                 raise failed[0][1]
             return False
         prepared = [a for a in answers if isinstance(a, NcclPrepared)]
-        self._prepared = _PreparedSend(request, [a.prepared_id for a in prepared])
+        ids = [a.prepared_id for a in prepared]
+        self._prepared = _PreparedSend(request, ids, _layout(request))
         self.last_prepare_s = time.perf_counter() - start
         return True
 
@@ -382,8 +385,9 @@ class NcclWeightSender:
         tensor_iter: Iterable[tuple[str, torch.Tensor]],
         on_bucket: Callable[[int], None] | None,
     ) -> list[WeightUpdateResponse]:
-        specs, checksum = request.tensors, request.checksum
-        plan = BucketPlan(request.buckets, request.bucket_dtypes)
+        checksum = request.checksum
+        layout = prepared.layout if prepared is not None else _layout(request)
+        marks: dict[str, float] = {}  # the broadcast thread's progress, for profiling
         stop = threading.Event()
         announce = asyncio.ensure_future(
             self._announce(request) if prepared is None else self._commit(prepared)
@@ -398,7 +402,7 @@ class NcclWeightSender:
         sys.setswitchinterval(min(switch, _SWITCH_INTERVAL_S))
         try:
             sent_checksum = await _in_daemon_thread(
-                self._broadcast, specs, plan, tensor_iter, stop, checksum, on_bucket
+                self._broadcast, layout, tensor_iter, stop, checksum, on_bucket, marks
             )
         except NcclGroupError as exc:
             self._comm = None  # aborted: the next send forms the group again
@@ -416,12 +420,13 @@ class NcclWeightSender:
         # wall-clock stamps too, to line up with the servers' response timelines
         self.last_stats = update_stats(
             start,
-            specs,
+            request.tensors,
             broadcast_s=broadcast_s,
             sent_at=sent_at,
             answered_at=time.time(),
             prepared=float(prepared is not None),
         )
+        self.last_stats["sender_ms"] = {k: (t - start) * 1e3 for k, t in marks.items()}  # type: ignore[assignment]
         if checksum:
             check_checksums(self._client.servers, responses, sent_checksum)
         return responses
@@ -444,12 +449,12 @@ class NcclWeightSender:
 
     def _broadcast(
         self,
-        specs: list[TensorSpec],
-        plan: BucketPlan,
+        layout: list[Bucket],
         tensor_iter: Iterable[tuple[str, torch.Tensor]],
         stop: threading.Event,
         checksum: bool,
         on_bucket: Callable[[int], None] | None,
+        marks: dict[str, float],
     ) -> float:
         """Fill and broadcast every bucket, then the commit word; returns the checksum.
 
@@ -459,10 +464,11 @@ class NcclWeightSender:
         """
         import torch
 
+        marks["thread"] = time.perf_counter()
         torch.cuda.set_device(self._device)
         it = iter(tensor_iter)
         try:
-            total, failure = self._stream_buckets(specs, plan, it, stop, checksum, on_bucket)
+            total, failure = self._stream_buckets(layout, it, stop, checksum, on_bucket, marks)
         except NcclGroupError:
             drain(it, quiet=True)
             raise
@@ -477,19 +483,18 @@ class NcclWeightSender:
 
     def _stream_buckets(
         self,
-        specs: list[TensorSpec],
-        plan: BucketPlan,
+        layout: list[Bucket],
         it: Iterator[tuple[str, torch.Tensor]],
         stop: threading.Event,
         checksum: bool,
         on_bucket: Callable[[int], None] | None,
+        marks: dict[str, float],
     ) -> tuple[float, Exception | None]:
         """Two bucket buffers per dtype: one is filled while the other is on the wire."""
         import torch
 
         comm, timeout_s = self._comm, float(self._init_args["timeout_s"])
         stream = torch.cuda.current_stream(self._device)
-        layout = bucket_layout([s.model_dump() for s in specs], plan.buckets, plan.dtypes)
         largest: dict[torch.dtype, int] = {}
         for b in layout:
             largest[b.dtype] = max(largest.get(b.dtype, 0), b.numel)
@@ -515,7 +520,9 @@ class NcclWeightSender:
                 flat.zero_()
             elif checksum:
                 total += float(flat_checksum(flat))
+            marks[f"filled{b}"] = time.perf_counter()
             comm.broadcast(flat, src=0, stream=stream)
+            marks[f"launched{b}"] = time.perf_counter()
             pending[slot] = torch.cuda.Event()
             pending[slot].record(stream)
             if on_bucket is not None:
@@ -523,12 +530,20 @@ class NcclWeightSender:
                 on_bucket(b)
         if failure is None and next(it, None) is not None:
             failure = ValueError("the tensor stream yielded more tensors than the specs announce")
-        word = torch.tensor([0 if failure else 1], dtype=torch.int32, device=self._device)
+        # filled on the GPU: a copy from pageable host memory would first wait for the stream
+        word = torch.full((1,), 0 if failure else 1, dtype=torch.int32, device=self._device)
         comm.broadcast(word, src=0, stream=stream)
         done = torch.cuda.Event()
         done.record(stream)
+        marks["word"] = time.perf_counter()
         wait_event(done, comm, timeout_s, "commit word", stop)
+        marks["done"] = time.perf_counter()
         return total, failure
+
+
+def _layout(request: NcclUpdateRequest) -> list[Bucket]:
+    specs = [s.model_dump() for s in request.tensors]
+    return bucket_layout(specs, request.buckets, request.bucket_dtypes)
 
 
 def fill_bucket(flat: torch.Tensor, bucket: Any, it: Any) -> None:
