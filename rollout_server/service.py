@@ -8,6 +8,7 @@ weight loads and generations apart. Engines stay stateless about all of this.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -395,9 +396,9 @@ class RolloutService:
         self.prepared = None
         prepared.expiry.cancel()
         try:
-            response = await self._load_announced(
+            response = await self._announced_update(
                 announced, prepared.request, prepared.num_bytes, "nccl",
-                self.engine.commit_nccl_update, paused=None,
+                self.engine.commit_nccl_update, gate_held=True,
             )  # fmt: skip
         except BaseException as exc:
             log.warning("prepared NCCL update %s failed: %s", prepared.id, exc)
@@ -440,37 +441,25 @@ class RolloutService:
         num_bytes: int,
         transport: str,
         receive: Callable[[Any], Awaitable[ReceivedUpdate]],
-    ) -> WeightUpdateResponse:
-        """Receive and load under the write gate; the version moves only once all loaded."""
-        async with self.gate.write():
-            return await self._load_announced(
-                announced, request, num_bytes, transport, receive, paused=time.time()
-            )
-
-    async def _load_announced(
-        self,
-        announced: float,
-        request: NcclUpdateRequest,
-        num_bytes: int,
-        transport: str,
-        receive: Callable[[Any], Awaitable[ReceivedUpdate]],
         *,
-        paused: float | None,
+        gate_held: bool = False,
     ) -> WeightUpdateResponse:
-        """The load itself, the write gate held (``paused``: since when; None: since prepare)."""
-        self._require_weights_awake()
-        new_version = self._next_version(request.version)
-        start = time.perf_counter()
-        got = await receive(request)
-        if not got.prefix_cache_reset:
-            await self.engine.reset_prefix_cache()
-        seconds = time.perf_counter() - start
-        self._set_version(new_version)
+        """Receive and load under the write gate (``gate_held``: taken since prepare); the
+        version moves only once all loaded."""
+        async with contextlib.nullcontext() if gate_held else self.gate.write():
+            paused = {} if gate_held else {"paused": time.time()}
+            self._require_weights_awake()
+            new_version = self._next_version(request.version)
+            start = time.perf_counter()
+            got = await receive(request)
+            if not got.prefix_cache_reset:
+                await self.engine.reset_prefix_cache()
+            seconds = time.perf_counter() - start
+            self._set_version(new_version)
         response = self._record_update(
             transport, len(request.tensors), num_bytes, seconds, got.checksum
         )
-        stamps = {"announced": announced} | ({"paused": paused} if paused else {})
-        timeline = {**stamps, **got.timeline, "answered": time.time()}
+        timeline = {"announced": announced, **paused, **got.timeline, "answered": time.time()}
         return response.model_copy(
             update=dict(
                 received_s=got.received_s,

@@ -380,7 +380,7 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         (no generation can fill it before the load), off the commit's critical path."""
         specs = [t.model_dump() for t in request.tensors]
         try:
-            await self._rpc("grpo_prepare_update", specs, *self._queue_args(request))
+            await self._rpc("grpo_begin_update", specs, *self._queue_args(request), True)
         except Exception as exc:
             raise EngineError(f"could not prepare the NCCL update: {exc}") from exc
         try:

@@ -14,10 +14,10 @@ The NCCL protocol, shared with ``learner.sync.nccl.NcclWeightSender`` (rank 0):
    ``bucket_dtypes[b]`` holding its tensors back to back; rank 0 broadcasts the buckets in
    order, then one int32 *commit word* (1 = every bucket is genuine, 0 = the sender failed part
    way and filled the rest with zeros).
-   A *prepared* update splits this in two: ``grpo_prepare_update`` (``POST /weights/nccl/prepare``,
-   while the learner is still training; generation stays paused from then) queues the receives
-   on a side stream and returns; the learner then broadcasts at once and
-   ``POST /weights/nccl/commit`` calls ``grpo_finish_update``. The wire no longer waits for the
+   A *prepared* update splits this in two: ``grpo_begin_update(prepared=True)``
+   (``POST /weights/nccl/prepare``, while the learner is still training; generation stays
+   paused from then) queues the receives on a side stream and returns; the learner then
+   broadcasts at once and ``POST /weights/nccl/commit`` calls ``grpo_finish_update``. The wire no longer waits for the
    announce to reach the workers.
 3. The worker stages every bucket and loads nothing until the commit word says 1. A broadcast
    that fails or makes no progress for ``timeout_s`` (the sender died) aborts the communicator
@@ -85,7 +85,7 @@ class _Pending:
     start: float  # perf_counter
     started: float  # wall clock
     kept: _Staging | None  # the kept buffers the bytes land in, if any
-    prepared: bool  # queued by grpo_prepare_update (on the side stream, outside the pause)
+    prepared: bool  # queued ahead of the broadcast, on the side stream
 
 
 def _pick_rank(worker: Any, rank_offset: int) -> int:
@@ -258,45 +258,16 @@ class WeightSyncWorkerExtension:
         bucket_dtypes: list[str],
         checksum: bool,
         direct: bool = True,
+        prepared: bool = False,
     ) -> float:
         """Queue the receive of every bucket and of the commit word, and return: staged on the
         GPU, the bytes arrive while the engine does other work (resets its prefix cache);
         staged on the CPU, they have all arrived when this returns. ``grpo_finish_update``
         must follow. ``direct``: copy straight into the parameters once a copy plan is verified
-        (else always ``load_weights``). Returns the wall-clock time it started."""
-        return self._grpo_queue(tensors, buckets, bucket_dtypes, checksum, direct, prepared=False)
-
-    def grpo_prepare_update(
-        self,
-        tensors: list[dict[str, Any]],
-        buckets: list[list[int]],
-        bucket_dtypes: list[str],
-        checksum: bool,
-        direct: bool = True,
-    ) -> float:
-        """``grpo_begin_update`` ahead of the broadcast (the service holds generation paused
-        until the commit calls ``grpo_finish_update``). The receives wait on a side stream, off
-        the forwards' stream. Needs GPU staging (a CPU-staged receive cannot wait queued)."""
-        return self._grpo_queue(tensors, buckets, bucket_dtypes, checksum, direct, prepared=True)
-
-    def grpo_drop_prepared(self) -> bool:
-        """Give up a prepared update whose commit never came: the group is aborted (that ends
-        the waiting receives); the learner must init again. Returns whether one was dropped."""
-        if self._grpo_pending is None or not self._grpo_pending.prepared:
-            return False
-        self.grpo_close_weight_group()
-        return True
-
-    def _grpo_queue(
-        self,
-        tensors: list[dict[str, Any]],
-        buckets: list[list[int]],
-        bucket_dtypes: list[str],
-        checksum: bool,
-        direct: bool,
-        *,
-        prepared: bool,
-    ) -> float:
+        (else always ``load_weights``). ``prepared``: queued ahead of the broadcast (the service
+        holds generation paused until the commit), on a side stream, off the forwards' stream;
+        needs GPU staging (a CPU-staged receive cannot wait queued). Returns the wall-clock
+        time it started."""
         started = time.time()
         if self._grpo_pending is not None:  # a begin whose finish never came: state unknown
             self.grpo_close_weight_group()
@@ -321,12 +292,9 @@ class WeightSyncWorkerExtension:
                 "memory to stage it; lower gpu_memory_utilization, or send it unprepared "
                 "(staged in CPU memory)"
             )
-        if prepared:
-            if self._grpo_side_stream is None:
-                self._grpo_side_stream = torch.cuda.Stream(device)
-            stream = self._grpo_side_stream
-        else:
-            stream = torch.cuda.current_stream(device)
+        if prepared and self._grpo_side_stream is None:
+            self._grpo_side_stream = torch.cuda.Stream(device)
+        stream = self._grpo_side_stream if prepared else torch.cuda.current_stream(device)
         with self._grpo_group_dropped_on_failure(), torch.cuda.stream(stream):
             staged, queued = self._grpo_receive_buckets(
                 comm, layout, device, on_gpu, kept.buffers if kept is not None else None
@@ -350,6 +318,14 @@ class WeightSyncWorkerExtension:
             prepared,
         )
         return started
+
+    def grpo_drop_prepared(self) -> bool:
+        """Give up a prepared update whose commit never came: the group is aborted (that ends
+        the waiting receives); the learner must init again. Returns whether one was dropped."""
+        if self._grpo_pending is None or not self._grpo_pending.prepared:
+            return False
+        self.grpo_close_weight_group()
+        return True
 
     def grpo_finish_update(self) -> dict[str, Any]:
         """Wait for the update ``grpo_begin_update`` queued, then load all of it or none."""
