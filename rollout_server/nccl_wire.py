@@ -52,6 +52,16 @@ class BucketEntry:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """A run of a bucket's tensors that goes over the wire as one broadcast."""
+
+    first: int  # index of its first entry in ``Bucket.entries``
+    stop: int  # one past its last
+    offset: int  # elements into the bucket's flat buffer
+    numel: int
+
+
+@dataclass(frozen=True)
 class Bucket:
     dtype: torch.dtype
     entries: tuple[BucketEntry, ...]
@@ -59,7 +69,33 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.itemsize
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def segments(self, segment_bytes: int) -> list[Segment]:
+        """The bucket's broadcasts, in order: runs of whole tensors of at most
+        ``segment_bytes`` (a larger tensor is a segment of its own). Both ends cut the same
+        segments from the announce's ``segment_bytes``, so the sender's first segment is on the
+        wire while it packs the next, and the receiver can use a segment as soon as it lands."""
+        if segment_bytes <= 0:
+            raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
+        limit = max(1, segment_bytes // self.itemsize)
+        out: list[Segment] = []
+        first = 0
+        for k, e in enumerate(self.entries):
+            if k > first and e.offset + e.numel - self.entries[first].offset > limit:
+                out.append(self._segment(first, k))
+                first = k
+        if self.entries:
+            out.append(self._segment(first, len(self.entries)))
+        return out
+
+    def _segment(self, first: int, stop: int) -> Segment:
+        start, last = self.entries[first], self.entries[stop - 1]
+        return Segment(first, stop, start.offset, last.offset + last.numel - start.offset)
 
 
 def bucket_layout(

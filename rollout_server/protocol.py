@@ -192,6 +192,12 @@ class NcclUpdateRequest(_Model):
     bucket_dtypes: list[str]
     version: int | None = None
     checksum: bool = Field(False, description="return a float64 checksum of the loaded weights")
+    segment_bytes: int = Field(
+        64 << 20,
+        ge=1 << 16,
+        description="NCCL: each bucket is broadcast in runs of whole tensors of at most this "
+        "many bytes (a larger tensor alone), so that packing, the wire and loading overlap",
+    )
 
 
 class NcclPrepared(_Model):

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from rollout_server.client import RolloutClient, RolloutError, WeightSyncError
 from rollout_server.nccl_wire import (
     Bucket,
+    BucketEntry,
     NcclGroupError,
     bucket_layout,
     flat_checksum,
@@ -181,6 +182,7 @@ async def _first_failure(futures: list[asyncio.Future]) -> None:
 @dataclass(frozen=True)
 class _PreparedSend:
     request: NcclUpdateRequest
+    key: tuple  # _update_key of its arguments (cheaper to compare than the request)
     ids: list[str]  # per server, in client.servers order
     layout: list[Bucket]  # the request's, made at prepare (off the send's critical path)
 
@@ -194,6 +196,7 @@ class NcclWeightSender:
         self._comm: Any = None
         self._init_args: dict[str, Any] = {}
         self._prepared: _PreparedSend | None = None
+        self._streams: tuple[Any, Any] | None = None  # (fill, wire) on the learner's GPU
         self.last_stats: dict[str, float] = {}
         self.last_prepare_s: float | None = None
 
@@ -317,8 +320,9 @@ class NcclWeightSender:
         if self._client is None:
             raise RuntimeError("NcclWeightSender.prepare before init()")
         request = self._request(specs, bucket_bytes, version, checksum)
+        key = _update_key(specs, bucket_bytes, version, checksum)
         if self._prepared is not None:
-            if self._prepared.request == request:
+            if self._prepared.key == key:
                 return True
             self.close()  # a different update: forming the group again drops the old one
         if self._comm is None:
@@ -341,7 +345,7 @@ class NcclWeightSender:
             return False
         prepared = [a for a in answers if isinstance(a, NcclPrepared)]
         ids = [a.prepared_id for a in prepared]
-        self._prepared = _PreparedSend(request, ids, _layout(request))
+        self._prepared = _PreparedSend(request, key, ids, _layout(request))
         self.last_prepare_s = time.perf_counter() - start
         return True
 
@@ -360,19 +364,24 @@ class NcclWeightSender:
 
         Raises ``WeightSyncError`` if any server did not load it (those keep their previous
         weights). ``on_bucket(b)`` runs once bucket ``b`` has left this GPU."""
+        begun = time.perf_counter(), time.time()  # the sync's time counts from here
         if self._client is None:
             raise RuntimeError("NcclWeightSender.send before init()")
         specs = list(specs)
-        request = self._request(specs, bucket_bytes, version, checksum)
+        key = _update_key(specs, bucket_bytes, version, checksum)
         prepared, self._prepared = self._prepared, None
-        if prepared is not None and prepared.request != request:
+        if prepared is not None and prepared.key != key:
             log.warning("the update differs from the prepared one; announcing it instead")
             self.close()  # forming the group again drops the servers' prepared receives
             prepared = None
+        if prepared is not None:
+            request = prepared.request
+        else:
+            request = self._request(specs, bucket_bytes, version, checksum)
         if self._comm is None:  # a failed update aborted the group: form it again
             await self.init(self._client, **self._init_args)
         try:
-            return await self._send(request, prepared, tensor_iter, on_bucket)
+            return await self._send(request, prepared, tensor_iter, on_bucket, begun)
         except BaseException:
             if prepared is not None:
                 self.close()  # the servers dropped theirs (and the group) with the commit
@@ -384,6 +393,7 @@ class NcclWeightSender:
         prepared: _PreparedSend | None,
         tensor_iter: Iterable[tuple[str, torch.Tensor]],
         on_bucket: Callable[[int], None] | None,
+        begun: tuple[float, float],
     ) -> list[WeightUpdateResponse]:
         checksum = request.checksum
         layout = prepared.layout if prepared is not None else _layout(request)
@@ -395,14 +405,21 @@ class NcclWeightSender:
         announce.add_done_callback(
             lambda f: stop.set() if f.cancelled() or f.exception() is not None else None
         )
-        start, sent_at = time.perf_counter(), time.time()
+        start, sent_at = begun
         # The broadcast thread fills buckets in Python while this loop writes the announce: with
         # the default 5 ms GIL switch interval the announce could wait that long to go out.
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, _SWITCH_INTERVAL_S))
         try:
             sent_checksum = await _in_daemon_thread(
-                self._broadcast, layout, tensor_iter, stop, checksum, on_bucket, marks
+                self._broadcast,
+                layout,
+                tensor_iter,
+                stop,
+                checksum,
+                request.segment_bytes,
+                on_bucket,
+                marks,
             )
         except NcclGroupError as exc:
             self._comm = None  # aborted: the next send forms the group again
@@ -453,6 +470,7 @@ class NcclWeightSender:
         tensor_iter: Iterable[tuple[str, torch.Tensor]],
         stop: threading.Event,
         checksum: bool,
+        segment_bytes: int,
         on_bucket: Callable[[int], None] | None,
         marks: dict[str, float],
     ) -> float:
@@ -468,7 +486,9 @@ class NcclWeightSender:
         torch.cuda.set_device(self._device)
         it = iter(tensor_iter)
         try:
-            total, failure = self._stream_buckets(layout, it, stop, checksum, on_bucket, marks)
+            total, failure = self._stream_buckets(
+                layout, it, stop, checksum, segment_bytes, on_bucket, marks
+            )
         except NcclGroupError:
             drain(it, quiet=True)
             raise
@@ -487,58 +507,136 @@ class NcclWeightSender:
         it: Iterator[tuple[str, torch.Tensor]],
         stop: threading.Event,
         checksum: bool,
+        segment_bytes: int,
         on_bucket: Callable[[int], None] | None,
         marks: dict[str, float],
     ) -> tuple[float, Exception | None]:
-        """Two bucket buffers per dtype: one is filled while the other is on the wire."""
+        """Every bucket goes out segment by segment (``Bucket.segments``) on a wire stream. A
+        segment of one tensor that already has the bucket's dtype leaves from that tensor; the
+        others are packed (one ``torch.cat``) into one of two buffers per dtype on a fill stream
+        while the previous segment is on the wire. The streams wait on each other on the GPU:
+        this thread only launches, and blocks once, for the commit word."""
         import torch
 
-        comm, timeout_s = self._comm, float(self._init_args["timeout_s"])
-        stream = torch.cuda.current_stream(self._device)
+        comm, timeout_s, device = self._comm, float(self._init_args["timeout_s"]), self._device
+        compute = torch.cuda.current_stream(device)  # where the stream's tensors were made
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        fill, wire = self._streams
+        cut = [(bucket, bucket.segments(segment_bytes)) for bucket in layout]
         largest: dict[torch.dtype, int] = {}
-        for b in layout:
-            largest[b.dtype] = max(largest.get(b.dtype, 0), b.numel)
-        slots = {
-            d: [torch.empty(n, dtype=d, device=self._device) for _ in range(2)]
-            for d, n in largest.items()
-        }
-        pending: list[Any] = [None, None]
+        for bucket, segs in cut:
+            for g in segs:
+                if g.stop - g.first > 1:
+                    largest[bucket.dtype] = max(largest.get(bucket.dtype, 0), g.numel)
+        slots = _Slots(largest, device)
         failure: Exception | None = None
-        total = 0.0
-        for b, bucket in enumerate(layout):
-            slot = b % 2
-            if pending[slot] is not None:  # the bucket that used this buffer has left
-                wait_event(pending[slot], comm, timeout_s, f"bucket {b - 1}", stop)
-            flat = slots[bucket.dtype][slot][: bucket.numel]
-            if failure is None:
-                try:
-                    fill_bucket(flat, bucket, it)
-                except Exception as exc:
-                    failure = exc
-                    log.error("weight sync abandoned at bucket %d: %s", b, exc)
-            if failure is not None:
-                flat.zero_()
-            elif checksum:
-                total += float(flat_checksum(flat))
-            marks[f"filled{b}"] = time.perf_counter()
-            comm.broadcast(flat, src=0, stream=stream)
+        total = torch.zeros((), dtype=torch.float64, device=device) if checksum else None
+        wire.wait_stream(compute)
+        for b, (bucket, segs) in enumerate(cut):
+            for g in segs:
+                parts = None
+                if failure is None:
+                    try:
+                        parts = take_tensors(bucket.entries[g.first : g.stop], it)
+                    except Exception as exc:
+                        failure = exc
+                        log.error("weight sync abandoned at bucket %d: %s", b, exc)
+                direct = (
+                    parts is not None
+                    and len(parts) == 1
+                    and parts[0].dtype == bucket.dtype
+                    and parts[0].device == device
+                )
+                if direct:
+                    flat = parts[0]  # type: ignore[index]
+                    wire.wait_stream(compute)
+                else:
+                    flat = slots.take(bucket.dtype, g.numel, fill, compute)
+                    with torch.cuda.stream(fill):
+                        if parts is None:
+                            flat.zero_()
+                        else:
+                            pack(flat, parts)
+                    for t in parts or ():
+                        t.record_stream(fill)
+                    wire.wait_stream(fill)
+                if total is not None and failure is None:
+                    with torch.cuda.stream(wire):
+                        total += flat_checksum(flat)
+                comm.broadcast(flat, src=0, stream=wire)
+                slots.sent(flat, wire)
+                del flat, parts
+                marks.setdefault("first", time.perf_counter())
             marks[f"launched{b}"] = time.perf_counter()
-            pending[slot] = torch.cuda.Event()
-            pending[slot].record(stream)
             if on_bucket is not None:
-                wait_event(pending[slot], comm, timeout_s, f"bucket {b + 1}", stop)
+                left = torch.cuda.Event()
+                left.record(wire)
+                wait_event(left, comm, timeout_s, f"bucket {b + 1}", stop)
                 on_bucket(b)
         if failure is None and next(it, None) is not None:
             failure = ValueError("the tensor stream yielded more tensors than the specs announce")
-        # filled on the GPU: a copy from pageable host memory would first wait for the stream
-        word = torch.full((1,), 0 if failure else 1, dtype=torch.int32, device=self._device)
-        comm.broadcast(word, src=0, stream=stream)
+        with torch.cuda.stream(wire):
+            # filled on the GPU: a copy from pageable host memory would first wait for the stream
+            word = torch.full((1,), 0 if failure else 1, dtype=torch.int32, device=device)
+        comm.broadcast(word, src=0, stream=wire)
         done = torch.cuda.Event()
-        done.record(stream)
+        done.record(wire)
         marks["word"] = time.perf_counter()
         wait_event(done, comm, timeout_s, "commit word", stop)
         marks["done"] = time.perf_counter()
-        return total, failure
+        return (float(total) if total is not None else 0.0), failure
+
+
+class _Slots:
+    """Two packing buffers per dtype, taken in turn. A buffer is refilled only after the
+    segment last sent from it has left (a wait on the GPU, not here); a segment larger than
+    the buffers (one tensor that needs a cast) gets a buffer of its own."""
+
+    def __init__(self, numel: dict[torch.dtype, int], device: torch.device) -> None:
+        import torch
+
+        self._buffers = {
+            d: [torch.empty(n, dtype=d, device=device) for _ in range(2)] for d, n in numel.items()
+        }
+        self._left: dict[int, torch.cuda.Event] = {}  # buffer's data_ptr -> its last send
+        self._turn: dict[torch.dtype, int] = dict.fromkeys(numel, 0)
+        self._device = device
+
+    def take(
+        self, dtype: torch.dtype, numel: int, fill: torch.cuda.Stream, compute: torch.cuda.Stream
+    ) -> torch.Tensor:
+        import torch
+
+        fill.wait_stream(compute)  # the tensors to pack are ready (e.g. gathered)
+        buffers = self._buffers.get(dtype)
+        if buffers is None or numel > buffers[0].numel():
+            out = torch.empty(numel, dtype=dtype, device=self._device)
+            out.record_stream(fill)
+            return out
+        k = self._turn[dtype]
+        self._turn[dtype] = 1 - k
+        out = buffers[k]
+        if (left := self._left.get(out.data_ptr())) is not None:
+            fill.wait_event(left)
+        return out[:numel]
+
+    def sent(self, flat: torch.Tensor, wire: torch.cuda.Stream) -> None:
+        import torch
+
+        ptr = flat.data_ptr()
+        if any(b[0].data_ptr() == ptr or b[1].data_ptr() == ptr for b in self._buffers.values()):
+            left = torch.cuda.Event()
+            left.record(wire)
+            self._left[ptr] = left
+        else:
+            flat.record_stream(wire)
+
+
+def _update_key(
+    specs: Sequence[TensorSpec], bucket_bytes: int, version: int | None, checksum: bool
+) -> tuple:
+    return (tuple((s.name, s.dtype, *s.shape) for s in specs), bucket_bytes, version, checksum)
 
 
 def _layout(request: NcclUpdateRequest) -> list[Bucket]:
@@ -546,14 +644,11 @@ def _layout(request: NcclUpdateRequest) -> list[Bucket]:
     return bucket_layout(specs, request.buckets, request.bucket_dtypes)
 
 
-def fill_bucket(flat: torch.Tensor, bucket: Any, it: Any) -> None:
-    """Copy (and cast) the next tensors of the stream into their places in ``flat``: one
-    ``torch.cat`` into it (one kernel, not one copy per tensor: a bucket of a few hundred
-    tensors would otherwise cost milliseconds of launches on the sync's critical path)."""
-    import torch
-
+def take_tensors(entries: Sequence[BucketEntry], it: Iterator[tuple[str, Any]]) -> list[Any]:
+    """The stream's next tensors, one per entry, flattened; raises if a name or shape differs
+    from what the specs announced."""
     parts = []
-    for e in bucket.entries:
+    for e in entries:
         try:
             name, tensor = next(it)
         except StopIteration:
@@ -564,11 +659,27 @@ def fill_bucket(flat: torch.Tensor, bucket: Any, it: Any) -> None:
                 f"announced {e.name!r} {list(e.shape)}; build specs and stream from one model"
             )
         parts.append(tensor.reshape(-1))
+    return parts
+
+
+def pack(flat: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """Copy (and cast) ``parts`` back to back into ``flat``: one ``torch.cat`` into it (one
+    kernel, not one copy per tensor: a bucket of a few hundred tensors would otherwise cost
+    milliseconds of launches on the sync's critical path)."""
+    import torch
+
     if all(t.device == flat.device for t in parts):
-        torch.cat(parts, out=flat)  # the layout packs the tensors back to back, in this order
+        torch.cat(list(parts), out=flat)
         return
-    for e, t in zip(bucket.entries, parts, strict=True):  # e.g. a CPU-offloaded parameter
-        flat.narrow(0, e.offset, e.numel).copy_(t, non_blocking=True)
+    offset = 0
+    for t in parts:  # e.g. a CPU-offloaded parameter
+        flat.narrow(0, offset, t.numel()).copy_(t, non_blocking=True)
+        offset += t.numel()
+
+
+def fill_bucket(flat: torch.Tensor, bucket: Bucket, it: Iterator[tuple[str, Any]]) -> None:
+    """Copy (and cast) the next tensors of the stream into their places in ``flat``."""
+    pack(flat, take_tensors(bucket.entries, it))
 
 
 def drain(it: Any, quiet: bool) -> None:

@@ -403,7 +403,8 @@ class VLLMEngine(HFTokenizerMixin, Engine):
 
     def _queue_args(self, request: NcclUpdateRequest) -> tuple[Any, ...]:
         direct = self.settings.direct_weight_copy
-        return request.buckets, request.bucket_dtypes, request.checksum, direct
+        segment = request.segment_bytes
+        return request.buckets, request.bucket_dtypes, request.checksum, direct, segment
 
     async def _reset_then_finish(self, timeline: dict[str, float]) -> list[Any]:
         """Reset the prefix cache, then wait for the queued receives and load. Both go to the

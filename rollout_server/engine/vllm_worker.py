@@ -12,13 +12,19 @@ The NCCL protocol, shared with ``learner.sync.nccl.NcclWeightSender`` (rank 0):
 2. One HTTP announce lists every tensor and the bucket layout; the server pauses generation and
    calls ``grpo_begin_update`` then ``grpo_finish_update``. Bucket ``b`` is one flat buffer of
    ``bucket_dtypes[b]`` holding its tensors back to back; rank 0 broadcasts the buckets in
-   order, then one int32 *commit word* (1 = every bucket is genuine, 0 = the sender failed part
-   way and filled the rest with zeros).
+   order, each in *segments* (runs of whole tensors of at most the announce's
+   ``segment_bytes``, ``Bucket.segments``: both ends cut the same), then one int32 *commit
+   word* (1 = every bucket is genuine, 0 = the sender failed part way and filled the rest with
+   zeros).
    A *prepared* update splits this in two: ``grpo_begin_update(prepared=True)``
    (``POST /weights/nccl/prepare``, while the learner is still training; generation stays
    paused from then) queues the receives on a side stream and returns; the learner then
    broadcasts at once and ``POST /weights/nccl/commit`` calls ``grpo_finish_update``. The wire no longer waits for the
    announce to reach the workers.
+   A prepared update of a layout whose copy plan is verified is copied into the parameters
+   segment by segment as it lands (a copy stream waits on each receive), the parameters first
+   saved in GPU memory; if it does not commit they are restored, so the load is still all or
+   none, and the commit only waits for the last segment's copy.
 3. The worker stages every bucket and loads nothing until the commit word says 1. A broadcast
    that fails or makes no progress for ``timeout_s`` (the sender died) aborts the communicator
    (``ncclCommAbort`` unblocks the stuck kernel); either way the staged buckets are dropped and
@@ -57,6 +63,7 @@ from rollout_server.nccl_wire import (  # the wire format, shared with the learn
 log = logging.getLogger(__name__)
 
 _GPU_STAGING_MARGIN = 1 << 30  # leave this much free memory when staging buckets on the GPU
+_RESTORE_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -68,6 +75,18 @@ class _Staging:
     buffers: list[torch.Tensor]
     weights: list[tuple[str, torch.Tensor]]  # (name, view into a buffer), in announce order
     tensor_key: tuple  # ((name, shape, dtype), ...): the copy plans' key
+    overlap: _Overlap | None = None  # made by the first prepared update that can use it
+
+
+@dataclass
+class _Overlap:
+    """How a prepared update of one layout is copied into the parameters segment by segment,
+    as each lands, and undone if it does not commit: the parameters are saved first."""
+
+    segment_bytes: int
+    copies: list[tuple[list[torch.Tensor], list[torch.Tensor]]]  # per segment: (dests, sources)
+    dests: list[torch.Tensor]  # every destination
+    saved: list[torch.Tensor]  # one view per destination, into the saved copy
 
 
 @dataclass
@@ -86,6 +105,8 @@ class _Pending:
     started: float  # wall clock
     kept: _Staging | None  # the kept buffers the bytes land in, if any
     prepared: bool  # queued ahead of the broadcast, on the side stream
+    overlap: _Overlap | None = None  # copied in as it lands (parameters saved): undo on failure
+    copied: torch.cuda.Event | None = None  # with overlap: the last segment's copy
 
 
 def _pick_rank(worker: Any, rank_offset: int) -> int:
@@ -112,6 +133,7 @@ class WeightSyncWorkerExtension:
     _grpo_staging: _Staging | None = None
     _grpo_pending: _Pending | None = None  # queued by begin/prepare, for grpo_finish_update
     _grpo_side_stream: torch.cuda.Stream | None = None  # prepared receives wait on it
+    _grpo_copy_stream: torch.cuda.Stream | None = None  # prepared copies into the parameters
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -233,6 +255,8 @@ class WeightSyncWorkerExtension:
         if self._grpo_comm is not None:
             nccl_abort(self._grpo_comm)
             self._grpo_comm = None
+        if pending is not None and pending.overlap is not None:
+            self._grpo_restore(pending.overlap)  # part of it may be in the parameters already
         if pending is not None and pending.kept is not None:
             self._grpo_staging = None  # an aborted receive may have written part of them
 
@@ -258,15 +282,19 @@ class WeightSyncWorkerExtension:
         bucket_dtypes: list[str],
         checksum: bool,
         direct: bool = True,
+        segment_bytes: int = 64 << 20,
         prepared: bool = False,
     ) -> float:
-        """Queue the receive of every bucket and of the commit word, and return: staged on the
-        GPU, the bytes arrive while the engine does other work (resets its prefix cache);
-        staged on the CPU, they have all arrived when this returns. ``grpo_finish_update``
-        must follow. ``direct``: copy straight into the parameters once a copy plan is verified
-        (else always ``load_weights``). ``prepared``: queued ahead of the broadcast (the service
-        holds generation paused until the commit), on a side stream, off the forwards' stream;
-        needs GPU staging (a CPU-staged receive cannot wait queued). Returns the wall-clock
+        """Queue the receive of every segment of every bucket and of the commit word, and
+        return: staged on the GPU, the bytes arrive while the engine does other work (resets its
+        prefix cache); staged on the CPU, they have all arrived when this returns.
+        ``grpo_finish_update`` must follow. ``direct``: copy straight into the parameters once a
+        copy plan is verified (else always ``load_weights``). ``prepared``: queued ahead of the
+        broadcast (the service holds generation paused until the commit), on a side stream, off
+        the forwards' stream; needs GPU staging (a CPU-staged receive cannot wait queued). A
+        prepared update of a layout with a verified copy plan is also copied into the
+        parameters segment by segment as it lands, the parameters saved first and restored if
+        it does not commit (when the GPU has room for the saved copy). Returns the wall-clock
         time it started."""
         started = time.time()
         if self._grpo_pending is not None:  # a begin whose finish never came: state unknown
@@ -292,17 +320,33 @@ class WeightSyncWorkerExtension:
                 "memory to stage it; lower gpu_memory_utilization, or send it unprepared "
                 "(staged in CPU memory)"
             )
+        overlap = None
+        if prepared and direct and kept is not None:
+            overlap = self._grpo_overlap(kept, layout, segment_bytes, device)
         if prepared and self._grpo_side_stream is None:
             self._grpo_side_stream = torch.cuda.Stream(device)
-        stream = self._grpo_side_stream if prepared else torch.cuda.current_stream(device)
+        forwards = torch.cuda.current_stream(device)
+        stream = self._grpo_side_stream if prepared else forwards
+        copied = None
         with self._grpo_group_dropped_on_failure(), torch.cuda.stream(stream):
+            landed = None
+            if overlap is not None:
+                landed, copied = self._grpo_queue_copies(overlap, forwards)
             staged, queued = self._grpo_receive_buckets(
-                comm, layout, device, on_gpu, kept.buffers if kept is not None else None
+                comm,
+                layout,
+                device,
+                on_gpu,
+                kept.buffers if kept is not None else None,
+                segment_bytes,
+                landed,
             )
             word = torch.zeros(1, dtype=torch.int32, device=device)
             comm.broadcast(word, src=0, stream=stream)
             queued.append(torch.cuda.Event())
             queued[-1].record(stream)
+            if copied is not None:
+                copied.record(self._grpo_copy_stream)
         self._grpo_pending = _Pending(
             layout,
             key,
@@ -316,8 +360,85 @@ class WeightSyncWorkerExtension:
             started,
             kept,
             prepared,
+            overlap,
+            copied,
         )
         return started
+
+    def _grpo_overlap(
+        self, kept: _Staging, layout: list[Bucket], segment_bytes: int, device: torch.device
+    ) -> _Overlap | None:
+        """The per-segment copies of this layout (made once), or None: no verified copy plan,
+        or no GPU room to save the parameters."""
+        plan = (self._grpo_plans or {}).get(kept.tensor_key)
+        if plan is None:
+            return None
+        if kept.overlap is not None and kept.overlap.segment_bytes == segment_bytes:
+            return kept.overlap
+        dest_of = dict(zip(plan.sources, plan.dests, strict=True))
+        copies, base = [], 0
+        for bucket in layout:
+            for g in bucket.segments(segment_bytes):
+                pairs = [
+                    (dest_of[i], kept.weights[i][1])
+                    for i in range(base + g.first, base + g.stop)
+                    if i in dest_of
+                ]
+                copies.append(([d for d, _ in pairs], [t for _, t in pairs]))
+            base += len(bucket.entries)
+        dests = list(plan.dests)
+        nbytes = sum(d.numel() * d.element_size() for d in dests)
+        free, _ = torch.cuda.mem_get_info(device)
+        if nbytes + _GPU_STAGING_MARGIN > free:
+            log.info("no GPU room to save the parameters (%d MiB): prepared updates are copied "
+                     "in after the commit", nbytes >> 20)  # fmt: skip
+            return None
+        saved = [torch.empty_like(d) for d in dests]
+        kept.overlap = _Overlap(segment_bytes, copies, dests, saved)
+        return kept.overlap
+
+    def _grpo_queue_copies(
+        self, overlap: _Overlap, forwards: torch.cuda.Stream
+    ) -> tuple[Any, torch.cuda.Event]:
+        """Save the parameters on the copy stream, then return ``landed(event)``, which makes
+        the copy stream copy the next segment into the parameters once ``event`` (its receive)
+        has completed; and the event the last copy will record."""
+        if self._grpo_copy_stream is None:
+            self._grpo_copy_stream = torch.cuda.Stream(forwards.device)
+        copy = self._grpo_copy_stream
+        copy.wait_stream(forwards)  # the last forwards are done (generation is held)
+        with torch.no_grad(), torch.cuda.stream(copy):
+            torch._foreach_copy_(overlap.saved, overlap.dests)
+        segments = iter(overlap.copies)
+
+        def landed(event: torch.cuda.Event) -> None:
+            dests, sources = next(segments)
+            copy.wait_event(event)
+            if dests:
+                with torch.no_grad(), torch.cuda.stream(copy):
+                    torch._foreach_copy_(dests, sources)
+
+        return landed, torch.cuda.Event()
+
+    def _grpo_restore(self, overlap: _Overlap) -> None:
+        """Put the saved parameters back (after the group was aborted, or a commit word 0):
+        the update's copies that already ran are undone."""
+        copy = self._grpo_copy_stream
+        assert copy is not None
+        with torch.no_grad(), torch.cuda.stream(copy):  # after the queued copies, which end
+            torch._foreach_copy_(overlap.dests, overlap.saved)  # once their receives do
+        done = torch.cuda.Event()
+        done.record(copy)
+        deadline = time.monotonic() + _RESTORE_TIMEOUT_S
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    "restoring the parameters after a failed prepared update did not finish "
+                    f"within {_RESTORE_TIMEOUT_S:.0f} s; restart the server"
+                )
+            time.sleep(0.001)
+        torch.cuda.current_stream(self._grpo_device()).wait_stream(copy)
+        log.warning("a prepared update did not commit: the saved parameters are back")
 
     def grpo_drop_prepared(self) -> bool:
         """Give up a prepared update whose commit never came: the group is aborted (that ends
@@ -333,19 +454,17 @@ class WeightSyncWorkerExtension:
         if p is None:
             raise RuntimeError("grpo_finish_update without a grpo_begin_update before it")
         finish_start = time.time()
-        comm, device = self._grpo_comm, self._grpo_device()
-        with self._grpo_group_dropped_on_failure():
-            n = len(p.queued) - 1
-            for b, done in enumerate(p.queued):  # the timeout counts from the previous bucket
-                what = f"bucket {b + 1}/{n}" if b < n else "commit word"
-                wait_event(done, comm, self._grpo_timeout_s, what)
-            committed = int(p.word.item()) == 1
-        received_s = time.perf_counter() - p.start
-        received_at = time.time()
-        if not committed:
-            raise RuntimeError(
-                "the learner abandoned this update part way (commit word 0); nothing was loaded"
-            )
+        try:
+            received_s, received_at = self._grpo_wait_received(p)
+            if p.overlap is not None:
+                assert p.copied is not None and self._grpo_copy_stream is not None
+                wait_event(p.copied, None, _RESTORE_TIMEOUT_S, "the copies into the parameters")
+                torch.cuda.current_stream(self._grpo_device()).wait_stream(self._grpo_copy_stream)
+        except BaseException:
+            if p.overlap is not None:
+                self._grpo_restore(p.overlap)
+            raise
+        device = self._grpo_device()
         torch.cuda.current_stream(device).wait_event(p.queued[-1])  # prepared: the side stream
         total = None
         if p.checksum:
@@ -355,7 +474,10 @@ class WeightSyncWorkerExtension:
         else:
             weights = [w for f, b in zip(p.staged, p.layout, strict=True) for w in unflatten(f, b)]
             staging = _Staging(p.key, p.staged, weights, tensor_key(weights))
-        loader = self._grpo_load_update(staging.weights, p.direct, staging.tensor_key)
+        if p.overlap is not None:
+            loader = "direct-overlapped"  # already in the parameters
+        else:
+            loader = self._grpo_load_update(staging.weights, p.direct, staging.tensor_key)
         if p.on_gpu and loader != "load_weights":  # the parameters hold copies, not buffers
             self._grpo_staging = staging  # reused by the next update of this layout
         on_gpu = p.on_gpu
@@ -375,6 +497,20 @@ class WeightSyncWorkerExtension:
             },
         }
 
+    def _grpo_wait_received(self, p: _Pending) -> tuple[float, float]:
+        """Wait for every segment and the commit word; raise unless the word says commit."""
+        with self._grpo_group_dropped_on_failure():
+            n = len(p.queued) - 1
+            for k, done in enumerate(p.queued):  # the timeout counts from the previous one
+                what = f"segment {k + 1}/{n}" if k < n else "commit word"
+                wait_event(done, self._grpo_comm, self._grpo_timeout_s, what)
+            committed = int(p.word.item()) == 1
+        if not committed:
+            raise RuntimeError(
+                "the learner abandoned this update part way (commit word 0); nothing was loaded"
+            )
+        return time.perf_counter() - p.start, time.time()
+
     def _grpo_receive_buckets(
         self,
         comm: Any,
@@ -382,11 +518,14 @@ class WeightSyncWorkerExtension:
         device: torch.device,
         on_gpu: bool,
         kept: list[torch.Tensor] | None,
+        segment_bytes: int,
+        landed: Any = None,
     ) -> tuple[list[torch.Tensor], list[torch.cuda.Event]]:
-        """Staged on the GPU (in ``kept`` buffers when given), every receive is queued at once
-        (no gap between buckets) and their events returned, to be awaited in order; staged on
-        the CPU, one reused GPU buffer per dtype is received into and copied out bucket by
-        bucket, all before this returns (no events)."""
+        """Staged on the GPU (in ``kept`` buffers when given), every segment's receive is
+        queued at once (no gap between them) and their events returned, to be awaited in order
+        (``landed(event)`` is called with each as it is queued); staged on the CPU, one reused
+        GPU buffer per dtype is received into and copied out bucket by bucket, all before this
+        returns (no events)."""
         stream = torch.cuda.current_stream(device)
         staged: list[torch.Tensor] = []
         recv: dict[torch.dtype, torch.Tensor] = {}
@@ -403,13 +542,18 @@ class WeightSyncWorkerExtension:
                     size = max(x.numel for x in layout if x.dtype == bucket.dtype)
                     recv[bucket.dtype] = torch.empty(size, dtype=bucket.dtype, device=device)
                 flat = recv[bucket.dtype][: bucket.numel]
-            comm.broadcast(flat, src=0, stream=stream)
-            done = torch.cuda.Event()
-            done.record(stream)
+            for g in bucket.segments(segment_bytes):
+                comm.broadcast(flat.narrow(0, g.offset, g.numel), src=0, stream=stream)
+                if on_gpu:
+                    queued.append(torch.cuda.Event())
+                    queued[-1].record(stream)
+                    if landed is not None:
+                        landed(queued[-1])
             if on_gpu:
                 staged.append(flat)
-                queued.append(done)
                 continue
+            done = torch.cuda.Event()
+            done.record(stream)
             wait_event(done, comm, self._grpo_timeout_s, f"bucket {len(staged) + 1}/{len(layout)}")
             host = torch.empty(bucket.numel, dtype=bucket.dtype, pin_memory=True)
             host.copy_(flat)

@@ -7,10 +7,11 @@ a subprocess so it can be killed mid-sync).
   tensor reached the right place in vLLM's fused, renamed parameters).
 - A sync whose sender dies after the first bucket leaves the previous version serving, and a
   new sender can form the group again and sync.
-- A prepared sync (receives queued before the broadcast) loads the same exact weights; while
-  it is prepared generations wait (then run on the new weights) and sleep is refused; a
-  learner that dies after preparing leaves the old weights serving once the update expires,
-  and the next learner syncs.
+- A prepared sync (receives queued before the broadcast) loads the same exact weights, copied
+  into the parameters segment by segment as they land; while it is prepared generations wait
+  (then run on the new weights) and sleep is refused; a learner that dies part way through
+  one, or right after preparing, leaves exactly the old weights serving (the server restores
+  the parameters it saved), and the next learner syncs.
 """
 
 from __future__ import annotations
@@ -165,10 +166,24 @@ def test_prepared_sync(server, qwen3_dir, log_dir) -> None:
     (resp,) = out["responses"]
     assert resp["weight_version"] == version + 1
     assert resp["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
+    # the layout's copy plan was verified by the earlier tests: copied in as it landed
+    assert resp["loader"] == "direct-overlapped"
     served = server.get("/weights/checksum").json()
-    assert served["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
+    perturbed_checksum = out["reference_checksum"]
+    assert served["checksum"] == pytest.approx(perturbed_checksum, rel=1e-9)
     perturbed = greedy(server, PROMPTS)
     assert not perturbed.matches(before)
+
+    # A learner that dies part way through a prepared update: its first bucket was already
+    # copied into the parameters; the server puts back the ones it saved at prepare.
+    rc, out = send(server, qwen3_dir, perturb_seed=7, prepare=True, die=True, timeout_s=15.0,
+                   log_dir=log_dir)  # fmt: skip
+    assert rc == 3 and out == {"died_after_bucket": 0}, out
+    after = greedy(server, PROMPTS)  # waits for the failed commit or the expiry (15 s)
+    assert after.matches(perturbed), after.mismatch(perturbed)
+    assert server.info()["weight_version"] == version + 1
+    served = server.get("/weights/checksum").json()
+    assert served["checksum"] == pytest.approx(perturbed_checksum, rel=1e-9)
 
     # A learner that dies with its update prepared: other updates are refused, generations
     # wait until the update expires (the group's timeout, 15 s), then run on the old weights.
@@ -182,6 +197,8 @@ def test_prepared_sync(server, qwen3_dir, log_dir) -> None:
     assert time.monotonic() - start >= 10, "the generation did not wait for the expiry"
     assert after.matches(perturbed), after.mismatch(perturbed)
     assert server.info()["weight_version"] == version + 1
+    served = server.get("/weights/checksum").json()
+    assert served["checksum"] == pytest.approx(perturbed_checksum, rel=1e-9)
     # The next learner forms the group again and syncs (the original weights, prepared).
     rc, out = send(server, qwen3_dir, prepare=True, log_dir=log_dir)
     assert rc == 0, out

@@ -6,6 +6,8 @@ The broadcasts themselves need two GPUs (tests/gpu/test_nccl_sync.py).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -56,6 +58,75 @@ def test_layout_offsets_and_round_trip_through_a_flat_bucket() -> None:
         assert name == want_name
         assert torch.equal(view, want.to(torch.bfloat16))
         assert view.data_ptr() >= flat.data_ptr()  # a view into the bucket, not a copy
+
+
+def test_segments_by_hand() -> None:
+    """Runs of whole tensors of at most segment_bytes; a larger tensor alone; in order."""
+    specs = [
+        spec("a", "bfloat16", 50),  # 100 B
+        spec("b", "bfloat16", 50),  # 100 B: a+b = 200 fits in 200
+        spec("c", "bfloat16", 150),  # 300 B > 200: alone
+        spec("d", "bfloat16", 5),  # 10 B
+        spec("e", "bfloat16", 5),
+    ]
+    plan = plan_buckets(specs, 1 << 20)
+    (bucket,) = bucket_layout([s.model_dump() for s in specs], plan.buckets, plan.dtypes)
+    segs = bucket.segments(200)
+    assert [(g.first, g.stop, g.offset, g.numel) for g in segs] == [
+        (0, 2, 0, 100),
+        (2, 3, 100, 150),
+        (3, 5, 250, 10),
+    ]
+    assert [(g.first, g.stop) for g in bucket.segments(1 << 20)] == [(0, 5)]
+    assert [(g.first, g.stop) for g in bucket.segments(1)] == [(k, k + 1) for k in range(5)]
+    with pytest.raises(ValueError, match="segment_bytes"):
+        bucket.segments(0)
+
+
+def test_segments_tile_every_bucket_of_a_real_model(tiny_model_dir) -> None:
+    """For a Qwen3 model's layout, at any segment size: the segments cover each bucket's flat
+    buffer exactly, back to back, and only single tensors exceed segment_bytes; the packed
+    segments hold exactly the tensors a whole-bucket fill would put there."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.sync.nccl import pack, take_tensors
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    specs = param_specs(model, dtype=torch.bfloat16)
+    plan = plan_buckets(specs, bucket_bytes=256 * 1024)
+    layout = bucket_layout([s.model_dump() for s in specs], plan.buckets, plan.dtypes)
+    for segment_bytes in (1 << 10, 40 * 1024, 1 << 20):
+        it = iter_gathered_params(model)
+        whole = iter_gathered_params(model)
+        for bucket in layout:
+            segs = bucket.segments(segment_bytes)
+            assert segs[0].first == 0 and segs[-1].stop == len(bucket.entries)
+            assert all(a.stop == b.first for a, b in itertools.pairwise(segs))
+            assert all(a.offset + a.numel == b.offset for a, b in itertools.pairwise(segs))
+            assert segs[-1].offset + segs[-1].numel == bucket.numel
+            assert all(g.numel * 2 <= segment_bytes for g in segs if g.stop - g.first > 1)
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype)
+            for g in segs:
+                parts = take_tensors(bucket.entries[g.first : g.stop], it)
+                pack(flat.narrow(0, g.offset, g.numel), parts)
+            expected = torch.empty_like(flat)
+            fill_bucket(expected, bucket, whole)
+            assert torch.equal(flat, expected)
+        assert next(it, None) is None
+
+
+def test_segment_bytes_has_a_floor() -> None:
+    from pydantic import ValidationError
+
+    specs = [spec("a", "bfloat16", 4)]
+    assert (
+        NcclUpdateRequest(tensors=specs, buckets=[[0]], bucket_dtypes=["bfloat16"]).segment_bytes
+        == 64 << 20
+    )
+    with pytest.raises(ValidationError, match="segment_bytes"):
+        NcclUpdateRequest(
+            tensors=specs, buckets=[[0]], bucket_dtypes=["bfloat16"], segment_bytes=1024
+        )
 
 
 def test_fill_refuses_a_stream_that_disagrees_with_the_specs() -> None:
