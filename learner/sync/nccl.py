@@ -60,6 +60,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _SWITCH_INTERVAL_S = 0.0002  # GIL switch interval while a send is in progress
+# Each bucket goes over the wire in runs of whole tensors of at most this many bytes: the first
+# leaves while the next are packed, and the servers copy each in as it lands (prepared updates).
+SEGMENT_BYTES = 64 << 20
 
 _ITEMSIZE = {
     "float64": 8,
@@ -292,7 +295,11 @@ class NcclWeightSender:
 
     @staticmethod
     def _request(
-        specs: Sequence[TensorSpec], bucket_bytes: int, version: int | None, checksum: bool
+        specs: Sequence[TensorSpec],
+        bucket_bytes: int,
+        version: int | None,
+        checksum: bool,
+        segment_bytes: int,
     ) -> NcclUpdateRequest:
         plan = plan_buckets(specs, bucket_bytes)
         return NcclUpdateRequest(
@@ -301,6 +308,7 @@ class NcclWeightSender:
             bucket_dtypes=plan.dtypes,
             version=version,
             checksum=checksum,
+            segment_bytes=segment_bytes,
         )
 
     async def prepare(
@@ -310,6 +318,7 @@ class NcclWeightSender:
         bucket_bytes: int = 1 << 30,
         version: int | None = None,
         checksum: bool = False,
+        segment_bytes: int = SEGMENT_BYTES,
     ) -> bool:
         """Have every server queue the receives of the next ``send`` of these ``specs`` (same
         arguments), which then broadcasts at once and commits. Call it while the learner is
@@ -319,8 +328,8 @@ class NcclWeightSender:
         prepare (e.g. no GPU memory to stage on)."""
         if self._client is None:
             raise RuntimeError("NcclWeightSender.prepare before init()")
-        request = self._request(specs, bucket_bytes, version, checksum)
-        key = _update_key(specs, bucket_bytes, version, checksum)
+        request = self._request(specs, bucket_bytes, version, checksum, segment_bytes)
+        key = _update_key(specs, bucket_bytes, version, checksum, segment_bytes)
         if self._prepared is not None:
             if self._prepared.key == key:
                 return True
@@ -357,6 +366,7 @@ class NcclWeightSender:
         bucket_bytes: int = 1 << 30,
         version: int | None = None,
         checksum: bool = False,
+        segment_bytes: int = SEGMENT_BYTES,
         on_bucket: Callable[[int], None] | None = None,
     ) -> list[WeightUpdateResponse]:
         """Send one update. ``tensor_iter`` yields the tensors of ``specs`` in that order; each
@@ -368,7 +378,7 @@ class NcclWeightSender:
         if self._client is None:
             raise RuntimeError("NcclWeightSender.send before init()")
         specs = list(specs)
-        key = _update_key(specs, bucket_bytes, version, checksum)
+        key = _update_key(specs, bucket_bytes, version, checksum, segment_bytes)
         prepared, self._prepared = self._prepared, None
         if prepared is not None and prepared.key != key:
             log.warning("the update differs from the prepared one; announcing it instead")
@@ -377,7 +387,7 @@ class NcclWeightSender:
         if prepared is not None:
             request = prepared.request
         else:
-            request = self._request(specs, bucket_bytes, version, checksum)
+            request = self._request(specs, bucket_bytes, version, checksum, segment_bytes)
         if self._comm is None:  # a failed update aborted the group: form it again
             await self.init(self._client, **self._init_args)
         try:
@@ -399,8 +409,17 @@ class NcclWeightSender:
         layout = prepared.layout if prepared is not None else _layout(request)
         marks: dict[str, float] = {}  # the broadcast thread's progress, for profiling
         stop = threading.Event()
+        loop = asyncio.get_running_loop()
+        launched = asyncio.Event()
+
+        def on_launched() -> None:  # from the broadcast thread
+            loop.call_soon_threadsafe(launched.set)
+
+        # Announced: the workers queue their receives on the announce, so it goes first.
+        # Prepared: they wait already; the commit is posted once every broadcast is launched,
+        # so that the HTTP call does not hold the GIL while the thread launches them.
         announce = asyncio.ensure_future(
-            self._announce(request) if prepared is None else self._commit(prepared)
+            self._announce(request) if prepared is None else self._commit(prepared, launched)
         )
         announce.add_done_callback(
             lambda f: stop.set() if f.cancelled() or f.exception() is not None else None
@@ -420,14 +439,19 @@ class NcclWeightSender:
                 request.segment_bytes,
                 on_bucket,
                 marks,
+                on_launched,
             )
         except NcclGroupError as exc:
             self._comm = None  # aborted: the next send forms the group again
+            if not launched.is_set():
+                announce.cancel()  # a commit not posted yet: the servers drop theirs
             await asyncio.gather(announce, return_exceptions=True)
             if announce.done() and not announce.cancelled() and announce.exception():
                 raise announce.exception() from exc  # the server's reason is the useful one
             raise WeightSyncError("learner", f"NCCL broadcast failed: {exc}") from exc
         except BaseException:
+            if not launched.is_set():
+                announce.cancel()
             await asyncio.gather(announce, return_exceptions=True)  # the server says why
             raise
         finally:
@@ -456,9 +480,12 @@ class NcclWeightSender:
             client.servers, lambda s: client.nccl_update(s, request), "NCCL"
         )
 
-    async def _commit(self, prepared: _PreparedSend) -> list[WeightUpdateResponse]:
+    async def _commit(
+        self, prepared: _PreparedSend, launched: asyncio.Event
+    ) -> list[WeightUpdateResponse]:
         client = self._client
         assert client is not None
+        await launched.wait()
         ids = dict(zip(client.servers, prepared.ids, strict=True))
         return await announce_to_all(
             client.servers, lambda s: client.nccl_commit(s, ids[s]), "NCCL"
@@ -473,6 +500,7 @@ class NcclWeightSender:
         segment_bytes: int,
         on_bucket: Callable[[int], None] | None,
         marks: dict[str, float],
+        on_launched: Callable[[], None],
     ) -> float:
         """Fill and broadcast every bucket, then the commit word; returns the checksum.
 
@@ -487,7 +515,7 @@ class NcclWeightSender:
         it = iter(tensor_iter)
         try:
             total, failure = self._stream_buckets(
-                layout, it, stop, checksum, segment_bytes, on_bucket, marks
+                layout, it, stop, checksum, segment_bytes, on_bucket, marks, on_launched
             )
         except NcclGroupError:
             drain(it, quiet=True)
@@ -510,6 +538,7 @@ class NcclWeightSender:
         segment_bytes: int,
         on_bucket: Callable[[int], None] | None,
         marks: dict[str, float],
+        on_launched: Callable[[], None],
     ) -> tuple[float, Exception | None]:
         """Every bucket goes out segment by segment (``Bucket.segments``) on a wire stream. A
         segment of one tensor that already has the bucket's dtype leaves from that tensor; the
@@ -558,8 +587,9 @@ class NcclWeightSender:
                             flat.zero_()
                         else:
                             pack(flat, parts)
-                    for t in parts or ():
-                        t.record_stream(fill)
+                    # the packed tensors may be freed (gathered copies) and their memory reused
+                    # by the compute stream: not before the pack (one wait, not per tensor)
+                    compute.wait_stream(fill)
                     wire.wait_stream(fill)
                 if total is not None and failure is None:
                     with torch.cuda.stream(wire):
@@ -583,6 +613,7 @@ class NcclWeightSender:
         done = torch.cuda.Event()
         done.record(wire)
         marks["word"] = time.perf_counter()
+        on_launched()
         wait_event(done, comm, timeout_s, "commit word", stop)
         marks["done"] = time.perf_counter()
         return (float(total) if total is not None else 0.0), failure
@@ -633,10 +664,9 @@ class _Slots:
             flat.record_stream(wire)
 
 
-def _update_key(
-    specs: Sequence[TensorSpec], bucket_bytes: int, version: int | None, checksum: bool
-) -> tuple:
-    return (tuple((s.name, s.dtype, *s.shape) for s in specs), bucket_bytes, version, checksum)
+def _update_key(specs: Sequence[TensorSpec], *args: Any) -> tuple:
+    """What makes two updates the same: every spec, and the other arguments."""
+    return (tuple((s.name, s.dtype, *s.shape) for s in specs), *args)
 
 
 def _layout(request: NcclUpdateRequest) -> list[Bucket]:

@@ -387,13 +387,16 @@ class WeightSyncWorkerExtension:
                 copies.append(([d for d, _ in pairs], [t for _, t in pairs]))
             base += len(bucket.entries)
         dests = list(plan.dests)
-        nbytes = sum(d.numel() * d.element_size() for d in dests)
-        free, _ = torch.cuda.mem_get_info(device)
-        if nbytes + _GPU_STAGING_MARGIN > free:
-            log.info("no GPU room to save the parameters (%d MiB): prepared updates are copied "
-                     "in after the commit", nbytes >> 20)  # fmt: skip
-            return None
-        saved = [torch.empty_like(d) for d in dests]
+        if kept.overlap is not None:  # another segment size: the saved copy is the same
+            saved = kept.overlap.saved
+        else:
+            nbytes = sum(d.numel() * d.element_size() for d in dests)
+            free, _ = torch.cuda.mem_get_info(device)
+            if nbytes + _GPU_STAGING_MARGIN > free:
+                log.info("no GPU room to save the parameters (%d MiB): prepared updates are "
+                         "copied in after the commit", nbytes >> 20)  # fmt: skip
+                return None
+            saved = [torch.empty_like(d) for d in dests]
         kept.overlap = _Overlap(segment_bytes, copies, dests, saved)
         return kept.overlap
 
