@@ -296,7 +296,7 @@ async def measure_sync(
 ) -> dict[str, Any]:
     """Full syncs, in turn: announced with the send, and prepared beforehand (``prepare`` while
     a simulated 50 ms optimizer step runs; ``send`` is the critical path) with the default
-    segments and with 16 and 256 MiB ones. Also the HTTP round trip to the server (``/health``),
+    segments and with 128 and 256 MiB ones. Also the HTTP round trip to the server (``/health``),
     the floor of the commit's answer."""
     import torch
     from gpu_sender import connect, load_model
@@ -312,7 +312,7 @@ async def measure_sync(
     segments = {
         "announced": SEGMENT_BYTES,
         "prepared": SEGMENT_BYTES,
-        "prepared_16mb": 16 << 20,
+        "prepared_128mb": 128 << 20,
         "prepared_256mb": 256 << 20,
     }
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in segments}

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 CHECKSUM_CHUNK = 1 << 26
 _POLL_S = 0.0005  # the longest sleep between polls; the first ones are much shorter
 _POLL_FIRST_S = 0.00002
+_POLL_FAST_S = 0.00005  # the longest sleep while the wait is young: a sync ends within ~50 us
+_FAST_FOR_S = 0.2
 
 
 def flat_checksum(flat: torch.Tensor, chunk: int = CHECKSUM_CHUNK) -> torch.Tensor:
@@ -162,8 +164,9 @@ def wait_event(
 
     On timeout, a NCCL async error, or ``stop`` being set (a threading.Event), the communicator
     is aborted and ``NcclGroupError`` raised."""
-    deadline = time.monotonic() + timeout_s
-    delay = _POLL_FIRST_S  # doubles up to _POLL_S: a short wait ends within tens of us
+    now = time.monotonic()
+    deadline, fast_until = now + timeout_s, now + _FAST_FOR_S
+    delay = _POLL_FIRST_S  # doubles up to _POLL_FAST_S, later _POLL_S
     while not event.query():
         reason = None
         if stop is not None and stop.is_set():
@@ -176,7 +179,7 @@ def wait_event(
             nccl_abort(comm)
             raise NcclGroupError(f"{what}: {reason}; the weight-sync group was aborted")
         time.sleep(delay)
-        delay = min(2 * delay, _POLL_S)
+        delay = min(2 * delay, _POLL_FAST_S if time.monotonic() < fast_until else _POLL_S)
 
 
 def join_group(

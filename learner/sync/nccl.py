@@ -540,15 +540,17 @@ class NcclWeightSender:
         marks: dict[str, float],
         on_launched: Callable[[], None],
     ) -> tuple[float, Exception | None]:
-        """Every bucket goes out segment by segment (``Bucket.segments``) on a wire stream. A
-        segment of one tensor that already has the bucket's dtype leaves from that tensor; the
-        others are packed (one ``torch.cat``) into one of two buffers per dtype on a fill stream
-        while the previous segment is on the wire. The streams wait on each other on the GPU:
-        this thread only launches, and blocks once, for the commit word."""
+        """Every bucket goes out segment by segment (``Bucket.segments``) on a wire stream.
+
+        This thread runs on a fill stream, so the stream's tensors (a ZeRO-3 gather's copies)
+        are made there too. A segment of one tensor that already has the bucket's dtype leaves
+        from that tensor; the others are packed (one ``torch.cat``) into one of two buffers per
+        dtype while the previous segment is on the wire. The two streams wait on each other on
+        the GPU (a few reused events per segment): this thread only launches, and blocks once,
+        for the commit word, unless ``on_bucket`` asks it to wait for every bucket."""
         import torch
 
         comm, timeout_s, device = self._comm, float(self._init_args["timeout_s"]), self._device
-        compute = torch.cuda.current_stream(device)  # where the stream's tensors were made
         if self._streams is None:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         fill, wire = self._streams
@@ -561,51 +563,54 @@ class NcclWeightSender:
         slots = _Slots(largest, device)
         failure: Exception | None = None
         total = torch.zeros((), dtype=torch.float64, device=device) if checksum else None
-        wire.wait_stream(compute)
-        for b, (bucket, segs) in enumerate(cut):
-            for g in segs:
-                parts = None
-                if failure is None:
-                    try:
-                        parts = take_tensors(bucket.entries[g.first : g.stop], it)
-                    except Exception as exc:
-                        failure = exc
-                        log.error("weight sync abandoned at bucket %d: %s", b, exc)
-                direct = (
-                    parts is not None
-                    and len(parts) == 1
-                    and parts[0].dtype == bucket.dtype
-                    and parts[0].device == device
-                )
-                if direct:
-                    flat = parts[0]  # type: ignore[index]
-                    wire.wait_stream(compute)
-                else:
-                    flat = slots.take(bucket.dtype, g.numel, fill, compute)
-                    with torch.cuda.stream(fill):
+        ready = torch.cuda.Event()  # the segment just packed (or made) on the fill stream
+        fill.wait_stream(torch.cuda.current_stream(device))  # the caller's last writes
+        marks["setup"] = time.perf_counter()
+        with torch.cuda.stream(fill):
+            for b, (bucket, segs) in enumerate(cut):
+                for g in segs:
+                    parts = None
+                    if failure is None:
+                        try:
+                            parts = take_tensors(bucket.entries[g.first : g.stop], it)
+                        except Exception as exc:
+                            failure = exc
+                            log.error("weight sync abandoned at bucket %d: %s", b, exc)
+                    direct = (
+                        parts is not None
+                        and len(parts) == 1
+                        and parts[0].dtype == bucket.dtype
+                        and parts[0].device == device
+                    )
+                    if direct:
+                        flat = parts[0]  # type: ignore[index]
+                        flat.record_stream(wire)  # a gathered copy may be freed before it left
+                    else:
+                        flat, slot = slots.take(bucket.dtype, g.numel, wire)
                         if parts is None:
                             flat.zero_()
                         else:
                             pack(flat, parts)
-                    # the packed tensors may be freed (gathered copies) and their memory reused
-                    # by the compute stream: not before the pack (one wait, not per tensor)
-                    compute.wait_stream(fill)
-                    wire.wait_stream(fill)
-                if total is not None and failure is None:
-                    with torch.cuda.stream(wire):
-                        total += flat_checksum(flat)
-                comm.broadcast(flat, src=0, stream=wire)
-                slots.sent(flat, wire)
-                del flat, parts
-                marks.setdefault("first", time.perf_counter())
-            marks[f"launched{b}"] = time.perf_counter()
-            if on_bucket is not None:
-                left = torch.cuda.Event()
-                left.record(wire)
-                wait_event(left, comm, timeout_s, f"bucket {b + 1}", stop)
-                on_bucket(b)
-        if failure is None and next(it, None) is not None:
-            failure = ValueError("the tensor stream yielded more tensors than the specs announce")
+                    ready.record(fill)
+                    wire.wait_event(ready)
+                    if total is not None and failure is None:
+                        with torch.cuda.stream(wire):
+                            total += flat_checksum(flat)
+                    comm.broadcast(flat, src=0, stream=wire)
+                    if not direct:
+                        slots.sent(bucket.dtype, slot, wire)
+                    del flat, parts
+                    marks.setdefault("first", time.perf_counter())
+                marks[f"launched{b}"] = time.perf_counter()
+                if on_bucket is not None:
+                    left = torch.cuda.Event()
+                    left.record(wire)
+                    wait_event(left, comm, timeout_s, f"bucket {b + 1}", stop)
+                    on_bucket(b)
+            if failure is None and next(it, None) is not None:
+                failure = ValueError(
+                    "the tensor stream yielded more tensors than the specs announce"
+                )
         with torch.cuda.stream(wire):
             # filled on the GPU: a copy from pageable host memory would first wait for the stream
             word = torch.full((1,), 0 if failure else 1, dtype=torch.int32, device=device)
@@ -620,9 +625,9 @@ class NcclWeightSender:
 
 
 class _Slots:
-    """Two packing buffers per dtype, taken in turn. A buffer is refilled only after the
-    segment last sent from it has left (a wait on the GPU, not here); a segment larger than
-    the buffers (one tensor that needs a cast) gets a buffer of its own."""
+    """Two packing buffers per dtype, taken in turn on the (current) fill stream. A buffer is
+    refilled only after the segment last sent from it has left (a wait on the GPU, not here);
+    a segment larger than the buffers (one tensor that needs a cast) gets one of its own."""
 
     def __init__(self, numel: dict[torch.dtype, int], device: torch.device) -> None:
         import torch
@@ -630,38 +635,32 @@ class _Slots:
         self._buffers = {
             d: [torch.empty(n, dtype=d, device=device) for _ in range(2)] for d, n in numel.items()
         }
-        self._left: dict[int, torch.cuda.Event] = {}  # buffer's data_ptr -> its last send
+        self._left = {d: [torch.cuda.Event(), torch.cuda.Event()] for d in numel}
+        self._used = {d: [False, False] for d in numel}
         self._turn: dict[torch.dtype, int] = dict.fromkeys(numel, 0)
         self._device = device
 
     def take(
-        self, dtype: torch.dtype, numel: int, fill: torch.cuda.Stream, compute: torch.cuda.Stream
-    ) -> torch.Tensor:
+        self, dtype: torch.dtype, numel: int, wire: torch.cuda.Stream
+    ) -> tuple[torch.Tensor, int]:
+        """A buffer of ``numel`` and its slot (-1: a buffer of its own)."""
         import torch
 
-        fill.wait_stream(compute)  # the tensors to pack are ready (e.g. gathered)
         buffers = self._buffers.get(dtype)
         if buffers is None or numel > buffers[0].numel():
             out = torch.empty(numel, dtype=dtype, device=self._device)
-            out.record_stream(fill)
-            return out
+            out.record_stream(wire)
+            return out, -1
         k = self._turn[dtype]
         self._turn[dtype] = 1 - k
-        out = buffers[k]
-        if (left := self._left.get(out.data_ptr())) is not None:
-            fill.wait_event(left)
-        return out[:numel]
+        if self._used[dtype][k]:
+            torch.cuda.current_stream(self._device).wait_event(self._left[dtype][k])
+        return buffers[k][:numel], k
 
-    def sent(self, flat: torch.Tensor, wire: torch.cuda.Stream) -> None:
-        import torch
-
-        ptr = flat.data_ptr()
-        if any(b[0].data_ptr() == ptr or b[1].data_ptr() == ptr for b in self._buffers.values()):
-            left = torch.cuda.Event()
-            left.record(wire)
-            self._left[ptr] = left
-        else:
-            flat.record_stream(wire)
+    def sent(self, dtype: torch.dtype, slot: int, wire: torch.cuda.Stream) -> None:
+        if slot >= 0:
+            self._left[dtype][slot].record(wire)
+            self._used[dtype][slot] = True
 
 
 def _update_key(specs: Sequence[TensorSpec], *args: Any) -> tuple:
