@@ -299,7 +299,7 @@ async def measure_sync(
     segments and with 128 and 256 MiB ones. Also the HTTP round trip to the server (``/health``),
     the floor of the commit's answer."""
     import torch
-    from gpu_sender import connect, load_model
+    from gpu_sender import connect, load_model, reference_checksum
 
     from learner.sync.nccl import SEGMENT_BYTES
     from learner.sync.zero3 import iter_gathered_params, param_specs
@@ -331,6 +331,19 @@ async def measure_sync(
                 print(f"[bench] sync {mode} {i}: {json.dumps(record)}", flush=True)
                 if i:  # the first one is a warm-up (and verifies the direct-copy plan)
                     records.append(record)
+        # The bytes are right, not only fast: a prepared send of a perturbed model with checksums
+        # (the server's of what it received equals the learner's of what it sent), then the
+        # weights vLLM serves equal the learner's parameters.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=1e-3)
+        kw = dict(bucket_bytes=1 << 30, checksum=True)
+        assert await sender.prepare(specs, **kw), "prepare refused"
+        checked = await sender.send(specs, iter_gathered_params(model), **kw)
+        (served,) = await client.weights_checksum()
+        reference = reference_checksum(model)
+        exact = abs(served.checksum - reference) <= 1e-9 * abs(reference)
+        assert exact, f"served checksum {served.checksum} != the learner's {reference}"
         rtts = []
         for _ in range(21):
             t0 = time.perf_counter()
@@ -370,6 +383,12 @@ async def measure_sync(
         "ours_vs_ideal": best / ideal,
         "ours_median_vs_ideal": modes["prepared"]["median_s"] / ideal,
         "http_round_trip_median_ms": sorted(rtts)[len(rtts) // 2] * 1e3,
+        "checked": {
+            "loader": checked[0].loader,
+            "served_checksum": served.checksum,
+            "learner_checksum": reference,
+            "equal": exact,
+        },
         "per_tensor_s": per_tensor,
         "per_tensor_vs_ours": per_tensor / modes["announced"]["best_s"],
     }

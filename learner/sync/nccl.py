@@ -40,6 +40,7 @@ from rollout_server.nccl_wire import (
     Bucket,
     BucketEntry,
     NcclGroupError,
+    Segment,
     bucket_layout,
     flat_checksum,
     join_group,
@@ -200,6 +201,7 @@ class NcclWeightSender:
         self._init_args: dict[str, Any] = {}
         self._prepared: _PreparedSend | None = None
         self._streams: tuple[Any, Any] | None = None  # (fill, wire) on the learner's GPU
+        self._slots: dict[int, _Slots] = {}  # packing buffers by segment size, kept
         self.last_stats: dict[str, float] = {}
         self.last_prepare_s: float | None = None
 
@@ -544,8 +546,8 @@ class NcclWeightSender:
 
         This thread runs on a fill stream, so the stream's tensors (a ZeRO-3 gather's copies)
         are made there too. A segment of one tensor that already has the bucket's dtype leaves
-        from that tensor; the others are packed (one ``torch.cat``) into one of two buffers per
-        dtype while the previous segment is on the wire. The two streams wait on each other on
+        from that tensor; the others are packed (one fused multi-tensor copy into kept views)
+        into one of two buffers per dtype while the previous segment is on the wire. The two streams wait on each other on
         the GPU (a few reused events per segment): this thread only launches, and blocks once,
         for the commit word, unless ``on_bucket`` asks it to wait for every bucket."""
         import torch
@@ -554,25 +556,26 @@ class NcclWeightSender:
         if self._streams is None:
             self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         fill, wire = self._streams
-        cut = [(bucket, bucket.segments(segment_bytes)) for bucket in layout]
-        largest: dict[torch.dtype, int] = {}
-        for bucket, segs in cut:
-            for g in segs:
-                if g.stop - g.first > 1:
-                    largest[bucket.dtype] = max(largest.get(bucket.dtype, 0), g.numel)
-        slots = _Slots(largest, device)
+        slots = self._slots.get(segment_bytes)
+        if slots is None or not slots.serves(layout):
+            if len(self._slots) >= 4:  # one per segment size in use; a few at most
+                self._slots.clear()
+            slots = self._slots[segment_bytes] = _Slots(layout, segment_bytes, device)
+        slots.reset()
         failure: Exception | None = None
         total = torch.zeros((), dtype=torch.float64, device=device) if checksum else None
         ready = torch.cuda.Event()  # the segment just packed (or made) on the fill stream
         fill.wait_stream(torch.cuda.current_stream(device))  # the caller's last writes
         marks["setup"] = time.perf_counter()
         with torch.cuda.stream(fill):
-            for b, (bucket, segs) in enumerate(cut):
-                for g in segs:
+            for b, (bucket, segs) in enumerate(zip(layout, slots.cut, strict=True)):
+                for i, g in enumerate(segs):
                     parts = None
                     if failure is None:
                         try:
                             parts = take_tensors(bucket.entries[g.first : g.stop], it)
+                            if "taken" not in marks:
+                                marks["taken"] = time.perf_counter()
                         except Exception as exc:
                             failure = exc
                             log.error("weight sync abandoned at bucket %d: %s", b, exc)
@@ -581,26 +584,28 @@ class NcclWeightSender:
                         and len(parts) == 1
                         and parts[0].dtype == bucket.dtype
                         and parts[0].device == device
+                        and parts[0].is_contiguous()
                     )
                     if direct:
                         flat = parts[0]  # type: ignore[index]
                         flat.record_stream(wire)  # a gathered copy may be freed before it left
                     else:
-                        flat, slot = slots.take(bucket.dtype, g.numel, wire)
+                        flat, slot, views = slots.take(b, i, wire)
                         if parts is None:
                             flat.zero_()
                         else:
-                            pack(flat, parts)
+                            pack_into(views, parts)
                     ready.record(fill)
                     wire.wait_event(ready)
                     if total is not None and failure is None:
                         with torch.cuda.stream(wire):
-                            total += flat_checksum(flat)
+                            total += flat_checksum(flat.view(-1))
                     comm.broadcast(flat, src=0, stream=wire)
                     if not direct:
                         slots.sent(bucket.dtype, slot, wire)
                     del flat, parts
-                    marks.setdefault("first", time.perf_counter())
+                    if "first" not in marks:
+                        marks["first"] = time.perf_counter()
                 marks[f"launched{b}"] = time.perf_counter()
                 if on_bucket is not None:
                     left = torch.cuda.Event()
@@ -625,37 +630,61 @@ class NcclWeightSender:
 
 
 class _Slots:
-    """Two packing buffers per dtype, taken in turn on the (current) fill stream. A buffer is
-    refilled only after the segment last sent from it has left (a wait on the GPU, not here);
-    a segment larger than the buffers (one tensor that needs a cast) gets one of its own."""
+    """Two packing buffers per dtype, taken in turn on the (current) fill stream, with the
+    views that the segments' tensors are copied into (made once per layout and kept, with the
+    buffers, for the next send of it). A buffer is refilled only after the segment last sent
+    from it has left (a wait on the GPU, not here); a segment larger than the buffers (one
+    tensor that needs a cast) gets one of its own."""
 
-    def __init__(self, numel: dict[torch.dtype, int], device: torch.device) -> None:
+    def __init__(self, layout: list[Bucket], segment_bytes: int, device: torch.device) -> None:
         import torch
 
+        self.layout, self.segment_bytes = layout, segment_bytes
+        self.cut = [bucket.segments(segment_bytes) for bucket in layout]
+        numel: dict[torch.dtype, int] = {}
+        for bucket, segs in zip(layout, self.cut, strict=True):
+            for g in segs:
+                if g.stop - g.first > 1:
+                    numel[bucket.dtype] = max(numel.get(bucket.dtype, 0), g.numel)
         self._buffers = {
             d: [torch.empty(n, dtype=d, device=device) for _ in range(2)] for d, n in numel.items()
         }
         self._left = {d: [torch.cuda.Event(), torch.cuda.Event()] for d in numel}
         self._used = {d: [False, False] for d in numel}
         self._turn: dict[torch.dtype, int] = dict.fromkeys(numel, 0)
+        self._views: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         self._device = device
 
+    def serves(self, layout: list[Bucket]) -> bool:
+        return layout is self.layout or layout == self.layout
+
+    def reset(self) -> None:
+        """A new send: the previous one's segments have all left."""
+        for used in self._used.values():
+            used[:] = [False, False]
+
     def take(
-        self, dtype: torch.dtype, numel: int, wire: torch.cuda.Stream
-    ) -> tuple[torch.Tensor, int]:
-        """A buffer of ``numel`` and its slot (-1: a buffer of its own)."""
+        self, b: int, i: int, wire: torch.cuda.Stream
+    ) -> tuple[torch.Tensor, int, list[torch.Tensor]]:
+        """Segment ``i`` of bucket ``b``: its buffer, slot (-1: a buffer of its own) and the
+        views of its tensors into the buffer."""
         import torch
 
-        buffers = self._buffers.get(dtype)
-        if buffers is None or numel > buffers[0].numel():
-            out = torch.empty(numel, dtype=dtype, device=self._device)
+        bucket, g = self.layout[b], self.cut[b][i]
+        buffers = self._buffers.get(bucket.dtype)
+        if buffers is None or g.numel > buffers[0].numel():
+            out = torch.empty(g.numel, dtype=bucket.dtype, device=self._device)
             out.record_stream(wire)
-            return out, -1
-        k = self._turn[dtype]
-        self._turn[dtype] = 1 - k
-        if self._used[dtype][k]:
-            torch.cuda.current_stream(self._device).wait_event(self._left[dtype][k])
-        return buffers[k][:numel], k
+            return out, -1, segment_views(out, bucket, g)
+        k = self._turn[bucket.dtype]
+        self._turn[bucket.dtype] = 1 - k
+        if self._used[bucket.dtype][k]:
+            torch.cuda.current_stream(self._device).wait_event(self._left[bucket.dtype][k])
+        flat = buffers[k][: g.numel]
+        views = self._views.get((k, b, i))
+        if views is None:
+            views = self._views[(k, b, i)] = segment_views(flat, bucket, g)
+        return flat, k, views
 
     def sent(self, dtype: torch.dtype, slot: int, wire: torch.cuda.Stream) -> None:
         if slot >= 0:
@@ -674,8 +703,8 @@ def _layout(request: NcclUpdateRequest) -> list[Bucket]:
 
 
 def take_tensors(entries: Sequence[BucketEntry], it: Iterator[tuple[str, Any]]) -> list[Any]:
-    """The stream's next tensors, one per entry, flattened; raises if a name or shape differs
-    from what the specs announced."""
+    """The stream's next tensors, one per entry; raises if a name or shape differs from what
+    the specs announced."""
     parts = []
     for e in entries:
         try:
@@ -687,28 +716,33 @@ def take_tensors(entries: Sequence[BucketEntry], it: Iterator[tuple[str, Any]]) 
                 f"the tensor stream yielded {name!r} {list(tensor.shape)} where the specs "
                 f"announced {e.name!r} {list(e.shape)}; build specs and stream from one model"
             )
-        parts.append(tensor.reshape(-1))
+        parts.append(tensor)
     return parts
 
 
-def pack(flat: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
-    """Copy (and cast) ``parts`` back to back into ``flat``: one ``torch.cat`` into it (one
-    kernel, not one copy per tensor: a bucket of a few hundred tensors would otherwise cost
+def segment_views(flat: torch.Tensor, bucket: Bucket, g: Segment) -> list[torch.Tensor]:
+    """Views of ``flat`` (segment ``g``'s buffer) shaped as its tensors, back to back."""
+    out, offset = [], 0
+    for e in bucket.entries[g.first : g.stop]:
+        out.append(flat.narrow(0, offset, e.numel).view(e.shape))
+        offset += e.numel
+    return out
+
+
+def pack_into(views: Sequence[torch.Tensor], parts: Sequence[torch.Tensor]) -> None:
+    """Copy (and cast) ``parts`` into ``views``: one fused multi-tensor copy (a kernel launch
+    or a few, not one per tensor: a bucket of a few hundred tensors would otherwise cost
     milliseconds of launches on the sync's critical path)."""
     import torch
 
-    if all(t.device == flat.device for t in parts):
-        torch.cat(list(parts), out=flat)
-        return
-    offset = 0
-    for t in parts:  # e.g. a CPU-offloaded parameter
-        flat.narrow(0, offset, t.numel()).copy_(t, non_blocking=True)
-        offset += t.numel()
+    with torch.no_grad():  # tensors of another dtype or device take torch's per-tensor path
+        torch._foreach_copy_(list(views), list(parts))
 
 
 def fill_bucket(flat: torch.Tensor, bucket: Bucket, it: Iterator[tuple[str, Any]]) -> None:
     """Copy (and cast) the next tensors of the stream into their places in ``flat``."""
-    pack(flat, take_tensors(bucket.entries, it))
+    whole = Segment(0, len(bucket.entries), 0, bucket.numel)
+    pack_into(segment_views(flat, bucket, whole), take_tensors(bucket.entries, it))
 
 
 def drain(it: Any, quiet: bool) -> None:

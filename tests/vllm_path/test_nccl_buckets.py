@@ -89,7 +89,7 @@ def test_segments_tile_every_bucket_of_a_real_model(tiny_model_dir) -> None:
     segments hold exactly the tensors a whole-bucket fill would put there."""
     from transformers import AutoModelForCausalLM
 
-    from learner.sync.nccl import pack, take_tensors
+    from learner.sync.nccl import pack_into, segment_views, take_tensors
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     specs = param_specs(model, dtype=torch.bfloat16)
@@ -108,7 +108,9 @@ def test_segments_tile_every_bucket_of_a_real_model(tiny_model_dir) -> None:
             flat = torch.empty(bucket.numel, dtype=bucket.dtype)
             for g in segs:
                 parts = take_tensors(bucket.entries[g.first : g.stop], it)
-                pack(flat.narrow(0, g.offset, g.numel), parts)
+                views = segment_views(flat.narrow(0, g.offset, g.numel), bucket, g)
+                assert [tuple(v.shape) for v in views] == [tuple(t.shape) for t in parts]
+                pack_into(views, parts)
             expected = torch.empty_like(flat)
             fill_bucket(expected, bucket, whole)
             assert torch.equal(flat, expected)
