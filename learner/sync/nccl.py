@@ -1,7 +1,9 @@
 """Weight sync over NCCL: learner rank 0 broadcasts flat buckets to every rollout worker.
 
 One ``send`` is one HTTP announce per server (every tensor's name/dtype/shape and the bucket
-layout) plus one broadcast per bucket and a final commit word, never one round trip per tensor.
+layout) plus one broadcast per bucket segment (runs of whole tensors of at most
+``segment_bytes``: the first leaves while the next are packed) and a final commit word, never
+one round trip per tensor.
 The announce answers once the server has loaded the update (or refused it), so it runs
 concurrently with the broadcasts.
 
