@@ -328,25 +328,30 @@ class WeightSyncWorkerExtension:
         forwards = torch.cuda.current_stream(device)
         stream = self._grpo_side_stream if prepared else forwards
         copied = None
-        with self._grpo_group_dropped_on_failure(), torch.cuda.stream(stream):
-            landed = None
-            if overlap is not None:
-                landed, copied = self._grpo_queue_copies(overlap, forwards)
-            staged, queued = self._grpo_receive_buckets(
-                comm,
-                layout,
-                device,
-                on_gpu,
-                kept.buffers if kept is not None else None,
-                segment_bytes,
-                landed,
-            )
-            word = torch.zeros(1, dtype=torch.int32, device=device)
-            comm.broadcast(word, src=0, stream=stream)
-            queued.append(torch.cuda.Event())
-            queued[-1].record(stream)
-            if copied is not None:
-                copied.record(self._grpo_copy_stream)
+        try:
+            with self._grpo_group_dropped_on_failure(), torch.cuda.stream(stream):
+                landed = None
+                if overlap is not None:
+                    landed, copied = self._grpo_queue_copies(overlap, forwards)
+                staged, queued = self._grpo_receive_buckets(
+                    comm,
+                    layout,
+                    device,
+                    on_gpu,
+                    kept.buffers if kept is not None else None,
+                    segment_bytes,
+                    landed,
+                )
+                word = torch.zeros(1, dtype=torch.int32, device=device)
+                comm.broadcast(word, src=0, stream=stream)
+                queued.append(torch.cuda.Event())
+                queued[-1].record(stream)
+                if copied is not None:
+                    copied.record(self._grpo_copy_stream)
+        except BaseException:
+            if copied is not None:  # copies already queued behind receives that were aborted
+                self._grpo_restore(overlap)  # type: ignore[arg-type]
+            raise
         self._grpo_pending = _Pending(
             layout,
             key,
