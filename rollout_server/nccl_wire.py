@@ -12,6 +12,7 @@ import ctypes
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,15 @@ def flat_checksum(flat: torch.Tensor, chunk: int = CHECKSUM_CHUNK) -> torch.Tens
         part = flat[start : start + chunk].double()  # [<=chunk]
         total += part.sum() + part.square().sum()
     return total
+
+
+def copy_all(dests: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """``dests[k].copy_(sources[k])`` for every k as one fused multi-tensor copy on the current
+    stream (a launch or a few, not one per tensor: a few hundred tensors would otherwise cost
+    milliseconds of launches). Tensors of another dtype or device take torch's per-tensor
+    path."""
+    with torch.no_grad():
+        torch._foreach_copy_(list(dests), list(sources))
 
 
 def params_checksum(model: torch.nn.Module) -> float:

@@ -44,6 +44,7 @@ from rollout_server.nccl_wire import (
     NcclGroupError,
     Segment,
     bucket_layout,
+    copy_all,
     flat_checksum,
     join_group,
     nccl_abort,
@@ -596,7 +597,7 @@ class NcclWeightSender:
                         if parts is None:
                             flat.zero_()
                         else:
-                            pack_into(views, parts)
+                            copy_all(views, parts)
                     ready.record(fill)
                     wire.wait_event(ready)
                     if total is not None and failure is None:
@@ -731,20 +732,10 @@ def segment_views(flat: torch.Tensor, bucket: Bucket, g: Segment) -> list[torch.
     return out
 
 
-def pack_into(views: Sequence[torch.Tensor], parts: Sequence[torch.Tensor]) -> None:
-    """Copy (and cast) ``parts`` into ``views``: one fused multi-tensor copy (a kernel launch
-    or a few, not one per tensor: a bucket of a few hundred tensors would otherwise cost
-    milliseconds of launches on the sync's critical path)."""
-    import torch
-
-    with torch.no_grad():  # tensors of another dtype or device take torch's per-tensor path
-        torch._foreach_copy_(list(views), list(parts))
-
-
 def fill_bucket(flat: torch.Tensor, bucket: Bucket, it: Iterator[tuple[str, Any]]) -> None:
     """Copy (and cast) the next tensors of the stream into their places in ``flat``."""
     whole = Segment(0, len(bucket.entries), 0, bucket.numel)
-    pack_into(segment_views(flat, bucket, whole), take_tensors(bucket.entries, it))
+    copy_all(segment_views(flat, bucket, whole), take_tensors(bucket.entries, it))
 
 
 def drain(it: Any, quiet: bool) -> None:

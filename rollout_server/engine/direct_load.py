@@ -5,7 +5,7 @@ parameter's ``weight_loader``: 7-15 ms for a 0.6B model, several times the NCCL 
 whole update. For an unquantized model on one GPU every checkpoint tensor lands in one
 contiguous row range of one parameter (``q_proj`` in the first rows of ``qkv_proj``, ``up_proj``
 after ``gate_proj`` in ``gate_up_proj``), so a *copy plan* of destination views, built once per
-update layout, turns each later load into one ``torch._foreach_copy_``.
+update layout, turns each later load into one fused multi-tensor copy (``nccl_wire.copy_all``).
 
 Plans are made only for updates that cover every parameter (what the learner sends each step),
 and trusted only once vLLM agrees: the first update of a layout is loaded with ``load_weights``,
@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from rollout_server.nccl_wire import copy_all
 
 # vLLM's usual fusions, for a model class without ``packed_modules_mapping`` (``verify`` still
 # decides whether a plan built from them is right)
@@ -135,10 +137,4 @@ def verify(plan: CopyPlan, tensors: Sequence[torch.Tensor]) -> str | None:
 
 def copy_in(plan: CopyPlan, tensors: Sequence[torch.Tensor]) -> None:
     """Copy the update into the parameters: one fused multi-tensor copy where torch has it."""
-    srcs = [tensors[i] for i in plan.sources]
-    with torch.no_grad():
-        if hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(list(plan.dests), srcs)
-        else:  # pragma: no cover - every torch this project supports has it
-            for d, s in zip(plan.dests, srcs, strict=True):
-                d.copy_(s)
+    copy_all(plan.dests, [tensors[i] for i in plan.sources])

@@ -53,6 +53,7 @@ from rollout_server.nccl_wire import (  # the wire format, shared with the learn
     Bucket,
     NcclGroupError,
     bucket_layout,
+    copy_all,
     flat_checksum,
     join_group,
     nccl_abort,
@@ -415,16 +416,16 @@ class WeightSyncWorkerExtension:
             self._grpo_copy_stream = torch.cuda.Stream(forwards.device)
         copy = self._grpo_copy_stream
         copy.wait_stream(forwards)  # the last forwards are done (generation is held)
-        with torch.no_grad(), torch.cuda.stream(copy):
-            torch._foreach_copy_(overlap.saved, overlap.dests)
+        with torch.cuda.stream(copy):
+            copy_all(overlap.saved, overlap.dests)
         segments = iter(overlap.copies)
 
         def landed(event: torch.cuda.Event) -> None:
             dests, sources = next(segments)
             copy.wait_event(event)
             if dests:
-                with torch.no_grad(), torch.cuda.stream(copy):
-                    torch._foreach_copy_(dests, sources)
+                with torch.cuda.stream(copy):
+                    copy_all(dests, sources)
 
         return landed, torch.cuda.Event()
 
@@ -433,18 +434,11 @@ class WeightSyncWorkerExtension:
         the update's copies that already ran are undone."""
         copy = self._grpo_copy_stream
         assert copy is not None
-        with torch.no_grad(), torch.cuda.stream(copy):  # after the queued copies, which end
-            torch._foreach_copy_(overlap.dests, overlap.saved)  # once their receives do
+        with torch.cuda.stream(copy):  # after the queued copies, which end once their
+            copy_all(overlap.dests, overlap.saved)  # receives do
         done = torch.cuda.Event()
         done.record(copy)
-        deadline = time.monotonic() + _RESTORE_TIMEOUT_S
-        while not done.query():
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    "restoring the parameters after a failed prepared update did not finish "
-                    f"within {_RESTORE_TIMEOUT_S:.0f} s; restart the server"
-                )
-            time.sleep(0.001)
+        wait_event(done, None, _RESTORE_TIMEOUT_S, "restoring the saved parameters")
         torch.cuda.current_stream(self._grpo_device()).wait_stream(copy)
         log.warning("a prepared update did not commit: the saved parameters are back")
 

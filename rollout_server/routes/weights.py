@@ -43,6 +43,9 @@ _ERRORS = {
     409: {"model": ErrorResponse, "description": "stale version, weights asleep, bucket order"},
     413: {"model": ErrorResponse, "description": "body larger than max_body_mb"},
 }
+_UNSUPPORTED = {
+    501: {"model": ErrorResponse, "description": "not supported by this engine or its settings"}
+}
 
 
 async def _read_body(request: Request, service: RolloutService) -> bytes:
@@ -124,14 +127,14 @@ async def load_file(request: WeightFileRequest, service: ServiceDep) -> WeightUp
 @router.get(
     "/checksum",
     response_model=WeightChecksum,
-    responses={409: {"model": ErrorResponse}, 501: {"model": ErrorResponse}},
+    responses={409: {"model": ErrorResponse}} | _UNSUPPORTED,
 )
 async def checksum(service: ServiceDep) -> WeightChecksum:
     """A checksum of the weights being served, to compare with the learner's after a sync."""
     return await service.weights_checksum()
 
 
-@router.post("/nccl/init", responses={501: {"model": ErrorResponse}})
+@router.post("/nccl/init", responses=_UNSUPPORTED)
 async def nccl_init(request: NcclInitRequest, service: ServiceDep) -> dict[str, bool]:
     """Join the learner's weight-sync process group (engines with NCCL support only)."""
     await service.init_weight_group(request)
@@ -141,7 +144,7 @@ async def nccl_init(request: NcclInitRequest, service: ServiceDep) -> dict[str, 
 @router.post(
     "/nccl/update",
     response_model=WeightUpdateResponse,
-    responses=_ERRORS | {501: {"model": ErrorResponse}},
+    responses=_ERRORS | _UNSUPPORTED,
 )
 async def nccl_update(request: NcclUpdateRequest, service: ServiceDep) -> WeightUpdateResponse:
     """Announce a whole update, then receive its buckets over NCCL and load them all."""
@@ -151,7 +154,7 @@ async def nccl_update(request: NcclUpdateRequest, service: ServiceDep) -> Weight
 @router.post(
     "/nccl/prepare",
     response_model=NcclPrepared,
-    responses=_ERRORS | {501: {"model": ErrorResponse}},
+    responses=_ERRORS | _UNSUPPORTED,
 )
 async def nccl_prepare(request: NcclUpdateRequest, service: ServiceDep) -> NcclPrepared:
     """Announce an update ahead of its broadcast: generation pauses (once the requests in
@@ -164,7 +167,7 @@ async def nccl_prepare(request: NcclUpdateRequest, service: ServiceDep) -> NcclP
 @router.post(
     "/nccl/commit",
     response_model=WeightUpdateResponse,
-    responses=_ERRORS | {501: {"model": ErrorResponse}},
+    responses=_ERRORS | _UNSUPPORTED,
 )
 async def nccl_commit(request: NcclCommitRequest, service: ServiceDep) -> WeightUpdateResponse:
     """Wait for the prepared update's broadcast, load all of it (or none), bump the version
@@ -175,7 +178,7 @@ async def nccl_commit(request: NcclCommitRequest, service: ServiceDep) -> Weight
 @router.post(
     "/ipc/update",
     response_model=WeightUpdateResponse,
-    responses=_ERRORS | {501: {"model": ErrorResponse}},
+    responses=_ERRORS | _UNSUPPORTED,
 )
 async def ipc_update(request: IpcUpdateRequest, service: ServiceDep) -> WeightUpdateResponse:
     """Colocated learner: load buckets shared as CUDA IPC handles from the learner's memory on

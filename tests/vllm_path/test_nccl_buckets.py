@@ -89,7 +89,8 @@ def test_segments_tile_every_bucket_of_a_real_model(tiny_model_dir) -> None:
     segments hold exactly the tensors a whole-bucket fill would put there."""
     from transformers import AutoModelForCausalLM
 
-    from learner.sync.nccl import pack_into, segment_views, take_tensors
+    from learner.sync.nccl import segment_views, take_tensors
+    from rollout_server.nccl_wire import copy_all
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     specs = param_specs(model, dtype=torch.bfloat16)
@@ -110,7 +111,7 @@ def test_segments_tile_every_bucket_of_a_real_model(tiny_model_dir) -> None:
                 parts = take_tensors(bucket.entries[g.first : g.stop], it)
                 views = segment_views(flat.narrow(0, g.offset, g.numel), bucket, g)
                 assert [tuple(v.shape) for v in views] == [tuple(t.shape) for t in parts]
-                pack_into(views, parts)
+                copy_all(views, parts)
             expected = torch.empty_like(flat)
             fill_bucket(expected, bucket, whole)
             assert torch.equal(flat, expected)
