@@ -13,6 +13,12 @@ handle, to test refused updates):
 generation (it must wait behind the prepared update) and a sleep (refused), then sends
 (recorded under ``while_prepared``);
 ``--die-after-prepare`` exits right after preparing (a learner that crashed in its step).
+``--early`` sends without checksums and ``wait_answers=False``: it returns on the workers' NCCL
+acknowledgement of the load, asks for a generation at once (recorded under ``early``: it must
+run on the new weights), then collects the HTTP answers (``answers()``).
+``--broken-stream-first`` first sends from a tensor stream that fails after its first tensor
+(the learner sends commit word 0, the workers acknowledge 0 and keep their weights), records
+the error, then sends properly over the same group.
 
 The last line of stdout is a JSON summary (responses, checksums, timings).
 """
@@ -103,34 +109,69 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
         extra["on_bucket"] = on_bucket
     specs = param_specs(model, dtype=torch.bfloat16)
+    checksum = not args.early
+    extra_out: dict[str, Any] = {}
+    if args.broken_stream_first:
+        extra_out["broken_stream_error"] = await send_broken_stream(sender, specs, model, args)
     if args.prepare:
-        extra_out, waiting = await prepare_and_probe(client, sender, specs, args)
-        extra_out["prepare_s"] = sender.last_prepare_s
+        probe_out, waiting = await prepare_and_probe(client, sender, specs, args, checksum)
+        extra_out.update(probe_out, prepare_s=sender.last_prepare_s)
     try:
         responses = await sender.send(
             specs,
             iter_gathered_params(model),
             bucket_bytes=args.bucket_mb << 20,
-            checksum=True,
+            checksum=checksum,
+            wait_answers=not args.early,
             **extra,
         )
+        if args.early:  # loaded, acknowledged: a generation asked now runs on the new weights
+            from rollout_server.protocol import GenerateRequest
+
+            loaded_s = sender.last_stats["loaded_s"]
+            request = GenerateRequest(prompts=[[1, 2, 3, 4]], n=1, max_tokens=4, ignore_eos=True)
+            generated = await client.generate(request)
+            responses = await sender.answers()
+            extra_out["early"] = {
+                "returned": responses is not None,
+                "loaded_s": loaded_s,
+                "generated_version": generated.weight_version,
+            }
         if args.prepare:  # the generation that waited ran after the commit, on the new weights
             out = await waiting
             extra_out["while_prepared"]["generated_version"] = out.weight_version
     except WeightSyncError as e:
-        return {"error": str(e)}
+        return {"error": str(e), **extra_out}
     finally:
         await client.aclose()
     return {
         "responses": [r.model_dump() for r in responses],
         "reference_checksum": reference_checksum(model),
         "stats": sender.last_stats,
-        **(extra_out if args.prepare else {}),
+        **extra_out,
     }
 
 
+async def send_broken_stream(sender: Any, specs: Any, model: Any, args: Any) -> str:
+    """A send whose tensor stream fails after its first tensor must raise (the servers keep
+    their weights) and leave the group usable; returns the error."""
+    from learner.sync.zero3 import iter_gathered_params
+
+    def broken() -> Any:
+        it = iter_gathered_params(model)
+        yield next(it)
+        raise RuntimeError("the learner's tensor stream broke on purpose")
+
+    try:
+        await sender.send(specs, broken(), bucket_bytes=args.bucket_mb << 20)
+    except Exception as exc:  # the stream's own error
+        assert sender.ready, "the group was dropped after a clean commit word 0"
+        return f"{type(exc).__name__}: {exc}"
+    raise AssertionError("a send from a broken tensor stream succeeded")
+
+
 async def prepare_and_probe(
-    client: Any, sender: Any, specs: Any, args: Any
+    client: Any, sender: Any, specs: Any, args: Any, checksum: bool
 ) -> tuple[dict[str, Any], Any]:
     """Prepare the update; while it waits, a generation must wait too (returned, to be awaited
     after the send) and sleep must be refused."""
@@ -138,7 +179,7 @@ async def prepare_and_probe(
 
     from rollout_server.protocol import GenerateRequest
 
-    assert await sender.prepare(specs, bucket_bytes=args.bucket_mb << 20, checksum=True)
+    assert await sender.prepare(specs, bucket_bytes=args.bucket_mb << 20, checksum=checksum)
     if args.die_after_prepare:
         print(json.dumps({"died_after_prepare": True}), flush=True)
         os._exit(3)
@@ -168,6 +209,8 @@ def main() -> None:
     p.add_argument("--die-after-first-bucket", action="store_true")
     p.add_argument("--prepare", action="store_true", help="NCCL: prepare, probe, then send")
     p.add_argument("--die-after-prepare", action="store_true")
+    p.add_argument("--early", action="store_true", help="NCCL: return on the load's ack")
+    p.add_argument("--broken-stream-first", action="store_true")
     args = p.parse_args()
     print(json.dumps(asyncio.run(run(args))), flush=True)
 

@@ -198,6 +198,12 @@ class NcclUpdateRequest(_Model):
         description="NCCL: each bucket is broadcast in runs of whole tensors of at most this "
         "many bytes (a larger tensor alone), so that packing, the wire and loading overlap",
     )
+    ack: bool = Field(
+        False,
+        description="NCCL: after the commit word, every worker and the learner join one int32 "
+        "sum all-reduce: a worker adds 1 once the update is in its parameters (0 if it failed "
+        "to load it), so the learner knows the weights are loaded without the HTTP answer",
+    )
 
 
 class NcclPrepared(_Model):

@@ -5,7 +5,10 @@ layout) plus one broadcast per bucket segment (runs of whole tensors of at most
 ``segment_bytes``: the first leaves while the next are packed) and a final commit word, never
 one round trip per tensor.
 The announce answers once the server has loaded the update (or refused it), so it runs
-concurrently with the broadcasts.
+concurrently with the broadcasts. After the commit word every worker and the learner join one
+sum all-reduce, each worker adding 1 once the update is in its parameters: the learner knows
+the load is done without the HTTP answer's trip back, and ``send(wait_answers=False)`` returns
+right then (``answers()`` has the HTTP answers later).
 
 ``prepare`` moves the announce off the sync's critical path: called while the optimizer still
 steps, it has every server queue the next update's receives (``POST /weights/nccl/prepare``).
@@ -29,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import sys
 import threading
 import time
@@ -177,6 +181,33 @@ def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
     return asyncio.wrap_future(future)
 
 
+class _DaemonWorker:
+    """One daemon thread kept for a sender's broadcasts, so that no thread starts on a sync's
+    critical path; jobs run in turn. Daemon for the same reason as ``_in_daemon_thread``."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        future: Future = Future()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="nccl-weight-sync", daemon=True)
+            self._thread.start()
+        self._jobs.put((future, fn, args))
+        return asyncio.wrap_future(future)
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
 async def _first_failure(futures: list[asyncio.Future]) -> None:
     """Wait for all; raise the first exception as soon as it happens."""
     done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
@@ -205,6 +236,9 @@ class NcclWeightSender:
         self._prepared: _PreparedSend | None = None
         self._streams: tuple[Any, Any] | None = None  # (fill, wire) on the learner's GPU
         self._slots: dict[int, _Slots] = {}  # packing buffers by segment size, kept
+        self._thread = _DaemonWorker()  # runs the broadcasts
+        self._workers = 0  # the servers' workers in the group (each acknowledges a load)
+        self._answers: asyncio.Future | None = None  # a send's HTTP answers not awaited yet
         self.last_stats: dict[str, float] = {}
         self.last_prepare_s: float | None = None
 
@@ -249,6 +283,7 @@ class NcclWeightSender:
                 "use one server, or the http/file transport"
             )
         world_size = 1 + sum(sizes)
+        self._workers = world_size - 1
         offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
         self._device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
         if self._device.type == "cuda" and self._device.index is None:
@@ -294,6 +329,9 @@ class NcclWeightSender:
 
     def close(self) -> None:
         self._prepared = None  # the servers drop theirs when the group is formed again
+        if self._answers is not None:
+            self._answers.cancel()
+            self._answers = None
         if self._comm is not None:
             nccl_abort(self._comm)
             self._comm = None
@@ -314,6 +352,7 @@ class NcclWeightSender:
             version=version,
             checksum=checksum,
             segment_bytes=segment_bytes,
+            ack=True,
         )
 
     async def prepare(
@@ -333,6 +372,7 @@ class NcclWeightSender:
         prepare (e.g. no GPU memory to stage on)."""
         if self._client is None:
             raise RuntimeError("NcclWeightSender.prepare before init()")
+        await self._settle()
         request = self._request(specs, bucket_bytes, version, checksum, segment_bytes)
         key = _update_key(specs, bucket_bytes, version, checksum, segment_bytes)
         if self._prepared is not None:
@@ -373,15 +413,26 @@ class NcclWeightSender:
         checksum: bool = False,
         segment_bytes: int = SEGMENT_BYTES,
         on_bucket: Callable[[int], None] | None = None,
-    ) -> list[WeightUpdateResponse]:
+        wait_answers: bool = True,
+    ) -> list[WeightUpdateResponse] | None:
         """Send one update. ``tensor_iter`` yields the tensors of ``specs`` in that order; each
         is cast to its spec's dtype while it is copied into the bucket.
+
+        Every worker acknowledges the load over NCCL (a sum all-reduce after the commit word)
+        as soon as the update is in its parameters. With ``wait_answers=False`` (and no
+        ``checksum``) this returns None right then, while the servers finish the commit
+        (version bump, resuming generation: any request sent from now on is served by the new
+        weights); ``answers()`` returns their HTTP answers, and the next ``send``/``prepare``
+        waits for them. Otherwise it returns the answers.
 
         Raises ``WeightSyncError`` if any server did not load it (those keep their previous
         weights). ``on_bucket(b)`` runs once bucket ``b`` has left this GPU."""
         begun = time.perf_counter(), time.time()  # the sync's time counts from here
         if self._client is None:
             raise RuntimeError("NcclWeightSender.send before init()")
+        if self._answers is not None:
+            await self._settle()
+            begun = time.perf_counter(), time.time()
         specs = list(specs)
         key = _update_key(specs, bucket_bytes, version, checksum, segment_bytes)
         prepared, self._prepared = self._prepared, None
@@ -396,11 +447,31 @@ class NcclWeightSender:
         if self._comm is None:  # a failed update aborted the group: form it again
             await self.init(self._client, **self._init_args)
         try:
-            return await self._send(request, prepared, tensor_iter, on_bucket, begun)
+            return await self._send(
+                request, prepared, tensor_iter, on_bucket, begun, wait_answers and not checksum
+            )
         except BaseException:
             if prepared is not None:
                 self.close()  # the servers dropped theirs (and the group) with the commit
             raise
+
+    async def answers(self) -> list[WeightUpdateResponse]:
+        """The servers' answers to the last ``send(wait_answers=False)``; raises its failure."""
+        pending, self._answers = self._answers, None
+        if pending is None:
+            raise RuntimeError("no send(wait_answers=False) is waiting for its answers")
+        responses = await pending
+        self.last_stats["answered_at"] = time.time()
+        return responses
+
+    async def _settle(self) -> None:
+        """Wait for an earlier send's answers before the next update (its failure raises)."""
+        if self._answers is not None:
+            try:
+                await self.answers()
+            except BaseException:
+                self.close()  # the group's state is unknown: form it again
+                raise
 
     async def _send(
         self,
@@ -409,7 +480,8 @@ class NcclWeightSender:
         tensor_iter: Iterable[tuple[str, torch.Tensor]],
         on_bucket: Callable[[int], None] | None,
         begun: tuple[float, float],
-    ) -> list[WeightUpdateResponse]:
+        early: bool,
+    ) -> list[WeightUpdateResponse] | None:
         checksum = request.checksum
         layout = prepared.layout if prepared is not None else _layout(request)
         marks: dict[str, float] = {}  # the broadcast thread's progress, for profiling
@@ -421,8 +493,9 @@ class NcclWeightSender:
             loop.call_soon_threadsafe(launched.set)
 
         # Announced: the workers queue their receives on the announce, so it goes first.
-        # Prepared: they wait already; the commit is posted once every broadcast is launched,
-        # so that the HTTP call does not hold the GIL while the thread launches them.
+        # Prepared: they wait already; the commit is posted once the first segment is on the
+        # wire, so that its HTTP call does not take the GIL from the thread before that, and
+        # reaches the workers while the rest of the bytes land.
         announce = asyncio.ensure_future(
             self._announce(request) if prepared is None else self._commit(prepared, launched)
         )
@@ -435,7 +508,7 @@ class NcclWeightSender:
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, _SWITCH_INTERVAL_S))
         try:
-            sent_checksum = await _in_daemon_thread(
+            sent_checksum, acked = await self._thread.submit(
                 self._broadcast,
                 layout,
                 tensor_iter,
@@ -461,17 +534,20 @@ class NcclWeightSender:
             raise
         finally:
             sys.setswitchinterval(switch)
-        broadcast_s = time.perf_counter() - start
+        loaded_s = time.perf_counter() - start  # every worker acknowledged the load
+        stats = dict(sent_at=sent_at, prepared=float(prepared is not None), loaded_s=loaded_s)
+        if early and acked == self._workers:
+            self._answers = announce
+            self.last_stats = update_stats(start, request.tensors, **stats)
+            self.last_stats["sender_ms"] = {k: (t - start) * 1e3 for k, t in marks.items()}  # type: ignore[assignment]
+            return None
         responses = await announce
+        if acked != self._workers:  # the answers said nothing wrong, yet a worker did not load
+            raise WeightSyncError(
+                "server", f"only {acked} of {self._workers} workers acknowledged the load"
+            )
         # wall-clock stamps too, to line up with the servers' response timelines
-        self.last_stats = update_stats(
-            start,
-            request.tensors,
-            broadcast_s=broadcast_s,
-            sent_at=sent_at,
-            answered_at=time.time(),
-            prepared=float(prepared is not None),
-        )
+        self.last_stats = update_stats(start, request.tensors, answered_at=time.time(), **stats)
         self.last_stats["sender_ms"] = {k: (t - start) * 1e3 for k, t in marks.items()}  # type: ignore[assignment]
         if checksum:
             check_checksums(self._client.servers, responses, sent_checksum)
@@ -506,8 +582,9 @@ class NcclWeightSender:
         on_bucket: Callable[[int], None] | None,
         marks: dict[str, float],
         on_launched: Callable[[], None],
-    ) -> float:
-        """Fill and broadcast every bucket, then the commit word; returns the checksum.
+    ) -> tuple[float, int]:
+        """Fill and broadcast every bucket, then the commit word; wait for the workers' sum of
+        acknowledgements. Returns the checksum and that sum.
 
         If the stream fails or disagrees with ``specs``, the remaining buckets go out as zeros
         with commit word 0: the servers discard everything and the group stays usable. Any
@@ -519,7 +596,7 @@ class NcclWeightSender:
         torch.cuda.set_device(self._device)
         it = iter(tensor_iter)
         try:
-            total, failure = self._stream_buckets(
+            total, failure, acked = self._stream_buckets(
                 layout, it, stop, checksum, segment_bytes, on_bucket, marks, on_launched
             )
         except NcclGroupError:
@@ -532,7 +609,7 @@ class NcclWeightSender:
         drain(it, quiet=failure is not None)
         if failure is not None:
             raise failure
-        return total
+        return total, acked
 
     def _stream_buckets(
         self,
@@ -544,7 +621,7 @@ class NcclWeightSender:
         on_bucket: Callable[[int], None] | None,
         marks: dict[str, float],
         on_launched: Callable[[], None],
-    ) -> tuple[float, Exception | None]:
+    ) -> tuple[float, Exception | None, int]:
         """Every bucket goes out segment by segment (``Bucket.segments``) on a wire stream.
 
         This thread runs on a fill stream, so the stream's tensors (a ZeRO-3 gather's copies)
@@ -552,7 +629,9 @@ class NcclWeightSender:
         from that tensor; the others are packed (one fused multi-tensor copy into kept views)
         into one of two buffers per dtype while the previous segment is on the wire. The two streams wait on each other on
         the GPU (a few reused events per segment): this thread only launches, and blocks once,
-        for the commit word, unless ``on_bucket`` asks it to wait for every bucket."""
+        for the workers' acknowledgement after the commit word, unless ``on_bucket`` asks it to
+        wait for every bucket. Returns the checksum, the failure if the stream failed (then
+        the word was 0) and the sum of acknowledgements."""
         import torch
 
         comm, timeout_s, device = self._comm, float(self._init_args["timeout_s"]), self._device
@@ -609,6 +688,7 @@ class NcclWeightSender:
                     del flat, parts
                     if "first" not in marks:
                         marks["first"] = time.perf_counter()
+                        on_launched()  # the wire is busy: the commit may go out
                 marks[f"launched{b}"] = time.perf_counter()
                 if on_bucket is not None:
                     left = torch.cuda.Event()
@@ -622,14 +702,18 @@ class NcclWeightSender:
         with torch.cuda.stream(wire):
             # filled on the GPU: a copy from pageable host memory would first wait for the stream
             word = torch.full((1,), 0 if failure else 1, dtype=torch.int32, device=device)
+            acks = torch.zeros(1, dtype=torch.int32, device=device)
         comm.broadcast(word, src=0, stream=wire)
+        # each worker adds 1 once the update is in its parameters (its HTTP commit got there)
+        comm.all_reduce(acks, acks, stream=wire)
         done = torch.cuda.Event()
         done.record(wire)
         marks["word"] = time.perf_counter()
-        on_launched()
-        wait_event(done, comm, timeout_s, "commit word", stop)
-        marks["done"] = time.perf_counter()
-        return (float(total) if total is not None else 0.0), failure
+        on_launched()  # nothing was launched (no segments): the commit goes out now
+        wait_event(done, comm, timeout_s, "the servers' acknowledgement of the load", stop)
+        marks["acked"] = time.perf_counter()
+        acked = int(acks.item())
+        return (float(total) if total is not None else 0.0), failure, acked
 
 
 class _Slots:

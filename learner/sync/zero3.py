@@ -69,16 +69,20 @@ def iter_gathered_params(
     model: nn.Module, bucket_numel: int = 1 << 28
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(checkpoint name, full tensor)`` for every parameter, in ``named_parameters``
-    order. Under ZeRO-3 the tensors are fresh clones (safe to keep); otherwise they are the
-    detached parameters themselves (copy them if the model will change while you hold them)."""
-    params = [(strip_wrappers(n), p) for n, p in model.named_parameters()]
-    if not any(is_partitioned(p) for _, p in params):
-        for name, p in params:
-            yield name, p.detach()
-        return
+    order, lazily (the first comes at once: a sync starts sending it while the rest are
+    listed). ZeRO-3 parameters are gathered about ``bucket_numel`` elements at a time and
+    yielded as fresh clones (safe to keep); the others are the detached parameters themselves
+    (copy them if the model will change while you hold them)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, p in params:
+    for name, p in model.named_parameters():
+        name = strip_wrappers(name)
+        if not is_partitioned(p):
+            if bucket:  # keep the order: what is waiting to be gathered goes first
+                yield from _gather_bucket(bucket)
+                bucket, size = [], 0
+            yield name, p.detach()
+            continue
         n = full_numel(p)
         if bucket and size + n > bucket_numel:
             yield from _gather_bucket(bucket)

@@ -368,7 +368,7 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         wait and load (``grpo_finish_update``)."""
 
         async def receive(specs: list[dict[str, Any]], timeline: dict[str, float]) -> list[Any]:
-            begun = await self._rpc("grpo_begin_update", specs, *self._queue_args(request))
+            begun = await self._rpc("grpo_begin_update", specs, *self._queue_args(request, False))
             timeline["worker_begin"] = min(begun)
             timeline["queued"] = time.time()
             return await self._reset_then_finish(timeline)
@@ -380,7 +380,7 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         (no generation can fill it before the load), off the commit's critical path."""
         specs = [t.model_dump() for t in request.tensors]
         try:
-            await self._rpc("grpo_begin_update", specs, *self._queue_args(request), True)
+            await self._rpc("grpo_begin_update", specs, *self._queue_args(request, True))
         except Exception as exc:
             raise EngineError(f"could not prepare the NCCL update: {exc}") from exc
         try:
@@ -401,10 +401,19 @@ class VLLMEngine(HFTokenizerMixin, Engine):
     async def drop_prepared_update(self) -> None:
         await self._rpc("grpo_drop_prepared")
 
-    def _queue_args(self, request: NcclUpdateRequest) -> tuple[Any, ...]:
+    def _queue_args(self, request: NcclUpdateRequest, prepared: bool) -> tuple[Any, ...]:
+        """``grpo_begin_update``'s arguments after the specs."""
         direct = self.settings.direct_weight_copy
         segment = request.segment_bytes
-        return request.buckets, request.bucket_dtypes, request.checksum, direct, segment
+        return (
+            request.buckets,
+            request.bucket_dtypes,
+            request.checksum,
+            direct,
+            segment,
+            prepared,
+            request.ack,
+        )
 
     async def _reset_then_finish(self, timeline: dict[str, float]) -> list[Any]:
         """Reset the prefix cache, then wait for the queued receives and load. Both go to the

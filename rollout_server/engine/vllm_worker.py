@@ -21,6 +21,10 @@ The NCCL protocol, shared with ``learner.sync.nccl.NcclWeightSender`` (rank 0):
    paused from then) queues the receives on a side stream and returns; the learner then
    broadcasts at once and ``POST /weights/nccl/commit`` calls ``grpo_finish_update``. The wire no longer waits for the
    announce to reach the workers.
+   With the announce's ``ack``, the commit word is followed by one int32 sum all-reduce over
+   the group: each worker adds 1 once the update is in its parameters (after the load's copies
+   on its stream), 0 if it read commit word 0 or failed to load, and the learner 0; the learner
+   then knows every server loaded it without waiting for the HTTP answer.
    A prepared update of a layout whose copy plan is verified is copied into the parameters
    segment by segment as it lands (a copy stream waits on each receive), the parameters first
    saved in GPU memory; if it does not commit they are restored, so the load is still all or
@@ -108,6 +112,7 @@ class _Pending:
     prepared: bool  # queued ahead of the broadcast, on the side stream
     overlap: _Overlap | None = None  # copied in as it lands (parameters saved): undo on failure
     copied: torch.cuda.Event | None = None  # with overlap: the last segment's copy
+    ack: bool = False  # the learner waits for the load's acknowledgement after the word
 
 
 def _pick_rank(worker: Any, rank_offset: int) -> int:
@@ -285,6 +290,7 @@ class WeightSyncWorkerExtension:
         direct: bool = True,
         segment_bytes: int = 64 << 20,
         prepared: bool = False,
+        ack: bool = False,
     ) -> float:
         """Queue the receive of every segment of every bucket and of the commit word, and
         return: staged on the GPU, the bytes arrive while the engine does other work (resets its
@@ -295,8 +301,9 @@ class WeightSyncWorkerExtension:
         the forwards' stream; needs GPU staging (a CPU-staged receive cannot wait queued). A
         prepared update of a layout with a verified copy plan is also copied into the
         parameters segment by segment as it lands, the parameters saved first and restored if
-        it does not commit (when the GPU has room for the saved copy). Returns the wall-clock
-        time it started."""
+        it does not commit (when the GPU has room for the saved copy). ``ack``: the finish
+        acknowledges the load over the group (``_grpo_ack``). Returns the wall-clock time it
+        started."""
         started = time.time()
         if self._grpo_pending is not None:  # a begin whose finish never came: state unknown
             self.grpo_close_weight_group()
@@ -368,6 +375,7 @@ class WeightSyncWorkerExtension:
             prepared,
             overlap,
             copied,
+            ack,
         )
         return started
 
@@ -465,21 +473,33 @@ class WeightSyncWorkerExtension:
         except BaseException:
             if p.overlap is not None:
                 self._grpo_restore(p.overlap)
+            if p.ack and self._grpo_comm is not None:  # the word was read: the group is usable
+                self._grpo_ack(False)
             raise
         device = self._grpo_device()
         torch.cuda.current_stream(device).wait_event(p.queued[-1])  # prepared: the side stream
         total = None
-        if p.checksum:
-            total = float(sum(flat_checksum(f.to(device, non_blocking=True)) for f in p.staged))
-        if p.kept is not None:
-            staging = p.kept  # the views into kept buffers are made once per layout
-        else:
-            weights = [w for f, b in zip(p.staged, p.layout, strict=True) for w in unflatten(f, b)]
-            staging = _Staging(p.key, p.staged, weights, tensor_key(weights))
-        if p.overlap is not None:
-            loader = "direct-overlapped"  # already in the parameters
-        else:
-            loader = self._grpo_load_update(staging.weights, p.direct, staging.tensor_key)
+        try:
+            if p.checksum:
+                total = float(sum(flat_checksum(f.to(device, non_blocking=True)) for f in p.staged))
+            if p.kept is not None:
+                staging = p.kept  # the views into kept buffers are made once per layout
+            else:
+                weights = [
+                    w for f, b in zip(p.staged, p.layout, strict=True) for w in unflatten(f, b)
+                ]
+                staging = _Staging(p.key, p.staged, weights, tensor_key(weights))
+            if p.overlap is not None:
+                loader = "direct-overlapped"  # already in the parameters
+            else:
+                loader = self._grpo_load_update(staging.weights, p.direct, staging.tensor_key)
+        except BaseException:
+            if p.ack and self._grpo_comm is not None:
+                self._grpo_ack(False)
+            raise
+        loaded_at = time.time()
+        if p.ack:
+            self._grpo_ack(True)  # after the load's copies on this stream
         if p.on_gpu and loader != "load_weights":  # the parameters hold copies, not buffers
             self._grpo_staging = staging  # reused by the next update of this layout
         on_gpu = p.on_gpu
@@ -489,15 +509,33 @@ class WeightSyncWorkerExtension:
         return {
             "checksum": total,
             "received_s": received_s,
-            "loaded_s": time.time() - received_at,
+            "loaded_s": loaded_at - received_at,
             "staged_on": "gpu" if on_gpu else "cpu",
             "loader": loader,
             "timeline": {
                 "worker_finish": finish_start,
                 "received": received_at,
-                "loaded": time.time(),
+                "loaded": loaded_at,
+                "acked": time.time(),
             },
         }
+
+    def _grpo_ack(self, loaded: bool) -> None:
+        """Add 1 (``loaded``) or 0 to the learner's sum all-reduce that follows the commit word,
+        on the forwards' stream (after the load's copies), and wait for it: it completes once
+        the learner and every other worker are in it. A failure here drops the group (the
+        learner times out or re-initializes) but not the load."""
+        comm, device = self._grpo_comm, self._grpo_device()
+        stream = torch.cuda.current_stream(device)
+        flag = torch.full((1,), int(loaded), dtype=torch.int32, device=device)
+        comm.all_reduce(flag, flag, stream=stream)
+        done = torch.cuda.Event()
+        done.record(stream)
+        try:
+            wait_event(done, comm, self._grpo_timeout_s, "the load's acknowledgement")
+        except NcclGroupError as exc:
+            self._grpo_comm = None  # aborted inside wait_event
+            log.warning("%s; the next update needs a new init", exc)
 
     def _grpo_wait_received(self, p: _Pending) -> tuple[float, float]:
         """Wait for every segment and the commit word; raise unless the word says commit."""

@@ -55,6 +55,8 @@ def send(
     die=False,
     prepare=False,
     die_after_prepare=False,
+    early=False,
+    broken_stream_first=False,
     timeout_s=60.0,
     log_dir=None,
 ):
@@ -83,6 +85,10 @@ def send(
         argv.append("--prepare")
     if die_after_prepare:
         argv.append("--die-after-prepare")
+    if early:
+        argv.append("--early")
+    if broken_stream_first:
+        argv.append("--broken-stream-first")
     proc = subprocess.run(argv, env=gpu_env("0"), capture_output=True, text=True, timeout=300)
     if log_dir is not None:
         with (log_dir / "test_nccl_sync.sender.log").open("a") as f:
@@ -199,10 +205,29 @@ def test_prepared_sync(server, qwen3_dir, log_dir) -> None:
     assert server.info()["weight_version"] == version + 1
     served = server.get("/weights/checksum").json()
     assert served["checksum"] == pytest.approx(perturbed_checksum, rel=1e-9)
-    # The next learner forms the group again and syncs (the original weights, prepared).
-    rc, out = send(server, qwen3_dir, prepare=True, log_dir=log_dir)
+    # The next learner forms the group again and syncs (the original weights, prepared),
+    # returning on the workers' NCCL acknowledgement: a generation asked right then already
+    # runs on the new version, and the HTTP answers come after.
+    rc, out = send(server, qwen3_dir, prepare=True, early=True, log_dir=log_dir)
     assert rc == 0, out
+    assert out["early"]["returned"] is False and out["early"]["generated_version"] == version + 2
     assert out["responses"][0]["weight_version"] == version + 2
     assert out["responses"][0]["loader"] == "direct"
     served = server.get("/weights/checksum").json()
     assert served["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
+
+
+def test_broken_tensor_stream_keeps_weights_and_group(server, qwen3_dir, log_dir) -> None:
+    """The learner's stream fails after one tensor: commit word 0, every worker acknowledges 0
+    and keeps its weights, the send raises the stream's error, and the same group then
+    carries a good update."""
+    version = server.info()["weight_version"]
+    before = server.get("/weights/checksum").json()["checksum"]
+    rc, out = send(server, qwen3_dir, perturb_seed=9, broken_stream_first=True, log_dir=log_dir)
+    assert rc == 0, out
+    assert "broke on purpose" in out["broken_stream_error"], out
+    (resp,) = out["responses"]
+    assert resp["weight_version"] == version + 1  # only the good update moved it
+    assert resp["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
+    served = server.get("/weights/checksum").json()["checksum"]
+    assert served == pytest.approx(out["reference_checksum"], rel=1e-9) and served != before

@@ -204,3 +204,79 @@ def test_learner_specs_match_the_servers_metadata(tiny_model_dir) -> None:
 
     with pytest.raises(WeightsError, match="dtype float32, the model's is bfloat16"):
         validate_nccl_announce(bad, metadata, ITEMSIZE)
+
+
+def test_the_parameter_stream_is_lazy(tiny_model_dir) -> None:
+    """A sync starts sending the first tensor before the rest are even listed."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    listed = []
+
+    def named_parameters(*args, **kwargs):
+        for name, p in type(model).named_parameters(model, *args, **kwargs):
+            listed.append(name)
+            yield name, p
+
+    model.named_parameters = named_parameters  # type: ignore[method-assign]
+    stream = iter_gathered_params(model)
+    first = next(stream)
+    assert len(listed) == 1 and first[0] == strip_wrappers(listed[0])
+    rest = list(stream)
+    assert [n for n, _ in [first, *rest]] == [strip_wrappers(n) for n in listed]
+    assert len(listed) == len(list(type(model).named_parameters(model)))
+
+
+def test_the_engine_queues_updates_with_the_workers_argument_order() -> None:
+    """``VLLMEngine._queue_args`` feeds ``grpo_begin_update`` positionally: its order must be
+    the worker's, or a field (``ack``, ``prepared``) would land in another's place."""
+    import inspect
+
+    from rollout_server.engine.vllm_engine import VLLMEngine
+    from rollout_server.engine.vllm_worker import WeightSyncWorkerExtension
+    from rollout_server.settings import ServerSettings
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.settings = ServerSettings(model="/m", engine="vllm", direct_weight_copy=False)
+    request = NcclUpdateRequest(
+        tensors=[spec("w", "bfloat16", 4)],
+        buckets=[[0]],
+        bucket_dtypes=["bfloat16"],
+        checksum=True,
+        segment_bytes=1 << 20,
+        ack=True,
+    )
+    names = list(inspect.signature(WeightSyncWorkerExtension.grpo_begin_update).parameters)
+    args = dict(zip(names[2:], engine._queue_args(request, True), strict=True))
+    assert args == {
+        "buckets": [[0]],
+        "bucket_dtypes": ["bfloat16"],
+        "checksum": True,
+        "direct": False,
+        "segment_bytes": 1 << 20,
+        "prepared": True,
+        "ack": True,
+    }
+    assert NcclUpdateRequest(tensors=[], buckets=[], bucket_dtypes=[]).ack is False
+
+
+def test_the_sender_runs_its_broadcasts_on_one_kept_thread() -> None:
+    """No thread starts on a sync's critical path: one daemon thread runs every job in turn
+    and survives a failing one."""
+    import asyncio
+    import threading
+
+    from learner.sync.nccl import _DaemonWorker
+
+    worker = _DaemonWorker()
+
+    async def main() -> list:
+        first = await worker.submit(threading.get_ident)
+        with pytest.raises(ValueError, match="boom"):
+            await worker.submit(lambda: (_ for _ in ()).throw(ValueError("boom")))
+        after = await asyncio.gather(*(worker.submit(threading.get_ident) for _ in range(3)))
+        return [first, *after]
+
+    idents = asyncio.run(main())
+    assert len(set(idents)) == 1 and idents[0] != threading.get_ident()
+    assert worker._thread is not None and worker._thread.daemon
