@@ -54,6 +54,9 @@ class _Prepared:
     request: NcclUpdateRequest
     num_bytes: int
     expiry: asyncio.TimerHandle | None = None  # None while the workers are still queuing
+    # set once its commit arrived (the learner may post it before it broadcasts: the workers
+    # then wait for the bytes, bounded by the group's timeout); done when the commit ended
+    committing: asyncio.Event | None = None
 
 
 class RolloutService:
@@ -266,9 +269,15 @@ class RolloutService:
     def _refuse_if_prepared(self, what: str) -> None:
         """While a prepared NCCL update waits, its receives hold the weight-sync group and the
         staging buffers: nothing else may load weights or sleep."""
-        if self.prepared is not None:
+        prepared = self.prepared
+        if prepared is not None and prepared.committing is not None:
             raise Conflict(
-                f"{what} cannot run while NCCL update {self.prepared.id} is prepared; POST "
+                f"{what} cannot run while prepared NCCL update {prepared.id} is being committed "
+                "(the workers wait for its broadcast, at most the group's timeout)"
+            )
+        if prepared is not None:
+            raise Conflict(
+                f"{what} cannot run while NCCL update {prepared.id} is prepared; POST "
                 "/weights/nccl/commit first (or /weights/nccl/init, which drops it)"
             )
 
@@ -327,6 +336,11 @@ class RolloutService:
 
     async def init_weight_group(self, request: NcclInitRequest) -> None:
         self.require_loaded()
+        committing = self.prepared.committing if self.prepared is not None else None
+        if committing is not None:  # its workers wait for the bytes until the group's timeout
+            log.warning("init waits for the commit of prepared NCCL update %s to end",
+                        self.prepared.id)  # type: ignore[union-attr]  # fmt: skip
+            await committing.wait()
         if self.prepared is not None:  # a learner that restarted after preparing
             await self._drop_prepared("the weight-sync group is being formed again")
         self._group_timeout_s = request.timeout_s
@@ -361,7 +375,7 @@ class RolloutService:
         return NcclPrepared(prepared_id=prepared.id, num_bytes=num_bytes, expires_s=timeout)
 
     async def _expire(self, prepared: _Prepared) -> None:
-        if self.prepared is prepared:
+        if self.prepared is prepared and prepared.committing is None:
             await self._drop_prepared(f"not committed within {self._group_timeout_s:.0f} s")
 
     async def _drop_prepared(self, why: str) -> None:
@@ -385,7 +399,9 @@ class RolloutService:
 
     async def nccl_commit(self, request: NcclCommitRequest) -> WeightUpdateResponse:
         """Load the prepared update once its broadcast arrived; the version moves only if all of
-        it loaded. A failed commit drops it (and the group: init again)."""
+        it loaded. A failed commit drops it (and the group: init again). The learner may post
+        the commit before it broadcasts (right after preparing): the workers then wait for the
+        bytes, at most the group's timeout, and other updates and sleep stay refused."""
         announced = time.time()
         prepared = self.prepared
         if prepared is None or prepared.id != request.prepared_id or prepared.expiry is None:
@@ -393,7 +409,9 @@ class RolloutService:
                 f"no prepared NCCL update {request.prepared_id!r} (a failed commit, an init or "
                 "its expiry drops one); prepare the update again"
             )
-        self.prepared = None
+        if prepared.committing is not None:
+            raise Conflict(f"prepared NCCL update {prepared.id} is already being committed")
+        prepared.committing = asyncio.Event()
         prepared.expiry.cancel()
         try:
             response = await self._announced_update(
@@ -402,10 +420,19 @@ class RolloutService:
             )  # fmt: skip
         except BaseException as exc:
             log.warning("prepared NCCL update %s failed: %s", prepared.id, exc)
+            self._forget(prepared)
             await self._release_prepared(prepared, drop=True)  # its receives may still wait
             raise
+        self._forget(prepared)
         await self._release_prepared(prepared, drop=False)
         return response
+
+    def _forget(self, prepared: _Prepared) -> None:
+        """A commit ended: the update is no longer prepared (whoever waits for it goes on)."""
+        if self.prepared is prepared:
+            self.prepared = None
+        assert prepared.committing is not None
+        prepared.committing.set()
 
     async def nccl_update(self, request: NcclUpdateRequest) -> WeightUpdateResponse:
         from rollout_server.weights import validate_nccl_announce

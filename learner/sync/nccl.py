@@ -10,11 +10,13 @@ sum all-reduce, each worker adding 1 once the update is in its parameters: the l
 the load is done without the HTTP answer's trip back, and ``send(wait_answers=False)`` returns
 right then (``answers()`` has the HTTP answers later).
 
-``prepare`` moves the announce off the sync's critical path: called while the optimizer still
-steps, it has every server queue the next update's receives (``POST /weights/nccl/prepare``).
-The ``send`` that follows then broadcasts at once and only commits (``/weights/nccl/commit``),
-so the bytes no longer wait for the announce to reach the workers. Any failure of a prepared
-send drops the group on both ends; the next ``send`` forms it again. The wire details (bucket layout, commit word, checksum, abort
+``prepare`` moves the announce and the commit off the sync's critical path: called while the
+optimizer still steps, it has every server queue the next update's receives
+(``POST /weights/nccl/prepare``) and posts the commit (``/weights/nccl/commit``) right away, so
+the workers wait for the bytes. The ``send`` that follows only broadcasts and waits for the
+workers' acknowledgement: no HTTP call on its path. Any failure of a prepared send drops the
+group on this end; the next ``send`` forms it again. A prepared update that will not be sent
+(a different one comes) is abandoned: zeros and commit word 0, the servers keep their weights. The wire details (bucket layout, commit word, checksum, abort
 on a dead peer) live in ``rollout_server.engine.vllm_worker``, the receiving side, and are
 imported from there so both ends share one definition.
 
@@ -223,6 +225,7 @@ class _PreparedSend:
     key: tuple  # _update_key of its arguments (cheaper to compare than the request)
     ids: list[str]  # per server, in client.servers order
     layout: list[Bucket]  # the request's, made at prepare (off the send's critical path)
+    commit: asyncio.Future  # the servers' commit, posted right after preparing: their answers
 
 
 class NcclWeightSender:
@@ -328,7 +331,11 @@ class NcclWeightSender:
         )
 
     def close(self) -> None:
-        self._prepared = None  # the servers drop theirs when the group is formed again
+        """Leave the group. A prepared update still waiting is left to the servers' timeout
+        (``_abandon`` ends it at once, when the group still works)."""
+        if self._prepared is not None:
+            self._prepared.commit.cancel()
+            self._prepared = None
         if self._answers is not None:
             self._answers.cancel()
             self._answers = None
@@ -365,10 +372,12 @@ class NcclWeightSender:
         segment_bytes: int = SEGMENT_BYTES,
     ) -> bool:
         """Have every server queue the receives of the next ``send`` of these ``specs`` (same
-        arguments), which then broadcasts at once and commits. Call it while the learner is
-        still busy (the optimizer step) and no generation is wanted from the servers: from
-        prepare to commit they hold generation paused (requests wait, as behind any weight
-        load). Returns False, and ``send`` then announces as usual, if a server could not
+        arguments), and post its commit at once: the workers then wait for the bytes, and that
+        ``send`` only broadcasts (no HTTP call on its path). Call it while the learner is still
+        busy (the optimizer step) and no generation is wanted from the servers: until the
+        update is loaded they hold generation paused (requests wait, as behind any weight
+        load). ``send`` must follow within the group's ``timeout_s``, or the servers give the
+        update up. Returns False, and ``send`` then announces as usual, if a server could not
         prepare (e.g. no GPU memory to stage on)."""
         if self._client is None:
             raise RuntimeError("NcclWeightSender.prepare before init()")
@@ -378,7 +387,7 @@ class NcclWeightSender:
         if self._prepared is not None:
             if self._prepared.key == key:
                 return True
-            self.close()  # a different update: forming the group again drops the old one
+            await self._abandon()  # a different update
         if self._comm is None:
             await self.init(self._client, **self._init_args)
         client = self._client
@@ -399,7 +408,10 @@ class NcclWeightSender:
             return False
         prepared = [a for a in answers if isinstance(a, NcclPrepared)]
         ids = [a.prepared_id for a in prepared]
-        self._prepared = _PreparedSend(request, key, ids, _layout(request))
+        # The commit goes out now, while the learner still steps: the workers then wait for
+        # the bytes, and the send has no HTTP call on its path, only the broadcasts.
+        commit = asyncio.ensure_future(self._commit(ids))
+        self._prepared = _PreparedSend(request, key, ids, _layout(request), commit)
         self.last_prepare_s = time.perf_counter() - start
         return True
 
@@ -435,11 +447,10 @@ class NcclWeightSender:
             begun = time.perf_counter(), time.time()
         specs = list(specs)
         key = _update_key(specs, bucket_bytes, version, checksum, segment_bytes)
-        prepared, self._prepared = self._prepared, None
-        if prepared is not None and prepared.key != key:
+        if self._prepared is not None and self._prepared.key != key:
             log.warning("the update differs from the prepared one; announcing it instead")
-            self.close()  # forming the group again drops the servers' prepared receives
-            prepared = None
+            await self._abandon()
+        prepared, self._prepared = self._prepared, None
         if prepared is not None:
             request = prepared.request
         else:
@@ -448,7 +459,7 @@ class NcclWeightSender:
             await self.init(self._client, **self._init_args)
         try:
             return await self._send(
-                request, prepared, tensor_iter, on_bucket, begun, wait_answers and not checksum
+                request, prepared, tensor_iter, on_bucket, begun, not (wait_answers or checksum)
             )
         except BaseException:
             if prepared is not None:
@@ -486,19 +497,12 @@ class NcclWeightSender:
         layout = prepared.layout if prepared is not None else _layout(request)
         marks: dict[str, float] = {}  # the broadcast thread's progress, for profiling
         stop = threading.Event()
-        loop = asyncio.get_running_loop()
-        launched = asyncio.Event()
-
-        def on_launched() -> None:  # from the broadcast thread
-            loop.call_soon_threadsafe(launched.set)
-
+        worded = threading.Event()  # the commit word is out: the servers will answer soon
         # Announced: the workers queue their receives on the announce, so it goes first.
-        # Prepared: they wait already; the commit is posted once the first segment is on the
-        # wire, so that its HTTP call does not take the GIL from the thread before that, and
-        # reaches the workers while the rest of the bytes land.
-        announce = asyncio.ensure_future(
-            self._announce(request) if prepared is None else self._commit(prepared, launched)
-        )
+        # Prepared: they wait already, and so does the commit, posted after preparing.
+        announce = prepared.commit if prepared is not None else (
+            asyncio.ensure_future(self._announce(request))
+        )  # fmt: skip
         announce.add_done_callback(
             lambda f: stop.set() if f.cancelled() or f.exception() is not None else None
         )
@@ -517,18 +521,18 @@ class NcclWeightSender:
                 request.segment_bytes,
                 on_bucket,
                 marks,
-                on_launched,
+                worded,
             )
         except NcclGroupError as exc:
             self._comm = None  # aborted: the next send forms the group again
-            if not launched.is_set():
-                announce.cancel()  # a commit not posted yet: the servers drop theirs
+            if not worded.is_set():
+                announce.cancel()  # the servers time out (or never got the announce)
             await asyncio.gather(announce, return_exceptions=True)
             if announce.done() and not announce.cancelled() and announce.exception():
                 raise announce.exception() from exc  # the server's reason is the useful one
             raise WeightSyncError("learner", f"NCCL broadcast failed: {exc}") from exc
         except BaseException:
-            if not launched.is_set():
+            if not worded.is_set():
                 announce.cancel()
             await asyncio.gather(announce, return_exceptions=True)  # the server says why
             raise
@@ -561,16 +565,28 @@ class NcclWeightSender:
             client.servers, lambda s: client.nccl_update(s, request), "NCCL"
         )
 
-    async def _commit(
-        self, prepared: _PreparedSend, launched: asyncio.Event
-    ) -> list[WeightUpdateResponse]:
+    async def _commit(self, ids: list[str]) -> list[WeightUpdateResponse]:
         client = self._client
         assert client is not None
-        await launched.wait()
-        ids = dict(zip(client.servers, prepared.ids, strict=True))
+        by_server = dict(zip(client.servers, ids, strict=True))
         return await announce_to_all(
-            client.servers, lambda s: client.nccl_commit(s, ids[s]), "NCCL"
+            client.servers, lambda s: client.nccl_commit(s, by_server[s]), "NCCL"
         )
+
+    async def _abandon(self) -> None:
+        """Give the prepared update up: its receives (and commit) wait on the servers, so it is
+        sent as zeros with commit word 0. They restore what they had and keep the group."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            return
+        log.info("abandoning the prepared update: zeros and commit word 0")
+        begun = time.perf_counter(), time.time()
+        try:
+            await self._send(prepared.request, prepared, iter(()), None, begun, False)
+        except Exception as exc:  # expected: the empty stream, or the servers' refusal
+            log.info("the prepared update was abandoned (%s)", exc)
+        if self._comm is None:
+            self.close()
 
     def _broadcast(
         self,
@@ -581,7 +597,7 @@ class NcclWeightSender:
         segment_bytes: int,
         on_bucket: Callable[[int], None] | None,
         marks: dict[str, float],
-        on_launched: Callable[[], None],
+        worded: threading.Event,
     ) -> tuple[float, int]:
         """Fill and broadcast every bucket, then the commit word; wait for the workers' sum of
         acknowledgements. Returns the checksum and that sum.
@@ -597,7 +613,7 @@ class NcclWeightSender:
         it = iter(tensor_iter)
         try:
             total, failure, acked = self._stream_buckets(
-                layout, it, stop, checksum, segment_bytes, on_bucket, marks, on_launched
+                layout, it, stop, checksum, segment_bytes, on_bucket, marks, worded
             )
         except NcclGroupError:
             drain(it, quiet=True)
@@ -620,7 +636,7 @@ class NcclWeightSender:
         segment_bytes: int,
         on_bucket: Callable[[int], None] | None,
         marks: dict[str, float],
-        on_launched: Callable[[], None],
+        worded: threading.Event,
     ) -> tuple[float, Exception | None, int]:
         """Every bucket goes out segment by segment (``Bucket.segments``) on a wire stream.
 
@@ -688,7 +704,6 @@ class NcclWeightSender:
                     del flat, parts
                     if "first" not in marks:
                         marks["first"] = time.perf_counter()
-                        on_launched()  # the wire is busy: the commit may go out
                 marks[f"launched{b}"] = time.perf_counter()
                 if on_bucket is not None:
                     left = torch.cuda.Event()
@@ -709,7 +724,7 @@ class NcclWeightSender:
         done = torch.cuda.Event()
         done.record(wire)
         marks["word"] = time.perf_counter()
-        on_launched()  # nothing was launched (no segments): the commit goes out now
+        worded.set()
         wait_event(done, comm, timeout_s, "the servers' acknowledgement of the load", stop)
         marks["acked"] = time.perf_counter()
         acked = int(acks.item())

@@ -45,6 +45,8 @@ class FileTransportEngine(TransformersEngine):
     async def commit_nccl_update(self, request) -> ReceivedUpdate:
         assert self.prepared is request
         self.prepared = None
+        while not self.inbox.exists():  # a commit posted before the broadcast: wait for it
+            await asyncio.sleep(0.01)
         tensors = load_file(self.inbox)
         missing = {t.name for t in request.tensors} - tensors.keys()
         if missing:
@@ -152,3 +154,31 @@ async def test_prepare_holds_generation_until_commit_expiry_or_init(
             assert (await http.get("/info")).json()["weight_version"] == 1
             generated = await http.post("/generate", json=PROBE)
             assert generated.json()["results"][0]["samples"][0]["weight_version"] == 1
+
+            # 5. the commit posted right after prepare, before the "broadcast": it waits for the
+            # bytes; meanwhile other updates, sleep and a second commit are refused, an init
+            # waits for the commit to end, and generation waits for the new weights
+            inbox.unlink()
+            pid = (await http.post("/weights/nccl/prepare", json=announce)).json()["prepared_id"]
+            commit = asyncio.ensure_future(
+                http.post("/weights/nccl/commit", json={"prepared_id": pid})
+            )
+            await asyncio.sleep(0.3)
+            assert not commit.done()
+            for path, body in [("/sleep", {"level": 1}), ("/weights/nccl/prepare", announce),
+                               ("/weights/load_file", {"path": str(model_b)}),
+                               ("/weights/nccl/commit", {"prepared_id": pid})]:  # fmt: skip
+                refused = await http.post(path, json=body)
+                assert refused.status_code == 409, (path, refused.text)
+                assert "being committed" in refused.json()["detail"], refused.text
+            init = asyncio.ensure_future(http.post("/weights/nccl/init", json=_init(30)))
+            waiting = asyncio.ensure_future(http.post("/generate", json=PROBE))
+            await asyncio.sleep(0.3)
+            assert not init.done() and not waiting.done()
+            save_file(load_file(model_b / "model.safetensors"), inbox)  # the bytes arrive
+            r = await commit
+            assert r.status_code == 200 and r.json()["weight_version"] == 2, r.text
+            assert (await init).status_code == 200
+            assert engine.dropped == 3  # the init found nothing left to drop
+            generated = await waiting
+            assert generated.json()["results"][0]["samples"][0]["weight_version"] == 2
