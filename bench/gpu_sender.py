@@ -128,12 +128,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.early:  # loaded, acknowledged: a generation asked now runs on the new weights
             from rollout_server.protocol import GenerateRequest
 
-            loaded_s = sender.last_stats["loaded_s"]
+            returned, loaded_s = responses is not None, sender.last_stats["loaded_s"]
             request = GenerateRequest(prompts=[[1, 2, 3, 4]], n=1, max_tokens=4, ignore_eos=True)
             generated = await client.generate(request)
             responses = await sender.answers()
             extra_out["early"] = {
-                "returned": responses is not None,
+                "returned": returned,
                 "loaded_s": loaded_s,
                 "generated_version": generated.weight_version,
             }
