@@ -18,9 +18,10 @@ The NCCL protocol, shared with ``learner.sync.nccl.NcclWeightSender`` (rank 0):
    zeros).
    A *prepared* update splits this in two: ``grpo_begin_update(prepared=True)``
    (``POST /weights/nccl/prepare``, while the learner is still training; generation stays
-   paused from then) queues the receives on a side stream and returns; the learner then
-   broadcasts at once and ``POST /weights/nccl/commit`` calls ``grpo_finish_update``. The wire no longer waits for the
-   announce to reach the workers.
+   paused from then) queues the receives on a side stream and returns; ``POST
+   /weights/nccl/commit`` calls ``grpo_finish_update``, which waits for the bytes. The learner
+   posts that commit right after preparing, before it broadcasts, so neither the announce nor
+   the commit is on the wire's path.
    With the announce's ``ack``, the commit word is followed by one int32 sum all-reduce over
    the group: each worker adds 1 once the update is in its parameters (after the load's copies
    on its stream), 0 if it read commit word 0 or failed to load, and the learner 0; the learner
