@@ -43,6 +43,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rewards._threads import run_in_daemon_thread
 from rollout_server.client import RolloutClient, RolloutError, WeightSyncError
 from rollout_server.nccl_wire import (
     Bucket,
@@ -168,24 +169,10 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-    """Run blocking NCCL work off the event loop in a daemon thread: if it can never finish
-    (a peer that will not join), it must not keep the interpreter alive at exit."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="nccl-weight-sync", daemon=True).start()
-    return asyncio.wrap_future(future)
-
-
 class _DaemonWorker:
     """One daemon thread kept for a sender's broadcasts, so that no thread starts on a sync's
-    critical path; jobs run in turn. Daemon for the same reason as ``_in_daemon_thread``."""
+    critical path; jobs run in turn. A daemon, as in ``run_in_daemon_thread``: a broadcast that
+    can never finish must not keep the interpreter alive at exit."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -312,7 +299,7 @@ class NcclWeightSender:
         posts = [
             asyncio.ensure_future(post(s, o)) for s, o in zip(client.servers, offsets, strict=True)
         ]
-        join = _in_daemon_thread(
+        join = run_in_daemon_thread(
             join_group, master_address, master_port, 0, world_size, self._device, timeout_s
         )
         try:
@@ -539,20 +526,21 @@ class NcclWeightSender:
         finally:
             sys.setswitchinterval(switch)
         loaded_s = time.perf_counter() - start  # every worker acknowledged the load
-        stats = dict(sent_at=sent_at, prepared=float(prepared is not None), loaded_s=loaded_s)
-        if early and acked == self._workers:
-            self._answers = announce
-            self.last_stats = update_stats(start, request.tensors, **stats)
-            self.last_stats["sender_ms"] = {k: (t - start) * 1e3 for k, t in marks.items()}  # type: ignore[assignment]
-            return None
-        responses = await announce
-        if acked != self._workers:  # the answers said nothing wrong, yet a worker did not load
-            raise WeightSyncError(
-                "server", f"only {acked} of {self._workers} workers acknowledged the load"
-            )
         # wall-clock stamps too, to line up with the servers' response timelines
-        self.last_stats = update_stats(start, request.tensors, answered_at=time.time(), **stats)
+        stats = dict(sent_at=sent_at, prepared=float(prepared is not None), loaded_s=loaded_s)
+        early = early and acked == self._workers
+        if not early:
+            responses = await announce
+            if acked != self._workers:  # the answers said nothing wrong, yet one did not load
+                raise WeightSyncError(
+                    "server", f"only {acked} of {self._workers} workers acknowledged the load"
+                )
+            stats["answered_at"] = time.time()
+        self.last_stats = update_stats(start, request.tensors, **stats)
         self.last_stats["sender_ms"] = {k: (t - start) * 1e3 for k, t in marks.items()}  # type: ignore[assignment]
+        if early:
+            self._answers = announce
+            return None
         if checksum:
             check_checksums(self._client.servers, responses, sent_checksum)
         return responses
@@ -585,8 +573,6 @@ class NcclWeightSender:
             await self._send(prepared.request, prepared, iter(()), None, begun, False)
         except Exception as exc:  # expected: the empty stream, or the servers' refusal
             log.info("the prepared update was abandoned (%s)", exc)
-        if self._comm is None:
-            self.close()
 
     def _broadcast(
         self,

@@ -465,22 +465,15 @@ class WeightSyncWorkerExtension:
         if p is None:
             raise RuntimeError("grpo_finish_update without a grpo_begin_update before it")
         finish_start = time.time()
-        try:
+        device = self._grpo_device()
+        total = None
+        try:  # any failure: what the overlapped copies put in is undone, and the learner told
             received_s, received_at = self._grpo_wait_received(p)
             if p.overlap is not None:
                 assert p.copied is not None and self._grpo_copy_stream is not None
                 wait_event(p.copied, None, _RESTORE_TIMEOUT_S, "the copies into the parameters")
-                torch.cuda.current_stream(self._grpo_device()).wait_stream(self._grpo_copy_stream)
-        except BaseException:
-            if p.overlap is not None:
-                self._grpo_restore(p.overlap)
-            if p.ack and self._grpo_comm is not None:  # the word was read: the group is usable
-                self._grpo_ack(False)
-            raise
-        device = self._grpo_device()
-        torch.cuda.current_stream(device).wait_event(p.queued[-1])  # prepared: the side stream
-        total = None
-        try:
+                torch.cuda.current_stream(device).wait_stream(self._grpo_copy_stream)
+            torch.cuda.current_stream(device).wait_event(p.queued[-1])  # prepared: side stream
             if p.checksum:
                 total = float(sum(flat_checksum(f.to(device, non_blocking=True)) for f in p.staged))
             if p.kept is not None:
@@ -495,7 +488,9 @@ class WeightSyncWorkerExtension:
             else:
                 loader = self._grpo_load_update(staging.weights, p.direct, staging.tensor_key)
         except BaseException:
-            if p.ack and self._grpo_comm is not None:
+            if p.overlap is not None:
+                self._grpo_restore(p.overlap)
+            if p.ack and self._grpo_comm is not None:  # the word was read: the group is usable
                 self._grpo_ack(False)
             raise
         loaded_at = time.time()

@@ -158,9 +158,9 @@ async def nccl_update(request: NcclUpdateRequest, service: ServiceDep) -> Weight
 )
 async def nccl_prepare(request: NcclUpdateRequest, service: ServiceDep) -> NcclPrepared:
     """Announce an update ahead of its broadcast: generation pauses (once the requests in
-    flight finish), the workers queue its receives and the prefix cache is reset. The learner
-    then broadcasts at once and commits. Until the commit new generations wait, as behind any
-    load; other weight updates, sleep and wake_up answer 409."""
+    flight finish), the workers queue its receives and the prefix cache is reset. Until the
+    update is committed new generations wait, as behind any load; other weight updates, sleep
+    and wake_up answer 409."""
     return await service.nccl_prepare(request)
 
 
@@ -171,7 +171,8 @@ async def nccl_prepare(request: NcclUpdateRequest, service: ServiceDep) -> NcclP
 )
 async def nccl_commit(request: NcclCommitRequest, service: ServiceDep) -> WeightUpdateResponse:
     """Wait for the prepared update's broadcast, load all of it (or none), bump the version
-    and resume generation."""
+    and resume generation. It may be posted before the broadcast: the workers then wait for
+    the bytes, at most the weight-sync group's timeout."""
     return await service.nccl_commit(request)
 
 

@@ -47,20 +47,10 @@ def server(qwen3_dir, log_dir):
     proc.stop()
 
 
-def send(
-    server,
-    model_dir,
-    *,
-    perturb_seed=None,
-    die=False,
-    prepare=False,
-    die_after_prepare=False,
-    early=False,
-    broken_stream_first=False,
-    timeout_s=60.0,
-    log_dir=None,
-):
-    """Run one learner-side sync in a subprocess on GPU 0; return (returncode, summary)."""
+def send(server, model_dir, *, perturb_seed=None, timeout_s=60.0, log_dir=None, **flags):
+    """Run one learner-side sync in a subprocess on GPU 0; return (returncode, summary).
+    ``flags``: gpu_sender.py's switches, true to pass (``die`` is --die-after-first-bucket;
+    prepare, die_after_prepare, early, broken_stream_first)."""
     from gpu_common import free_port, gpu_env
 
     argv = [
@@ -79,16 +69,8 @@ def send(
     ]
     if perturb_seed is not None:
         argv += ["--perturb-seed", str(perturb_seed)]
-    if die:
-        argv.append("--die-after-first-bucket")
-    if prepare:
-        argv.append("--prepare")
-    if die_after_prepare:
-        argv.append("--die-after-prepare")
-    if early:
-        argv.append("--early")
-    if broken_stream_first:
-        argv.append("--broken-stream-first")
+    names = {"die": "die_after_first_bucket"}
+    argv += ["--" + names.get(k, k).replace("_", "-") for k, on in flags.items() if on]
     proc = subprocess.run(argv, env=gpu_env("0"), capture_output=True, text=True, timeout=300)
     if log_dir is not None:
         with (log_dir / "test_nccl_sync.sender.log").open("a") as f:
