@@ -108,6 +108,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 os._exit(3)
 
         extra["on_bucket"] = on_bucket
+    if args.early:  # NCCL only (the IPC sender has no early return)
+        extra["wait_answers"] = False
     specs = param_specs(model, dtype=torch.bfloat16)
     checksum = not args.early
     extra_out: dict[str, Any] = {}
@@ -122,7 +124,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             iter_gathered_params(model),
             bucket_bytes=args.bucket_mb << 20,
             checksum=checksum,
-            wait_answers=not args.early,
             **extra,
         )
         if args.early:  # loaded, acknowledged: a generation asked now runs on the new weights
@@ -212,6 +213,12 @@ def main() -> None:
     p.add_argument("--early", action="store_true", help="NCCL: return on the load's ack")
     p.add_argument("--broken-stream-first", action="store_true")
     args = p.parse_args()
+    nccl_only = ("prepare", "die_after_prepare", "early", "broken_stream_first", "master_port")
+    if args.transport == "ipc" and any(getattr(args, k) for k in nccl_only):
+        p.error(
+            "--prepare, --die-after-prepare, --early, --broken-stream-first and "
+            "--master-port are for --transport nccl"
+        )
     print(json.dumps(asyncio.run(run(args))), flush=True)
 
 
