@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-args", default="", help="extra rollout-server flags (one string)")
     p.add_argument("--server-timeout", type=float, default=240.0, help="s until /ready")
     p.add_argument(
+        "--no-prepare-sync",
+        dest="prepare_sync",
+        action="store_false",
+        help="nccl: rollout.prepare_sync = false (announce each sync with its send; to time "
+        "what preparing during training costs or saves)",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=240.0,
@@ -151,6 +158,7 @@ def learner_config(
             "max_staleness": {"split": args.split_max_staleness}.get(
                 mode, args.overlap_max_staleness if mode == "overlap" else 0
             ),
+            "prepare_sync": args.prepare_sync,
         },
         "sampling": {
             "num_generations": args.num_generations,

@@ -100,6 +100,11 @@ def test_learner_config_is_accepted_by_the_real_learner(mode, tmp_path):
         assert (loaded.rollout.sync, loaded.rollout.sleep_while_training) == ("nccl", None)
         assert loaded.rollout.max_staleness == (2 if mode == "overlap" else 0)
         assert loaded.run.steps == 20
+    assert loaded.rollout.prepare_sync
+    unprepared = e2e.learner_config(
+        _args("--no-prepare-sync"), mode, "http://x:9", tmp_path / "r", tmp_path / "p", tmp_path
+    )
+    assert unprepared["rollout"]["prepare_sync"] is False
 
 
 def test_split_learner_runs_under_zero3_with_one_process():
