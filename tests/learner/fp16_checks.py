@@ -55,7 +55,8 @@ def fp16_small_gradient_checks(
             h16.grad = w16.grad = None
             run().backward()
             # Below ~1e-4 the gradient's own fp16 rounding (many entries are subnormal) is
-            # ~1 %; unscaled, the softmax part is lost: 8 % (hidden) and 2.4 % (weight) here.
+            # ~1 %; unscaled, the softmax part is lost: 4.9 % (hidden) and 2.2 % (weight)
+            # at the interpreter's size (64 tokens, vocab 2048), 6 % and 2.5 % at 48 x 3000.
             tol = 1e-2 if scale >= 1e-4 else 2e-2
             out.append((f"fp16 {name} grad_hidden, weights {scale:g}", _rel(h16.grad, ref_h), tol))
             out.append((f"fp16 {name} grad_weight, weights {scale:g}", _rel(w16.grad, ref_w), tol))

@@ -179,5 +179,7 @@ if __name__ == "__main__":  # the interpreter run: tiny sizes, CPU
     res = []
     res += run_checks("cpu", torch.float32, 24, 40, 70, [None, (16, 32)])
     res += run_checks("cpu", torch.bfloat16, 24, 40, 70, [(16, 32)], seed=1)
-    res += fp16_small_gradient_checks("cpu", 200, 32, 3000)  # both Triton paths
+    # both Triton paths; at this size the check still fails unscaled (grad_hidden 4.9 % and
+    # grad_weight 2.2 % against 2 %) and takes ~20 s under the interpreter (85 s at 200x3000)
+    res += fp16_small_gradient_checks("cpu", 64, 32, 2048)
     print(json.dumps(res))
