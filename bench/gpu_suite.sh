@@ -9,7 +9,8 @@
 # tests (pytest -m gpu), bench_rollout (bench/bench_rollout_gpu.py), bench_loss
 # (bench/bench_loss_gpu.py), e2e (end-to-end GRPO steps: TRL's GRPOTrainer with colocated vLLM,
 # then ours colocated on GPU 0, then ours split over 2 GPUs; not in the default list: it needs
-# the 2-GPU machine and ~6 min, SUITE_STEPS="setup model e2e"), memory (issue 7: peak learner
+# the 2-GPU machine and ~6 min, SUITE_STEPS="setup model e2e"; ours only with E2E_TRL=0, and
+# E2E_ARGS="--modes split --no-prepare-sync" times the split step without a prepared sync), memory (issue 7: peak learner
 # memory and step time with each memory option on vs off, bench/bench_memory_options.py, one
 # GPU, no rollout server, ~2.5 min), overlap (issue 7: bench_grpo_e2e.py in mode split twice,
 # rollout.max_staleness 0 then 1, 12 steps each; needs the 2-GPU machine, ~4 min). Neither is
