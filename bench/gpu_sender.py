@@ -215,10 +215,8 @@ def main() -> None:
     args = p.parse_args()
     nccl_only = ("prepare", "die_after_prepare", "early", "broken_stream_first", "master_port")
     if args.transport == "ipc" and any(getattr(args, k) for k in nccl_only):
-        p.error(
-            "--prepare, --die-after-prepare, --early, --broken-stream-first and "
-            "--master-port are for --transport nccl"
-        )
+        flags = ", ".join("--" + k.replace("_", "-") for k in nccl_only)
+        p.error(f"{flags} are for --transport nccl")
     print(json.dumps(asyncio.run(run(args))), flush=True)
 
 

@@ -413,26 +413,23 @@ class RolloutService:
             raise Conflict(f"prepared NCCL update {prepared.id} is already being committed")
         prepared.committing = asyncio.Event()
         prepared.expiry.cancel()
+        loaded = False
         try:
             response = await self._announced_update(
                 announced, prepared.request, prepared.num_bytes, "nccl",
                 self.engine.commit_nccl_update, gate_held=True,
             )  # fmt: skip
+            loaded = True
         except BaseException as exc:
             log.warning("prepared NCCL update %s failed: %s", prepared.id, exc)
-            self._forget(prepared)
-            await self._release_prepared(prepared, drop=True)  # its receives may still wait
             raise
-        self._forget(prepared)
-        await self._release_prepared(prepared, drop=False)
+        finally:  # no longer prepared: whoever waits for the commit goes on
+            if self.prepared is prepared:
+                self.prepared = None
+            prepared.committing.set()
+            # a failed one's receives may still wait: drop them (and the group)
+            await self._release_prepared(prepared, drop=not loaded)
         return response
-
-    def _forget(self, prepared: _Prepared) -> None:
-        """A commit ended: the update is no longer prepared (whoever waits for it goes on)."""
-        if self.prepared is prepared:
-            self.prepared = None
-        assert prepared.committing is not None
-        prepared.committing.set()
 
     async def nccl_update(self, request: NcclUpdateRequest) -> WeightUpdateResponse:
         from rollout_server.weights import validate_nccl_announce
