@@ -428,6 +428,32 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def write_results(
+    args: argparse.Namespace, results: dict[str, Any], pending: list[str]
+) -> dict[str, Any]:
+    """Verdicts over the runs so far, and the whole of ``results`` written to ``--out``
+    (``pending``: the modes not run yet, listed in the file while there are any)."""
+    runs = {k: results.get(k) for k in ("trl", *MODES)}
+    ours = workload(args.prompts_per_step, args.num_generations, args.max_tokens)
+    trl_workload = (results["trl"] or {}).get("workload")
+    if trl_workload is not None and trl_workload != ours:
+        results["trl_note"] = f"TRL ran {trl_workload}, ours {ours}: not compared"
+    if args.engine == "vllm":
+        results["verdicts"] = verdicts(runs, same_workload=trl_workload in (None, ours))
+    else:
+        results["verdicts"] = []
+        results["note"] = "CPU smoke run (--engine transformers): the numbers mean nothing"
+    if pending:
+        results["pending_modes"] = pending
+    else:
+        results.pop("pending_modes", None)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=2))
+    tmp.replace(args.out)  # never a half-written file, even if killed mid-write
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -451,7 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     try:
-        for mode in modes:
+        for i, mode in enumerate(modes):
+            # what is done so far is on disk before each mode starts: a run killed outright
+            # (SIGKILL, the machine's call limit) keeps the modes it finished
+            write_results(args, results, pending=modes[i:])
             print(f"== {mode}: starting (limit {args.timeout:.0f} s)", flush=True)
             results[mode] = run_mode(args, mode, work, logs)
             print(f"== {mode}: {results[mode]['status']}", flush=True)
@@ -460,18 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.work_dir is None and not args.keep_run_dirs:
             shutil.rmtree(work, ignore_errors=True)
-    runs = {k: results.get(k) for k in ("trl", *MODES)}
-    ours = workload(args.prompts_per_step, args.num_generations, args.max_tokens)
-    trl_workload = (results["trl"] or {}).get("workload")
-    if trl_workload is not None and trl_workload != ours:
-        results["trl_note"] = f"TRL ran {trl_workload}, ours {ours}: not compared"
-    if args.engine == "vllm":
-        results["verdicts"] = verdicts(runs, same_workload=trl_workload in (None, ours))
-    else:
-        results["verdicts"] = []
-        results["note"] = "CPU smoke run (--engine transformers): the numbers mean nothing"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    runs = write_results(args, results, pending=[])
     print(table(runs))
     print(verdict_lines(results["verdicts"]))
     for key in ("trl_note", "note"):

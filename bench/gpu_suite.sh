@@ -17,11 +17,17 @@
 # in the default list: SUITE_STEPS="setup model memory overlap" SUITE_BUDGET_S=590 on the
 # 2-GPU machine. Each step has its own time
 # limit and its own log; a failing step does not stop the others; the whole run stays inside
-# SUITE_BUDGET_S (steps that no longer fit are skipped and say so). Results in $OUT (few files, as the device tool returns at most 8):
+# SUITE_BUDGET_S (steps that no longer fit are skipped and say so). The budget counts from this
+# script's start and the machine's call limit from the call's: make the suite the whole command
+# (its setup step runs .dev/bin/install.sh itself, inside the budget), with SUITE_BUDGET_S at
+# least 20 s under the call's timeout_s; otherwise the machine cuts the call before the suite's
+# own limits do. Results in $OUT (few files, as the device tool returns at most 8):
 #   summary.json  steps (status, seconds, exit code), test counts, benchmark verdicts
+#   steps.tsv  the steps ended so far and the one running (kept current while the suite runs)
 #   gpu_tests.xml  junit report of pytest -m gpu
 #   bench_rollout_gpu.json  throughput / sleep / sync numbers
 #   bench_grpo_e2e.json  e2e: TRL vs colocated vs split, median s/step and phases, verdicts
+#                (rewritten as each mode ends: a cut call keeps the modes that finished)
 #   bench_memory_options.json  memory: peak bytes, step seconds, recompute probe per option
 #   bench_overlap.json  overlap: synchronous vs overlapped split medians, the verdict
 #   logs.tar.gz  every step log, server logs, the offline-baseline log, bench_loss outputs,
@@ -106,12 +112,11 @@ step_e2e() {
   local d=$WORK/e2e rc
   rm -rf "$d" && mkdir -p "$d" "$LOGS/e2e"
   if [ "${E2E_TRL:-1}" = 0 ]; then  # ours only (e.g. the 2-GPU modes in a second call)
-    python3 bench/bench_grpo_e2e.py --model "$GRPO_GPU_MODEL" --out "$d/bench_grpo_e2e.json" \
+    python3 bench/bench_grpo_e2e.py --model "$GRPO_GPU_MODEL" --out "$OUT/bench_grpo_e2e.json" \
       --log-dir "$LOGS/e2e" --work-dir "$d/runs" --steps-colocated "${E2E_COLOCATED_STEPS:-20}" \
       --steps-split "${E2E_SPLIT_STEPS:-20}" --timeout "${T_E2E_MODE:-190}" --server-timeout 150 \
       ${E2E_ARGS:-}
     rc=$?
-    cp "$d/bench_grpo_e2e.json" "$OUT/" 2>/dev/null
     return $rc
   fi
   echo "-- trl (limit ${T_E2E_TRL:-200}s, ${E2E_TRL_STEPS:-20} steps) -> $LOGS/e2e/trl.log"
@@ -121,11 +126,10 @@ step_e2e() {
   echo "-- trl: rc $rc"; tail -n 8 "$LOGS/e2e/trl.log"
   [ -f "$d/trl.json" ] || echo "{\"status\": \"error\", \"error\": \"TRL run: rc $rc (timeout: 124/137), see logs/e2e/trl.log\"}" > "$d/trl.json"
   python3 bench/bench_grpo_e2e.py --model "$GRPO_GPU_MODEL" --trl-json "$d/trl.json" \
-    --out "$d/bench_grpo_e2e.json" --log-dir "$LOGS/e2e" --work-dir "$d/runs" \
+    --out "$OUT/bench_grpo_e2e.json" --log-dir "$LOGS/e2e" --work-dir "$d/runs" \
     --steps-colocated "${E2E_COLOCATED_STEPS:-20}" --steps-split "${E2E_SPLIT_STEPS:-20}" \
     --timeout "${T_E2E_MODE:-190}" --server-timeout 150 ${E2E_ARGS:-}
   rc=$?
-  cp "$d/bench_grpo_e2e.json" "$OUT/" 2>/dev/null
   return $rc
 }
 
@@ -207,6 +211,9 @@ for step in $SUITE_STEPS; do
   fi
   echo "== $step (limit ${limit}s) -> $LOGS/$step.log"
   t0=$(date +%s)
+  # which steps ended and which one runs, in $OUT at once: a call cut by the machine's limit
+  # (no signal reaches this script) still says how far it got
+  { cat "$STATUS_FILE"; printf '%s\trunning_since_%ss\t-\t-\n' "$step" "$(( t0 - START ))"; } > "$OUT/steps.tsv"
   # A subshell per step: `timeout` needs a command; exported functions reach it via bash -c.
   export -f "step_$step"
   export STEP_LIMIT=$limit
@@ -215,6 +222,7 @@ for step in $SUITE_STEPS; do
   secs=$(( $(date +%s) - t0 ))
   case $rc in 0) st=ok ;; 124|137) st=timeout ;; *) st=failed ;; esac
   printf '%s\t%s\t%s\t%s\n' "$step" "$st" "$secs" "$rc" >> "$STATUS_FILE"
+  cp "$STATUS_FILE" "$OUT/steps.tsv"
   echo "== $step: $st in ${secs}s (rc $rc)"
   tail -n 25 "$LOGS/$step.log" | sed 's/^/   | /'
   stop_leftover_servers

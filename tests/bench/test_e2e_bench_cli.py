@@ -216,6 +216,36 @@ def test_verdicts_follow_the_issue():
     assert "boom" in text and "1.80" in text
 
 
+def test_each_finished_mode_is_on_disk_before_the_next_starts(tmp_path, monkeypatch):
+    """A run killed outright (the GPU machine's call limit sends no signal it can catch)
+    keeps what it finished: the result file is rewritten before every mode."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "e2e.json"
+    seen: list[dict] = []
+
+    def run_mode(args, mode, work, logs):
+        seen.append(json.loads(out.read_text()))
+        if mode == "split":
+            raise KeyboardInterrupt("signal 15")  # what SIGTERM becomes in main
+        return _ok(2.5)
+
+    monkeypatch.setattr(e2e, "run_mode", run_mode)
+    rc = e2e.main(
+        ["--model", str(model), "--out", str(out), "--engine", "transformers",
+         "--split-sync", "http", "--colocated-sync", "file", "--modes", "colocated,split",
+         "--work-dir", str(tmp_path / "runs"), "--log-dir", str(tmp_path / "logs")]
+    )  # fmt: skip
+    assert rc == 1
+    assert seen[0]["pending_modes"] == ["colocated", "split"] and "colocated" not in seen[0]
+    assert seen[1]["pending_modes"] == ["split"] and seen[1]["colocated"]["status"] == "ok"
+    final = json.loads(out.read_text())
+    assert final["interrupted"] == "signal 15" and "pending_modes" not in final
+    assert final["colocated"]["summary"]["step_s"]["median"] == 2.5 and "split" not in final
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 # -- the whole plumbing on CPU -----------------------------------------------------------------
 
 
