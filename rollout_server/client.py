@@ -59,6 +59,7 @@ class RolloutError(Exception):
     def __init__(self, server: str, message: str) -> None:
         super().__init__(f"rollout server {server}: {message}")
         self.server = server
+        self.reason = message
 
 
 class RolloutHTTPError(RolloutError):
@@ -140,6 +141,8 @@ class RolloutClient:
         params: dict[str, Any] | None = None,
         retry: bool = True,
     ) -> httpx.Response:
+        """One call, retried with backoff when ``retry``; each failed attempt that will be
+        retried is a warning (a single probe's failure is the caller's to report)."""
         attempts = 1 + (self.max_retries if retry else 0)
         last: str = "no attempt made"
         for attempt in range(attempts):
@@ -165,9 +168,10 @@ class RolloutClient:
                 if resp.status_code not in RETRY_STATUSES or attempt == attempts - 1:
                     raise RolloutHTTPError(server, method, path, resp.status_code, detail)
                 last = f"{method} {path} -> HTTP {resp.status_code}: {detail}"
-            logger.warning(
-                "rollout server %s: %s (attempt %d/%d)", server, last, attempt + 1, attempts
-            )
+            if attempt < attempts - 1:
+                logger.warning(
+                    "rollout server %s: %s (attempt %d/%d)", server, last, attempt + 1, attempts
+                )
         raise RolloutUnavailableError(server, f"{last} (after {attempts} attempt(s))")
 
     async def _json(self, server: str, method: str, path: str, model: type[M], **kw: Any) -> M:
@@ -179,39 +183,50 @@ class RolloutClient:
 
     # -- status ----------------------------------------------------------------------------
 
-    async def health(self) -> list[bool]:
-        async def one(s: str) -> bool:
-            try:
-                await self._call(s, "GET", "/health", retry=False)
-                return True
-            except RolloutError:
-                return False
+    async def _probe(self, server: str, path: str) -> str | None:
+        """``None`` when ``server`` answers ``GET path``, else why not (one attempt: a poll)."""
+        try:
+            await self._call(server, "GET", path, retry=False)
+            return None
+        except RolloutError as e:
+            return e.reason
 
-        return await self._all(one)
+    async def health(self) -> list[bool]:
+        return [w is None for w in await self._all(lambda s: self._probe(s, "/health"))]
 
     async def ready(self) -> list[bool]:
-        async def one(s: str) -> bool:
-            try:
-                await self._call(s, "GET", "/ready", retry=False)
-                return True
-            except RolloutError:
-                return False
+        return [w is None for w in await self._all(lambda s: self._probe(s, "/ready"))]
 
-        return await self._all(one)
+    async def wait_ready(
+        self, timeout_s: float = 300.0, poll_s: float = 0.5, note_every_s: float = 15.0
+    ) -> None:
+        """Wait until every server answers ``/ready``; raise naming the ones that did not.
 
-    async def wait_ready(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> None:
-        """Wait until every server answers ``/ready``; raise naming the ones that did not."""
-        deadline = time.monotonic() + timeout_s
+        Says once at the start which servers it waits for, then every ``note_every_s`` how
+        long it has waited and why each is not ready yet (not one warning per poll)."""
+        start = time.monotonic()
+        next_note = start
         while True:
-            states = await self.ready()
-            if all(states):
+            why = await self._all(lambda s: self._probe(s, "/ready"))
+            down = {s: w for s, w in zip(self.servers, why, strict=True) if w is not None}
+            waited = time.monotonic() - start
+            if not down:
+                if waited >= poll_s:
+                    logger.info("rollout server(s) ready after %.0f s", waited)
                 return
-            if time.monotonic() > deadline:
-                down = [s for s, ok in zip(self.servers, states, strict=True) if not ok]
+            reasons = "; ".join(f"{s}: {w}" for s, w in down.items())
+            if waited > timeout_s:
                 raise RolloutUnavailableError(
                     ", ".join(down),
-                    f"not ready after {timeout_s:.0f} s (is it running? see its log)",
+                    f"not ready after {timeout_s:.0f} s (is it running? see its log); "
+                    f"last answer: {reasons}",
                 )
+            if time.monotonic() >= next_note:
+                logger.info(
+                    "waiting for %d of %d rollout server(s) to be ready (%.0f s of %.0f s): %s",
+                    len(down), len(self.servers), waited, timeout_s, reasons,
+                )  # fmt: skip
+                next_note += note_every_s
             await asyncio.sleep(poll_s)
 
     async def info(self) -> list[InfoResponse]:

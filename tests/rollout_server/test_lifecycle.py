@@ -64,3 +64,54 @@ def test_a_model_that_fails_to_load_is_reported(start_server, tmp_path):
         r = http.post("/generate", json={"prompts": ["hi"]})
         assert r.status_code == 503 and "not running" in r.json()["detail"]
         assert "missing-model" in http.get("/ready").json()["detail"]
+
+
+def test_wait_ready_says_why_now_and_then_not_a_warning_per_poll(
+    start_server, tiny_model_dir, caplog
+):
+    """A learner started with its server waits through the model's load: it says which server
+    it waits for and why (the server's own 503), not one warning every half second."""
+    from rollout_server.client import RolloutClient
+
+    settings = ServerSettings(model=str(tiny_model_dir))
+    engine = _HeldStart(settings)
+
+    async def wait() -> float:
+        async with RolloutClient(server.url, max_retries=0) as client:
+            threading.Timer(1.5, engine.release.set).start()
+            t0 = time.monotonic()
+            await client.wait_ready(timeout_s=60, poll_s=0.05, note_every_s=0.5)
+            return time.monotonic() - t0
+
+    caplog.set_level("INFO", logger="rollout_server.client")
+    with start_server(settings, engine, wait_ready=False) as server:
+        waited = asyncio.run(wait())
+    records = [r for r in caplog.records if r.name == "rollout_server.client"]
+    assert waited >= 1.4
+    assert not [r for r in records if r.levelname == "WARNING"]
+    notes = [r.getMessage() for r in records if "waiting for 1 of 1" in r.getMessage()]
+    assert 2 <= len(notes) <= 1 + waited / 0.5 + 1, notes  # at once, then every 0.5 s
+    assert server.url in notes[0] and "still loading" in notes[0]
+    assert "ready after" in records[-1].getMessage()
+
+
+def test_wait_ready_on_nothing_names_the_server_and_the_last_error(caplog):
+    from learner.embedded import free_port
+    from rollout_server.client import RolloutClient, RolloutUnavailableError
+
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def wait() -> None:
+        async with RolloutClient(url, max_retries=3) as client:
+            await client.wait_ready(timeout_s=0.6, poll_s=0.05, note_every_s=10)
+
+    caplog.set_level("INFO", logger="rollout_server.client")
+    try:
+        asyncio.run(wait())
+    except RolloutUnavailableError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("wait_ready returned with no server")
+    assert url in msg and "not ready after 1 s" in msg and "failed to connect" in msg
+    records = [r for r in caplog.records if r.name == "rollout_server.client"]
+    assert len(records) == 1 and records[0].levelname == "INFO"  # one note, no warnings
