@@ -27,6 +27,8 @@ DESIGN_TARGET_COLOCATED_S = 2.6  # docs: DESIGN.md "Performance targets"
 # Phase timings of one learner step (metrics.jsonl keys, learner/trainer.py and rollouts.py).
 # wait_generate = what the training thread waited for generate + score + advantages.
 PHASES = ("time/wait_generate", "time/generate", "time/score", "time/train", "time/sync")
+# the learner's split of its train phase (GPU timeline on CUDA): learner/train_step.PhaseClock
+TRAIN_PHASES = ("prepare", "forward", "backward", "optimizer")
 
 _TOPICS = ("a lighthouse", "a robot", "the sea", "a mountain", "a library", "a garden", "a comet")
 _VERBS = ("describe", "explain", "write a poem about", "tell a story about", "list facts about")
@@ -142,6 +144,7 @@ def summarize_learner(records: Sequence[dict[str, Any]], warmup: int) -> dict[st
         if "time" in records[i] and "time" in records[i - 1]
     ]
     phases = {k.removeprefix("time/"): _median_of(measured, k) for k in PHASES}
+    phases |= {f"train/{k}": _median_of(measured, f"time/train/{k}") for k in TRAIN_PHASES}
     phases["other"] = statistics.median(other)
     gen_tokens = _median_of(measured, "tokens/generated")
     step_median = statistics.median(steps)
@@ -231,7 +234,8 @@ def table(results: dict[str, dict[str, Any] | None]) -> str:
     """A fixed-width table: one row per run, median seconds per step and per phase."""
     head = (
         f"{'run':10} {'status':7} {'steps':>5} {'s/step':>7} {'gen':>6} {'score':>6} "
-        f"{'train':>6} {'sync':>6} {'other':>6} {'wall':>6} {'len':>6}"
+        f"{'train':>6} {'sync':>6} {'other':>6} {'wall':>6} {'len':>6}  "
+        "train: prep/fwd/bwd/opt"
     )
     lines = [head, "-" * len(head)]
     for name, r in results.items():
@@ -247,7 +251,8 @@ def table(results: dict[str, dict[str, Any] | None]) -> str:
             f"{name:10} {'ok':7} {s['step_s']['n']:>5} {_fmt(s['step_s']['median']):>7} "
             f"{_fmt(ph.get('generate')):>6} {_fmt(ph.get('score'), '.3f'):>6} "
             f"{_fmt(ph.get('train')):>6} {_fmt(ph.get('sync')):>6} {_fmt(ph.get('other')):>6} "
-            f"{_fmt(wall):>6} {_fmt(s.get('completion_len_mean'), '.0f'):>6}"
+            f"{_fmt(wall):>6} {_fmt(s.get('completion_len_mean'), '.0f'):>6}  "
+            + "/".join(_fmt(ph.get(f"train/{k}")) for k in TRAIN_PHASES)
         )
     return "\n".join(lines)
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -34,6 +36,44 @@ class StepOptions:
     activation_offloading: bool = False
     need_reference: bool = False  # beta > 0
     reference_is_adapterless: bool = False  # LoRA: reference = adapters disabled
+
+
+@dataclass
+class PhaseClock:
+    """Seconds per phase of a train step, summed over micro-batches and iterations.
+
+    On CUDA the laps are events on the current stream, read once at the end: the GPU's own
+    timeline, which host syncs inside the step (a loss read back) do not distort, and which
+    includes the time the GPU waits for the host to launch work (what makes a launch-bound
+    step slow). Elsewhere, ``perf_counter``."""
+
+    device: torch.device
+    _laps: list[tuple[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._start = self._stamp()
+
+    def _stamp(self) -> Any:
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def lap(self, phase: str) -> None:
+        """The time since the previous lap (or the start) was spent in ``phase``."""
+        self._laps.append((phase, self._stamp()))
+
+    def seconds(self) -> dict[str, float]:
+        if self._laps and self.device.type == "cuda":
+            self._laps[-1][1].synchronize()
+        out: dict[str, float] = {}
+        prev = self._start
+        for phase, stamp in self._laps:
+            dt = prev.elapsed_time(stamp) / 1e3 if self.device.type == "cuda" else stamp - prev
+            out[phase] = out.get(phase, 0.0) + dt
+            prev = stamp
+        return out
 
 
 def build_micro_batches(
@@ -85,6 +125,7 @@ def train_on(
 ) -> dict[str, float]:
     """Forward/backward every micro-batch ``num_iterations`` times, stepping after each pass."""
     dev = accelerator.device
+    clock = PhaseClock(torch.device(dev))
     batches = [b.to(dev) for b in batches]
     # The loss normaliser is global: every token of the step on every rank (DAPO).
     local_tokens = torch.tensor(float(sum(b.num_loss_tokens for b in batches)), device=dev)
@@ -108,6 +149,7 @@ def train_on(
                     assert ref_policy is not None
                     lp = _forward(ref_policy, b)[0]
                 refs[i] = group[i](lp)
+    clock.lap("prepare")  # batches to the device, the no-grad passes (old/reference log-probs)
 
     offload = ActivationOffload(keep=policy.parameters()) if opts.activation_offloading else None
     # DeepSpeed owns accumulation and the optimizer step: tell its engine where the step ends
@@ -158,10 +200,12 @@ def train_on(
                         num_micro_batches=len(batches),
                     )
                     loss, m = grpo_loss(inputs, loss_cfg)
+                clock.lap("forward")
                 if engine is not None:
                     engine.backward(loss)  # gradient_accumulation_steps = 1: no extra scaling
                 else:
                     accelerator.backward(loss)
+                clock.lap("backward")
             total_loss += float(loss.detach())
             weight = float(b.num_loss_tokens)
             for k, v in m.items():
@@ -174,12 +218,15 @@ def train_on(
             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), opts.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        clock.lap("optimizer")
     local_w = max(1.0, float(local_tokens)) * opts.num_iterations
     out = {k: v / local_w for k, v in sums.items()}
     out["loss"] = total_loss / opts.num_iterations
     out["grad_norm"] = float(grad_norm)
     out["tokens/trained"] = global_tokens
     out["tokens/padded"] = float(sum(b.input_ids.numel() for b in batches))
+    for phase, secs in clock.seconds().items():  # where the train phase went
+        out[f"time/train/{phase}"] = secs
     return out
 
 

@@ -164,6 +164,7 @@ def _record(step: int, t: float, total: float, wait: float, train: float, sync: 
         "step": step, "time": t, "time/step": total, "time/wait_generate": wait,
         "time/generate": wait - 0.1, "time/score": 0.05, "time/train": train, "time/sync": sync,
         "tokens/generated": 32768.0, "completion/len_mean": kw.get("length", 256.0),
+        "time/train/forward": 0.4 * train,
     }  # fmt: skip
 
 
@@ -187,6 +188,7 @@ def test_summary_of_a_metrics_file_by_hand(tmp_path):
     assert ph["wait_generate"] == 1.5 and ph["generate"] == pytest.approx(1.4)
     assert ph["train"] == 2.0 and ph["sync"] == 0.25 and ph["score"] == 0.05
     assert ph["other"] == pytest.approx(0.25)
+    assert ph["train/forward"] == pytest.approx(0.8) and "train/backward" not in ph
     # wall gaps of the measured steps: 119 - 110, 122.5 - 119, 127.5 - 122.5
     assert s["wall_interval_s"]["median"] == 5.0 and s["wall_interval_s"]["n"] == 3
     assert s["completion_len_mean"] == pytest.approx((250 + 255 + 256) / 3)
@@ -273,6 +275,8 @@ def test_cpu_run_of_both_modes_reports_medians_and_leaves_nothing_behind(
         assert s["steps_logged"] == 3 and s["step_s"]["n"] == 2
         assert 0 < s["completion_len_mean"] <= 8
         assert s["step_s"]["median"] >= s["phase_median_s"]["train"] > 0
+        split = [s["phase_median_s"][f"train/{k}"] for k in common.TRAIN_PHASES]
+        assert all(x >= 0 for x in split) and 0 < sum(split) <= s["phase_median_s"]["train"]
         assert (logs / mode / "metrics.jsonl").is_file() and (logs / mode / "server.log").is_file()
         assert not (tmp_path / "runs" / mode).exists()  # run dirs are removed
         assert not Path(r["config"]["rollout"]["sync_dir"] or "/nonexistent").exists()

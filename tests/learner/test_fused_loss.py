@@ -351,6 +351,8 @@ def test_train_on_with_fused_loss_equals_the_plain_step(tiny_model_dir, packing,
     (ma, pa), (mb, pb) = out
     assert ma.keys() == mb.keys()
     for k in ma:
+        if k.startswith("time/"):  # where the step's time went: not a result
+            continue
         assert abs(ma[k] - mb[k]) <= 1e-5 * max(1.0, abs(ma[k])), (k, ma[k], mb[k])
     for k in pa:
         torch.testing.assert_close(pb[k], pa[k], atol=1e-6, rtol=1e-5, msg=k)
@@ -425,3 +427,35 @@ def test_triton_path_on_gpu():
 
 if __name__ == "__main__":  # the interpreter run: tiny sizes, CPU
     print(json.dumps(run_triton_checks("cpu", [13, 0, 11], 32, 300, [10, 24])))
+
+
+def test_train_step_says_where_its_time_went(tiny_model_dir):
+    """``time/train/*``: the step's own split (no-grad passes, forward, backward, optimizer),
+    every phase there and together the whole of ``train_on`` on CPU."""
+    import time
+
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from learner.train_step import PhaseClock, StepOptions, build_micro_batches, train_on
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    policy = PolicyLogprobs(model, chunk_size=5)
+    opts = StepOptions(micro_batch_size=2, num_iterations=2)
+    batches = build_micro_batches(random_rollouts(6), opts, pad_id=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    t0 = time.perf_counter()
+    m = train_on(Accelerator(cpu=True), policy, None, opt, LossConfig(), batches, opts)
+    wall = time.perf_counter() - t0
+    split = {k.removeprefix("time/train/"): v for k, v in m.items() if k.startswith("time/")}
+    assert set(split) == {"prepare", "forward", "backward", "optimizer"}
+    assert all(v >= 0 for v in split.values()) and split["backward"] > 0
+    assert 0.9 * wall <= sum(split.values()) <= wall, (split, wall)
+
+    clock = PhaseClock(torch.device("cpu"))
+    for phase in ("a", "b", "a"):
+        time.sleep(0.02)
+        clock.lap(phase)
+    secs = clock.seconds()
+    assert secs.keys() == {"a", "b"} and secs["a"] >= 0.04 and 0.02 <= secs["b"] < secs["a"]
