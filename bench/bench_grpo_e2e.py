@@ -64,6 +64,7 @@ from e2e_common import (
     write_jsonl,
 )
 from gpu_common import API_KEY, ROOT, ServerProcess, free_port, gpu_env
+from host_probe import host_facts
 
 MODES = ("colocated", "split", "overlap")
 SPLIT_LIKE = ("split", "overlap")  # server on GPU 1, ZeRO-3 learner on GPU 0, NCCL
@@ -474,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             "forced_lengths": False,  # the learner has no ignore_eos option
             "warmup_steps_dropped": args.warmup,
             "gpus": gpu_names(),
+            "host": host_facts(),  # CPU and launch speeds: hosts of one GPU kind differ
         },
     }
     try:

@@ -155,9 +155,11 @@ def train_on(
     # DeepSpeed owns accumulation and the optimizer step: tell its engine where the step ends
     # (accelerate's backward would step it after every micro-batch).
     engine = policy if hasattr(policy, "set_gradient_accumulation_boundary") else None
-    sums: dict[str, float] = {}
+    # loss and metrics summed on the device, read back once at the end: a read per micro-batch
+    # would make the host wait for the GPU before it may queue the next micro-batch's work
+    sums: dict[str, torch.Tensor | float] = {}
     grad_norm = torch.tensor(0.0)
-    total_loss = 0.0
+    total_loss = torch.zeros((), dtype=torch.float64, device=dev)
     for _ in range(opts.num_iterations):
         for i, b in enumerate(batches):
             last = i == len(batches) - 1
@@ -206,11 +208,12 @@ def train_on(
                 else:
                     accelerator.backward(loss)
                 clock.lap("backward")
-            total_loss += float(loss.detach())
+            total_loss += loss.detach().double()
             weight = float(b.num_loss_tokens)
             for k, v in m.items():
                 if k != "num_tokens":
-                    sums[k] = sums.get(k, 0.0) + float(v) * weight
+                    add = v.detach().double() * weight if torch.is_tensor(v) else float(v) * weight
+                    sums[k] = sums.get(k, 0.0) + add
         if engine is not None:  # clips with the DeepSpeed config's gradient_clipping
             engine.step()
             grad_norm = torch.tensor(float(engine.get_global_grad_norm() or 0.0))
@@ -220,8 +223,8 @@ def train_on(
             optimizer.zero_grad(set_to_none=True)
         clock.lap("optimizer")
     local_w = max(1.0, float(local_tokens)) * opts.num_iterations
-    out = {k: v / local_w for k, v in sums.items()}
-    out["loss"] = total_loss / opts.num_iterations
+    out = {k: float(v) / local_w for k, v in sums.items()}
+    out["loss"] = float(total_loss) / opts.num_iterations
     out["grad_norm"] = float(grad_norm)
     out["tokens/trained"] = global_tokens
     out["tokens/padded"] = float(sum(b.input_ids.numel() for b in batches))

@@ -248,6 +248,18 @@ def test_each_finished_mode_is_on_disk_before_the_next_starts(tmp_path, monkeypa
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_host_probe_measures_this_machine_in_a_subprocess():
+    import host_probe
+
+    facts = host_probe.host_facts()
+    assert "probe_error" not in facts, facts
+    assert 1 <= facts["cpus_usable"] <= facts["cpu_count"]
+    assert 1 < facts["python_call_ns"] < 10_000 and 0.01 < facts["torch_cpu_op_us"] < 1_000
+    assert facts["cuda_launch_us"] == {}  # no GPU here; one entry per GPU on the GPU machine
+    slow = host_probe.host_facts(timeout_s=0.01)  # not even torch imports in that time
+    assert "TimeoutExpired" in slow["probe_error"] and slow["cpu_count"] == facts["cpu_count"]
+
+
 # -- the whole plumbing on CPU -----------------------------------------------------------------
 
 
@@ -268,6 +280,8 @@ def test_cpu_run_of_both_modes_reports_medians_and_leaves_nothing_behind(
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["verdicts"] == [] and "CPU smoke run" in result["note"]
+    host = result["workload"]["host"]  # which machine: its CPUs and launch speeds
+    assert host["cpu_count"] >= 1 and host["python_call_ns"] > 0 and host["torch_cpu_op_us"] > 0
     for mode in ("colocated", "split"):
         r = result[mode]
         assert r["status"] == "ok", r
