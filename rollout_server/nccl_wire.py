@@ -8,10 +8,14 @@ vLLM only inside ``join_group``. See ``rollout_server.engine.vllm_worker`` for t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
+import os
+import tempfile
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -167,20 +171,58 @@ def nccl_async_error(comm: Any) -> int:
     return err.value
 
 
+class CancelFlag:
+    """A flag one process raises for another that is busy: a file, there once raised.
+
+    The rollout server's API process uses it to end a commit its vLLM workers wait in (their
+    RPCs run one at a time, so a cancel cannot queue behind the wait). ``is_set`` looks at the
+    file at most every ``check_every_s``, so polling it in a tight wait costs next to nothing.
+    Local processes only: the workers must see the server's temp directory."""
+
+    def __init__(self, path: str, reason: str = "", check_every_s: float = 0.01) -> None:
+        self.path = path
+        self.reason = reason
+        self._every = check_every_s
+        self._next = 0.0
+        self._set = False
+
+    @classmethod
+    def new(cls, reason: str) -> CancelFlag:
+        """A fresh flag (its file not created) in the temp directory."""
+        name = f"grpo-cancel-{os.getpid()}-{uuid.uuid4().hex}"
+        return cls(os.path.join(tempfile.gettempdir(), name), reason)
+
+    def set(self) -> None:
+        with open(self.path, "a"):
+            pass
+
+    def is_set(self) -> bool:
+        now = time.monotonic()
+        if not self._set and now >= self._next:
+            self._set = os.path.exists(self.path)
+            self._next = now + self._every
+        return self._set
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
 def wait_event(
     event: torch.cuda.Event, comm: Any, timeout_s: float, what: str, stop: Any = None
 ) -> None:
     """Block until ``event`` completes, polling so that a dead peer cannot hang us forever.
 
-    On timeout, a NCCL async error, or ``stop`` being set (a threading.Event), the communicator
-    is aborted and ``NcclGroupError`` raised."""
+    On timeout, a NCCL async error, or ``stop`` being set (a threading.Event or a
+    ``CancelFlag``; its ``reason``, if it has one, is the error's), the communicator is aborted
+    and ``NcclGroupError`` raised."""
     now = time.monotonic()
     deadline, fast_until = now + timeout_s, now + _FAST_FOR_S
     delay = _POLL_FIRST_S  # doubles up to _POLL_FAST_S, later _POLL_S
     while not event.query():
         reason = None
         if stop is not None and stop.is_set():
-            reason = "the update was cancelled by the other side"
+            reason = getattr(stop, "reason", None) or "the update was cancelled by the other side"
         elif (err := nccl_async_error(comm)) != 0:
             reason = f"NCCL reported error {err}"
         elif time.monotonic() > deadline:

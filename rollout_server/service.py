@@ -336,11 +336,15 @@ class RolloutService:
 
     async def init_weight_group(self, request: NcclInitRequest) -> None:
         self.require_loaded()
-        committing = self.prepared.committing if self.prepared is not None else None
-        if committing is not None:  # its workers wait for the bytes until the group's timeout
-            log.warning("init waits for the commit of prepared NCCL update %s to end",
-                        self.prepared.id)  # type: ignore[union-attr]  # fmt: skip
-            await committing.wait()
+        prepared = self.prepared
+        if prepared is not None and prepared.committing is not None:
+            # its workers wait for bytes from the group this init replaces: the learner that
+            # would send them restarted (or gave that group up), so they will not come
+            cancelled = await self.engine.cancel_nccl_commit()
+            log.warning("init: %s the commit of prepared NCCL update %s (it waits for a broadcast "
+                        "from the previous weight-sync group)",
+                        "cancelled" if cancelled else "waiting for", prepared.id)  # fmt: skip
+            await prepared.committing.wait()
         if self.prepared is not None:  # a learner that restarted after preparing
             await self._drop_prepared("the weight-sync group is being formed again")
         self._group_timeout_s = request.timeout_s

@@ -202,6 +202,12 @@ class Engine(abc.ABC):
         ``receive_nccl_update`` does."""
         raise UnsupportedError(f"the {self.name} engine does not support NCCL weight sync")
 
+    async def cancel_nccl_commit(self) -> bool:
+        """End a commit that waits for a broadcast which will not come (the group is being
+        formed again); the commit then fails and the previous weights keep serving. False if
+        this engine cannot (the commit then runs until the group's timeout)."""
+        return False
+
     async def drop_prepared_update(self) -> None:  # noqa: B027
         """Give up a prepared update (its receives end; the weight-sync group must be formed
         again)."""

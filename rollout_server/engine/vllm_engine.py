@@ -181,6 +181,7 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         self._metadata: dict[str, TensorMeta] = {}
         self._asleep: set[str] = set()
         self._in_flight = 0
+        self._cancel: Any = None  # the prepared update's CancelFlag (nccl_wire), if any
         # HF fast tokenizers are not safe to call from several threads at once ("Already
         # borrowed"), and the service tokenizes in worker threads.
         self._tokenizer_lock = threading.Lock()
@@ -378,10 +379,17 @@ class VLLMEngine(HFTokenizerMixin, Engine):
     async def prepare_nccl_update(self, request: NcclUpdateRequest) -> None:
         """Called paused, and the pause holds until the commit: the prefix cache is reset now
         (no generation can fill it before the load), off the commit's critical path."""
+        from rollout_server.nccl_wire import CancelFlag
+
         specs = [t.model_dump() for t in request.tensors]
+        self._forget_cancel()
+        self._cancel = CancelFlag.new("")  # the workers read its file while they wait
         try:
-            await self._rpc("grpo_begin_update", specs, *self._queue_args(request, True))
+            await self._rpc(
+                "grpo_begin_update", specs, *self._queue_args(request, True, self._cancel.path)
+            )
         except Exception as exc:
+            self._forget_cancel()
             raise EngineError(f"could not prepare the NCCL update: {exc}") from exc
         try:
             await self._llm.reset_prefix_cache()
@@ -396,12 +404,34 @@ class VLLMEngine(HFTokenizerMixin, Engine):
             return results
 
         # the prefix cache was reset at prepare, with generation paused since
-        return await self._receive("NCCL", request, finish, prefix_cache_reset=True)
+        try:
+            return await self._receive("NCCL", request, finish, prefix_cache_reset=True)
+        finally:
+            self._forget_cancel()
+
+    async def cancel_nccl_commit(self) -> bool:
+        """Raise the prepared update's ``CancelFlag``: the workers stop waiting for its bytes
+        (within ~10 ms), abort the group, restore what they had copied in, and the commit
+        fails. Out of band, as the workers are busy in the commit's RPC."""
+        if self._cancel is None:
+            return False
+        self._cancel.set()
+        return True
+
+    def _forget_cancel(self) -> None:
+        if self._cancel is not None:
+            self._cancel.remove()
+            self._cancel = None
 
     async def drop_prepared_update(self) -> None:
-        await self._rpc("grpo_drop_prepared")
+        try:
+            await self._rpc("grpo_drop_prepared")
+        finally:
+            self._forget_cancel()
 
-    def _queue_args(self, request: NcclUpdateRequest, prepared: bool) -> tuple[Any, ...]:
+    def _queue_args(
+        self, request: NcclUpdateRequest, prepared: bool, cancel_path: str | None = None
+    ) -> tuple[Any, ...]:
         """``grpo_begin_update``'s arguments after the specs."""
         direct = self.settings.direct_weight_copy
         segment = request.segment_bytes
@@ -413,6 +443,7 @@ class VLLMEngine(HFTokenizerMixin, Engine):
             segment,
             prepared,
             request.ack,
+            cancel_path,
         )
 
     async def _reset_then_finish(self, timeline: dict[str, float]) -> list[Any]:

@@ -56,6 +56,7 @@ import torch
 
 from rollout_server.nccl_wire import (  # the wire format, shared with the learner
     Bucket,
+    CancelFlag,
     NcclGroupError,
     bucket_layout,
     copy_all,
@@ -70,6 +71,10 @@ log = logging.getLogger(__name__)
 
 _GPU_STAGING_MARGIN = 1 << 30  # leave this much free memory when staging buckets on the GPU
 _RESTORE_TIMEOUT_S = 120.0
+_CANCELLED = (
+    "cancelled by the server: the weight-sync group is being formed again "
+    "(POST /weights/nccl/init), so this broadcast will not come"
+)
 
 
 @dataclass
@@ -114,6 +119,7 @@ class _Pending:
     overlap: _Overlap | None = None  # copied in as it lands (parameters saved): undo on failure
     copied: torch.cuda.Event | None = None  # with overlap: the last segment's copy
     ack: bool = False  # the learner waits for the load's acknowledgement after the word
+    cancel: CancelFlag | None = None  # raised by the server: stop waiting for the bytes
 
 
 def _pick_rank(worker: Any, rank_offset: int) -> int:
@@ -292,6 +298,7 @@ class WeightSyncWorkerExtension:
         segment_bytes: int = 64 << 20,
         prepared: bool = False,
         ack: bool = False,
+        cancel_path: str | None = None,
     ) -> float:
         """Queue the receive of every segment of every bucket and of the commit word, and
         return: staged on the GPU, the bytes arrive while the engine does other work (resets its
@@ -303,8 +310,9 @@ class WeightSyncWorkerExtension:
         prepared update of a layout with a verified copy plan is also copied into the
         parameters segment by segment as it lands, the parameters saved first and restored if
         it does not commit (when the GPU has room for the saved copy). ``ack``: the finish
-        acknowledges the load over the group (``_grpo_ack``). Returns the wall-clock time it
-        started."""
+        acknowledges the load over the group (``_grpo_ack``). ``cancel_path``: a
+        ``CancelFlag`` file the server creates to end the finish's wait for the bytes (a new
+        init: they will not come). Returns the wall-clock time it started."""
         started = time.time()
         if self._grpo_pending is not None:  # a begin whose finish never came: state unknown
             self.grpo_close_weight_group()
@@ -377,6 +385,7 @@ class WeightSyncWorkerExtension:
             overlap,
             copied,
             ack,
+            None if cancel_path is None else CancelFlag(cancel_path, _CANCELLED),
         )
         return started
 
@@ -539,7 +548,7 @@ class WeightSyncWorkerExtension:
             n = len(p.queued) - 1
             for k, done in enumerate(p.queued):  # the timeout counts from the previous one
                 what = f"segment {k + 1}/{n}" if k < n else "commit word"
-                wait_event(done, self._grpo_comm, self._grpo_timeout_s, what)
+                wait_event(done, self._grpo_comm, self._grpo_timeout_s, what, p.cancel)
             committed = int(p.word.item()) == 1
         if not committed:
             raise RuntimeError(

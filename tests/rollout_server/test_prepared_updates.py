@@ -35,6 +35,7 @@ class FileTransportEngine(TransformersEngine):
         self.inbox = inbox
         self.prepared = None
         self.dropped = 0
+        self.cancel = asyncio.Event()  # as vLLM's workers' CancelFlag: ends a waiting commit
 
     async def init_weight_group(self, request) -> None:  # no group to form on CPU
         pass
@@ -45,7 +46,10 @@ class FileTransportEngine(TransformersEngine):
     async def commit_nccl_update(self, request) -> ReceivedUpdate:
         assert self.prepared is request
         self.prepared = None
+        self.cancel.clear()
         while not self.inbox.exists():  # a commit posted before the broadcast: wait for it
+            if self.cancel.is_set():
+                raise EngineError("cancelled: the weight-sync group is being formed again")
             await asyncio.sleep(0.01)
         tensors = load_file(self.inbox)
         missing = {t.name for t in request.tensors} - tensors.keys()
@@ -53,6 +57,10 @@ class FileTransportEngine(TransformersEngine):
             raise EngineError(f"the broadcast lacked {sorted(missing)[:2]}")
         await self.load_weights(tensors.items())
         return ReceivedUpdate(loader="load_weights", prefix_cache_reset=True)
+
+    async def cancel_nccl_commit(self) -> bool:
+        self.cancel.set()
+        return True
 
     async def drop_prepared_update(self) -> None:
         self.dropped += 1
@@ -156,8 +164,8 @@ async def test_prepare_holds_generation_until_commit_expiry_or_init(
             assert generated.json()["results"][0]["samples"][0]["weight_version"] == 1
 
             # 5. the commit posted right after prepare, before the "broadcast": it waits for the
-            # bytes; meanwhile other updates, sleep and a second commit are refused, an init
-            # waits for the commit to end, and generation waits for the new weights
+            # bytes; meanwhile other updates, sleep and a second commit are refused, and
+            # generation waits for the new weights
             inbox.unlink()
             pid = (await http.post("/weights/nccl/prepare", json=announce)).json()["prepared_id"]
             commit = asyncio.ensure_future(
@@ -171,14 +179,36 @@ async def test_prepare_holds_generation_until_commit_expiry_or_init(
                 refused = await http.post(path, json=body)
                 assert refused.status_code == 409, (path, refused.text)
                 assert "being committed" in refused.json()["detail"], refused.text
-            init = asyncio.ensure_future(http.post("/weights/nccl/init", json=_init(30)))
             waiting = asyncio.ensure_future(http.post("/generate", json=PROBE))
             await asyncio.sleep(0.3)
-            assert not init.done() and not waiting.done()
+            assert not waiting.done()
             save_file(load_file(model_b / "model.safetensors"), inbox)  # the bytes arrive
             r = await commit
             assert r.status_code == 200 and r.json()["weight_version"] == 2, r.text
-            assert (await init).status_code == 200
-            assert engine.dropped == 3  # the init found nothing left to drop
             generated = await waiting
             assert generated.json()["results"][0]["samples"][0]["weight_version"] == 2
+
+            # 6. the learner restarts after posting the commit, before broadcasting: the new
+            # init cancels the commit at once (not after the group's timeout, 30 s here), the
+            # commit fails, and generation resumes on the weights it had
+            inbox.unlink()
+            pid = (await http.post("/weights/nccl/prepare", json=announce)).json()["prepared_id"]
+            commit = asyncio.ensure_future(
+                http.post("/weights/nccl/commit", json={"prepared_id": pid})
+            )
+            waiting = asyncio.ensure_future(http.post("/generate", json=PROBE))
+            await asyncio.sleep(0.3)
+            assert not commit.done() and not waiting.done()
+            start = time.monotonic()
+            assert (await http.post("/weights/nccl/init", json=_init(30))).status_code == 200
+            assert time.monotonic() - start < 5
+            r = await commit
+            assert r.status_code == 500 and "cancelled" in r.json()["detail"], r.text
+            assert engine.dropped == 4  # the failed commit's receives dropped
+            generated = await waiting
+            assert generated.json()["results"][0]["samples"][0]["weight_version"] == 2
+            # the new group takes the next update
+            pid = (await http.post("/weights/nccl/prepare", json=announce)).json()["prepared_id"]
+            save_file(load_file(model_b / "model.safetensors"), inbox)
+            r = await http.post("/weights/nccl/commit", json={"prepared_id": pid})
+            assert r.status_code == 200 and r.json()["weight_version"] == 3, r.text

@@ -7,6 +7,7 @@ The broadcasts themselves need two GPUs (tests/gpu/test_nccl_sync.py).
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,7 +248,7 @@ def test_the_engine_queues_updates_with_the_workers_argument_order() -> None:
         ack=True,
     )
     names = list(inspect.signature(WeightSyncWorkerExtension.grpo_begin_update).parameters)
-    args = dict(zip(names[2:], engine._queue_args(request, True), strict=True))
+    args = dict(zip(names[2:], engine._queue_args(request, True, "/tmp/flag"), strict=True))
     assert args == {
         "buckets": [[0]],
         "bucket_dtypes": ["bfloat16"],
@@ -256,6 +257,7 @@ def test_the_engine_queues_updates_with_the_workers_argument_order() -> None:
         "segment_bytes": 1 << 20,
         "prepared": True,
         "ack": True,
+        "cancel_path": "/tmp/flag",
     }
     assert NcclUpdateRequest(tensors=[], buckets=[], bucket_dtypes=[]).ack is False
 
@@ -280,3 +282,39 @@ def test_the_sender_runs_its_broadcasts_on_one_kept_thread() -> None:
     idents = asyncio.run(main())
     assert len(set(idents)) == 1 and idents[0] != threading.get_ident()
     assert worker._thread is not None and worker._thread.daemon
+
+
+def test_a_cancel_flag_ends_a_wait_from_another_process(tmp_path) -> None:
+    """What the server's init does to a commit its workers wait in: the flag's file, made by
+    another process, ends ``wait_event`` with the flag's reason (the group aborted), within
+    the flag's check interval; unset, the wait runs to its own timeout."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from rollout_server.nccl_wire import CancelFlag, NcclGroupError, wait_event
+
+    class Never:  # a CUDA event whose work never completes (the bytes never come)
+        def query(self) -> bool:
+            return False
+
+    flag = CancelFlag(str(tmp_path / "cancel"), "cancelled by the server", check_every_s=0.01)
+    assert not flag.is_set()
+    setter = threading.Timer(
+        0.3, subprocess.run, [[sys.executable, "-c", f"open({flag.path!r}, 'a').close()"]]
+    )
+    setter.start()
+    t0 = time.monotonic()
+    with pytest.raises(NcclGroupError, match="commit word: cancelled by the server; the weight"):
+        wait_event(Never(), None, 30.0, "commit word", flag)
+    assert 0.3 <= time.monotonic() - t0 < 10
+    setter.join()
+    flag.remove()
+    flag.remove()  # twice: nothing to remove is fine
+    unset = CancelFlag.new("never raised")
+    assert not unset.is_set() and not Path(unset.path).exists()
+    t0 = time.monotonic()
+    with pytest.raises(NcclGroupError, match="no progress for 0 s"):
+        wait_event(Never(), None, 0.2, "segment 1/1", unset)
+    assert time.monotonic() - t0 >= 0.2
