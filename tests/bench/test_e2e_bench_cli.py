@@ -209,9 +209,14 @@ def test_verdicts_follow_the_issue():
     failed = {"trl": {"status": "error", "error": "boom"}, "colocated": _ok(2.7), "split": None}
     assert [v["ok"] for v in common.verdicts(failed)] == [None, None, True, False]
     with_overlap = common.verdicts({**runs, "overlap": _ok(1.5)})
-    assert with_overlap[-1]["check"] == "overlap faster than synchronous split"
-    assert with_overlap[-1]["ok"] is True and with_overlap[-1]["bound_s"] == 1.8
-    assert common.verdicts({**runs, "overlap": _ok(2.0)})[-1]["ok"] is False
+    assert with_overlap[-2]["check"] == "overlap faster than synchronous split"
+    assert with_overlap[-2]["ok"] is True and with_overlap[-2]["bound_s"] == 1.8
+    assert with_overlap[-1]["check"] == "overlap (2 GPUs) faster than colocated"
+    assert with_overlap[-1]["ok"] is True and with_overlap[-1]["bound_s"] == 2.5
+    slower = common.verdicts({**runs, "overlap": _ok(2.6)})  # session 10's case
+    assert [v["ok"] for v in slower[-2:]] == [False, False]
+    no_split = common.verdicts({"colocated": _ok(3.19), "overlap": _ok(2.2)})
+    assert no_split[-2]["ok"] is None and no_split[-1]["ok"] is True
     other = common.verdicts(runs, same_workload=False)
     assert other[0]["ok"] is None and other[0]["bound_s"] is None
     text = common.table({**failed, "split": _ok(1.8)})
