@@ -187,7 +187,7 @@ class CancelFlag:
         self._set = False
 
     @classmethod
-    def new(cls, reason: str) -> CancelFlag:
+    def new(cls, reason: str = "") -> CancelFlag:
         """A fresh flag (its file not created) in the temp directory."""
         name = f"grpo-cancel-{os.getpid()}-{uuid.uuid4().hex}"
         return cls(os.path.join(tempfile.gettempdir(), name), reason)

@@ -383,7 +383,7 @@ class VLLMEngine(HFTokenizerMixin, Engine):
 
         specs = [t.model_dump() for t in request.tensors]
         self._forget_cancel()
-        self._cancel = CancelFlag.new("")  # the workers read its file while they wait
+        self._cancel = CancelFlag.new()  # the workers read its file while they wait
         try:
             await self._rpc(
                 "grpo_begin_update", specs, *self._queue_args(request, True, self._cancel.path)
