@@ -232,6 +232,8 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             )
             loop.run(client.wait_ready(cfg.rollout.ready_timeout_s))
             syncer = WeightSyncer(cfg.rollout, client, device=accelerator.device)
+            if accelerator.is_main_process:  # before the first generation: see connect()
+                loop.run(syncer.connect())
             # The servers must serve the checkpoint's (or the SFT's) weights, not the base model's
             # (an embedded server already starts from the SFT's).
             if ckpt is not None or (cfg.sft is not None and cfg.rollout.servers):

@@ -135,6 +135,14 @@ class WeightSyncer:
             self._server_dtype = (await self.client.info())[0].dtype
         return self._ipc
 
+    async def connect(self) -> None:
+        """NCCL: form the weight-sync group now rather than at the first sync. A new group also
+        ends whatever a previous run of this learner left prepared or committing on the servers
+        (a crash after preparing), which would otherwise hold their generation paused until the
+        group's timeout. Other transports have nothing to form."""
+        if self.cfg.sync == "nccl":
+            await self._nccl_sender()
+
     async def prepare(self, model: nn.Module) -> bool:
         """NCCL only: have the servers queue the next ``push``'s receives now (they hold
         generation paused until it). Call it while the learner trains and nothing is asked of

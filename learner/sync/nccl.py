@@ -248,8 +248,22 @@ class NcclWeightSender:
         """Form the group: rank 0 here, then every worker of every server (from ``/info``).
 
         ``master_address`` must be an address of this machine that the servers can reach."""
+        import importlib.util
+
         import torch
 
+        dev = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            raise ValueError(
+                f'rollout.sync = "nccl" needs the learner on a CUDA GPU (it is on {dev}); '
+                'without GPUs use sync = "http" or "file"'
+            )
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError(
+                'rollout.sync = "nccl": the learner joins the group through vLLM\'s NCCL '
+                "wrapper, and vllm is not installed here: pip install 'grpo-service[vllm]' "
+                '(or use sync = "http" / "file")'
+            )
         if os.environ.get("NCCL_CUMEM_ENABLE") != "0":
             log.warning(
                 "NCCL_CUMEM_ENABLE is not 0 in the learner; the rollout workers use 0. Export "
@@ -275,7 +289,7 @@ class NcclWeightSender:
         world_size = 1 + sum(sizes)
         self._workers = world_size - 1
         offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
-        self._device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+        self._device = dev
         if self._device.type == "cuda" and self._device.index is None:
             # accelerate's device without a launcher is a bare "cuda"; the communicator needs
             # the index its tensors will carry

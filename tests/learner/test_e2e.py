@@ -176,6 +176,24 @@ def test_unreachable_server_fails_fast_and_clearly(tmp_path):
     assert url in proc.stderr and "not ready after 3 s" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_nccl_group_is_formed_before_the_first_generation(tmp_path):
+    """The learner forms the NCCL weight-sync group at start (a new group also ends what a
+    crashed earlier run left prepared on the servers), not at its first sync after step 1's
+    generation: on CPU, where NCCL cannot run, it stops before any step, saying why and what
+    to use instead."""
+    proc = subprocess.run(
+        _learner(tmp_path / "run", "--set", 'rollout.sync="nccl"', "--set", "run.steps=2",
+                 "--set", "run.progress_bar=false"),
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert 'rollout.sync = "nccl" needs the learner on a CUDA GPU' in proc.stderr, proc.stderr[
+        -3000:
+    ]
+    assert 'use sync = "http" or "file"' in proc.stderr
+    assert not read_metrics(tmp_path / "run"), "a step ran before the group was formed"
+
+
 @pytest.mark.slow
 def test_accelerate_two_processes_end_with_identical_weights(tmp_path):
     from learner.embedded import free_port
