@@ -155,6 +155,10 @@ def test_learner_command_parses_with_accelerate_and_learner(compose: dict) -> No
     assert cfg.model.name_or_path == ENV["MODEL"]
     assert cfg.rollout.servers == ["http://127.0.0.1:8000"]
     assert cfg.rollout.sync == "nccl"
+    # a crashed learner restarts (compose) and resumes from its last checkpoint
+    assert learner_args.resume and compose["services"]["learner"]["restart"].startswith(
+        "on-failure"
+    )
 
 
 def _dockerfile_json(name: str, instruction: str) -> list[str]:
