@@ -371,6 +371,8 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dic
         for name in ("metrics.jsonl", "config.json"):
             with contextlib.suppress(OSError):
                 shutil.copy(run_dir / name, mode_logs / name)
+        for table in sorted((run_dir / "profile").glob("*.txt")):  # --learner-set
+            shutil.copy(table, mode_logs / f"profile_{table.name}")  # run.profile_steps=[N]
         shutil.rmtree(sync_dir, ignore_errors=True)
         if not args.keep_run_dirs:
             shutil.rmtree(run_dir, ignore_errors=True)

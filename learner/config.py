@@ -208,6 +208,23 @@ class RunConfig(_Section):
     peak_tflops: float | None = Field(
         None, description="for MFU; default: known GPUs' dense bf16 peak, none on CPU"
     )
+    profile_steps: list[int] = Field(
+        default_factory=list,
+        description="steps whose train phase runs under torch.profiler (main process): "
+        "RUN_DIR/profile/step_N.txt, the ops by host and by device time",
+    )
+    profile_trace: bool = Field(
+        False,
+        description="with profile_steps: also RUN_DIR/profile/step_N.trace.json (Chrome/Perfetto; "
+        "tens of MB for a real model)",
+    )
+
+    @model_validator(mode="after")
+    def _profile_steps_in_range(self) -> RunConfig:
+        bad = [s for s in self.profile_steps if not 1 <= s <= self.steps]
+        if bad:
+            raise ValueError(f"run.profile_steps {bad} outside 1..run.steps ({self.steps})")
+        return self
 
 
 class SFTConfig(_Section):

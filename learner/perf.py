@@ -6,6 +6,7 @@ import collections
 import contextlib
 import weakref
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -199,3 +200,30 @@ class ActivationOffload:
             # The forward is over: the backward brings back what it needs from the host, so
             # the GPU copies left go as soon as their copies out finish (one wait, here).
             self._retire(0)
+
+
+@contextlib.contextmanager
+def profiled(out_dir: Path | None, name: str, *, trace: bool = False) -> Iterator[None]:
+    """Run the block under ``torch.profiler`` (host ops, and CUDA kernels on a GPU) and write
+    ``out_dir/name.txt``: the ops by total host time and by device time, with shapes grouped
+    out. ``out_dir`` None: no profiling. ``trace``: also ``name.trace.json`` for Perfetto."""
+    if out_dir is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, record_shapes=False) as prof:
+        yield
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = prof.key_averages()
+    parts = [f"# {name}: torch.profiler, activities {[a.name for a in activities]}", ""]
+    parts += ["## by host time (total)", table.table(sort_by="cpu_time_total", row_limit=40)]
+    if len(activities) > 1:
+        parts += ["", "## by device time (total)"]
+        parts.append(table.table(sort_by="cuda_time_total", row_limit=40))
+    (out_dir / f"{name}.txt").write_text("\n".join(parts) + "\n")
+    if trace:
+        prof.export_chrome_trace(str(out_dir / f"{name}.trace.json"))

@@ -39,7 +39,7 @@ from learner.embedded import embedded_server
 from learner.loss import LossConfig
 from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
-from learner.perf import peak_tflops, train_flops_per_token
+from learner.perf import peak_tflops, profiled, train_flops_per_token
 from learner.rollouts import StepRollouts, collect, collect_episodes
 from learner.runtime import make_accelerator, optimizer_and_schedule, start_run
 from learner.sync import WeightSyncer
@@ -276,9 +276,15 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     prepared = loop.submit(syncer.prepare(hf_model))
                 t0 = time.perf_counter()
                 batches = build_micro_batches(step_rollouts.rollouts, opts, pad_id)
-                train_metrics = train_on(
-                    accelerator, policy, ref_policy, optimizer, loss_cfg, batches, opts
-                )
+                profile = accelerator.is_main_process and state.step + 1 in cfg.run.profile_steps
+                with profiled(
+                    run_dir / "profile" if profile else None,
+                    f"step_{state.step + 1}",
+                    trace=cfg.run.profile_trace,
+                ):
+                    train_metrics = train_on(
+                        accelerator, policy, ref_policy, optimizer, loss_cfg, batches, opts
+                    )
                 scheduler.step()
                 t_train = time.perf_counter() - t0
                 t0 = time.perf_counter()

@@ -279,7 +279,8 @@ def test_cpu_run_of_both_modes_reports_medians_and_leaves_nothing_behind(
          "--work-dir", str(tmp_path / "runs"), "--split-sync", "http", "--colocated-sync", "file",
          "--steps-colocated", "3", "--steps-split", "3", "--warmup", "1",
          "--prompts-per-step", "2", "--num-generations", "2", "--max-tokens", "8",
-         "--micro-batch-size", "4", "--timeout", "150", "--server-timeout", "90"],
+         "--micro-batch-size", "4", "--timeout", "150", "--server-timeout", "90",
+         "--learner-set", "run.profile_steps=[3]"],
         capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -297,6 +298,7 @@ def test_cpu_run_of_both_modes_reports_medians_and_leaves_nothing_behind(
         split = [s["phase_median_s"][f"train/{k}"] for k in common.TRAIN_PHASES]
         assert all(x >= 0 for x in split) and 0 < sum(split) <= s["phase_median_s"]["train"]
         assert (logs / mode / "metrics.jsonl").is_file() and (logs / mode / "server.log").is_file()
+        assert "## by host time" in (logs / mode / "profile_step_3.txt").read_text()
         assert not (tmp_path / "runs" / mode).exists()  # run dirs are removed
         assert not Path(r["config"]["rollout"]["sync_dir"] or "/nonexistent").exists()
     assert result["colocated"]["config"]["rollout"]["sleep_while_training"] == 1

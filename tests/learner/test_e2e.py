@@ -194,6 +194,26 @@ def test_nccl_group_is_formed_before_the_first_generation(tmp_path):
     assert not read_metrics(tmp_path / "run"), "a step ran before the group was formed"
 
 
+def test_profile_steps_write_the_op_tables_and_trace(tmp_path):
+    """run.profile_steps: the chosen step's train phase under torch.profiler, its op table
+    (and trace) in RUN_DIR/profile; other steps are not profiled; a step beyond run.steps is
+    refused before anything starts."""
+    run_dir = tmp_path / "run"
+    _run_ok(run_dir, "run.steps=2", "run.profile_steps=[2]", "run.profile_trace=true",
+            "run.save_final=false")  # fmt: skip
+    prof = run_dir / "profile"
+    assert sorted(p.name for p in prof.iterdir()) == ["step_2.trace.json", "step_2.txt"]
+    table = (prof / "step_2.txt").read_text()
+    assert "## by host time" in table and "aten::mm" in table  # the LM head's products
+    trace = json.loads((prof / "step_2.trace.json").read_text())
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
+    bad = subprocess.run(
+        _learner(tmp_path / "bad", "--set", "run.steps=2", "--set", "run.profile_steps=[3]"),
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "run.profile_steps [3] outside 1..run.steps (2)" in bad.stderr
+
+
 @pytest.mark.slow
 def test_accelerate_two_processes_end_with_identical_weights(tmp_path):
     from learner.embedded import free_port
