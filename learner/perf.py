@@ -223,7 +223,7 @@ def profiled(out_dir: Path | None, name: str, *, trace: bool = False) -> Iterato
     parts += ["## by host time (total)", table.table(sort_by="cpu_time_total", row_limit=40)]
     if len(activities) > 1:
         parts += ["", "## by device time (total)"]
-        parts.append(table.table(sort_by="cuda_time_total", row_limit=40))
+        parts.append(table.table(sort_by="device_time_total", row_limit=40))
     (out_dir / f"{name}.txt").write_text("\n".join(parts) + "\n")
     if trace:
         prof.export_chrome_trace(str(out_dir / f"{name}.trace.json"))
