@@ -12,7 +12,8 @@ handle, to test refused updates):
 ``--prepare`` prepares the NCCL update first (``NcclWeightSender.prepare``), then asks for a
 generation (it must wait behind the prepared update) and a sleep (refused), then sends
 (recorded under ``while_prepared``);
-``--die-after-prepare`` exits right after preparing (a learner that crashed in its step).
+``--die-after-prepare`` exits right after preparing, once its commit (posted at prepare) is on
+the wire (a learner that crashed in its step: the server's workers wait for the bytes).
 ``--early`` sends without checksums and ``wait_answers=False``: it returns on the workers' NCCL
 acknowledgement of the load, asks for a generation at once (recorded under ``early``: it must
 run on the new weights), then collects the HTTP answers (``answers()``).
@@ -182,6 +183,7 @@ async def prepare_and_probe(
 
     assert await sender.prepare(specs, bucket_bytes=args.bucket_mb << 20, checksum=checksum)
     if args.die_after_prepare:
+        await asyncio.sleep(1.0)  # the commit task posts its request meanwhile
         print(json.dumps({"died_after_prepare": True}), flush=True)
         os._exit(3)
     request = GenerateRequest(prompts=[[1, 2, 3, 4]], n=2, max_tokens=16, ignore_eos=True)

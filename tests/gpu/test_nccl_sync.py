@@ -12,6 +12,8 @@ a subprocess so it can be killed mid-sync).
   (then run on the new weights) and sleep is refused; a learner that dies part way through
   one, or right after preparing, leaves exactly the old weights serving (the server restores
   the parameters it saved), and the next learner syncs.
+- A learner that restarts after its dead predecessor posted a commit does not wait for that
+  commit's timeout: its init cancels the commit (the workers' CancelFlag) and it syncs at once.
 """
 
 from __future__ import annotations
@@ -197,6 +199,27 @@ def test_prepared_sync(server, qwen3_dir, log_dir) -> None:
     assert out["responses"][0]["loader"] == "direct"
     served = server.get("/weights/checksum").json()
     assert served["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
+
+
+def test_a_new_learner_cancels_the_commit_a_dead_one_left(server, qwen3_dir, log_dir) -> None:
+    """The dead learner's group timeout is 240 s; the next learner's init cancels its waiting
+    commit at once, so the whole next sync (a fresh process: imports, model, group) ends well
+    before that, on exactly the weights it sent."""
+    version = server.info()["weight_version"]
+    rc, out = send(server, qwen3_dir, perturb_seed=8, prepare=True, die_after_prepare=True,
+                   timeout_s=240.0, log_dir=log_dir)  # fmt: skip
+    assert rc == 3 and out == {"died_after_prepare": True}, out
+    start = time.monotonic()
+    rc, out = send(server, qwen3_dir, prepare=True, timeout_s=240.0, log_dir=log_dir)
+    took = time.monotonic() - start
+    assert rc == 0, out
+    assert took < 150, f"the next sync took {took:.0f} s: it waited for the dead one's commit"
+    (resp,) = out["responses"]
+    assert resp["weight_version"] == version + 1  # the cancelled commit moved nothing
+    served = server.get("/weights/checksum").json()
+    assert served["checksum"] == pytest.approx(out["reference_checksum"], rel=1e-9)
+    log = (log_dir / "test_nccl_sync.server.log").read_text()
+    assert "init: cancelled the commit of prepared NCCL update" in log
 
 
 def test_broken_tensor_stream_keeps_weights_and_group(server, qwen3_dir, log_dir) -> None:
