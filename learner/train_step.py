@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +39,6 @@ class StepOptions:
     reference_is_adapterless: bool = False  # LoRA: reference = adapters disabled
 
 
-@dataclass
 class PhaseClock:
     """Seconds per phase of a train step, summed over micro-batches and iterations.
 
@@ -47,14 +47,12 @@ class PhaseClock:
     includes the time the GPU waits for the host to launch work (what makes a launch-bound
     step slow). Elsewhere, ``perf_counter``."""
 
-    device: torch.device
-    _laps: list[tuple[str, Any]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._start = self._stamp()
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._laps: list[tuple[str, Any]] = [("", self._stamp())]  # the start
 
     def _stamp(self) -> Any:
-        if self.device.type != "cuda":
+        if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
@@ -65,14 +63,12 @@ class PhaseClock:
         self._laps.append((phase, self._stamp()))
 
     def seconds(self) -> dict[str, float]:
-        if self._laps and self.device.type == "cuda":
+        if self.cuda:
             self._laps[-1][1].synchronize()
         out: dict[str, float] = {}
-        prev = self._start
-        for phase, stamp in self._laps:
-            dt = prev.elapsed_time(stamp) / 1e3 if self.device.type == "cuda" else stamp - prev
+        for (_, prev), (phase, stamp) in itertools.pairwise(self._laps):
+            dt = prev.elapsed_time(stamp) / 1e3 if self.cuda else stamp - prev
             out[phase] = out.get(phase, 0.0) + dt
-            prev = stamp
         return out
 
 

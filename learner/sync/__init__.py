@@ -30,6 +30,20 @@ if TYPE_CHECKING:
     from rollout_server.protocol import WeightUpdateResponse
 
 
+def learner_cuda_device(device: Any, sync: str, needs: str) -> Any:
+    """The CUDA device a GPU-only transport sends from (an int is a CUDA index), or a
+    ``RuntimeError`` saying what ``rollout.sync = sync`` needs and what to use instead."""
+    import torch
+
+    dev = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(
+            f'rollout.sync = "{sync}" needs {needs} (the learner is on {dev}); without one '
+            'use sync = "http" or "file"'
+        )
+    return dev
+
+
 def _is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 

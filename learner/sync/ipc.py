@@ -41,19 +41,12 @@ class IpcWeightSender:
     """Shares packed weights with rollout servers on this process's GPU."""
 
     def __init__(self, client: RolloutClient, device: torch.device | int | str) -> None:
-        import torch
+        from learner.sync import learner_cuda_device
 
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "rollout.sync = 'ipc' needs a CUDA GPU shared with the rollout server; on CPU "
-                "use sync = 'http' (or 'file')"
-            )
         self.client = client
-        self.device = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
-        if self.device.type != "cuda":
-            raise RuntimeError(
-                f"rollout.sync = 'ipc' needs the learner on a CUDA device, not {device}"
-            )
+        self.device = learner_cuda_device(
+            device, "ipc", "a CUDA GPU shared with the rollout server"
+        )
         self.last_stats: dict[str, float] = {}
 
     async def send(

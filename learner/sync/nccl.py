@@ -252,12 +252,9 @@ class NcclWeightSender:
 
         import torch
 
-        dev = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
-        if dev.type != "cuda" or not torch.cuda.is_available():
-            raise ValueError(
-                f'rollout.sync = "nccl" needs the learner on a CUDA GPU (it is on {dev}); '
-                'without GPUs use sync = "http" or "file"'
-            )
+        from learner.sync import learner_cuda_device
+
+        dev = learner_cuda_device(device, "nccl", "the learner on a CUDA GPU")
         if importlib.util.find_spec("vllm") is None:
             raise ImportError(
                 'rollout.sync = "nccl": the learner joins the group through vLLM\'s NCCL '
