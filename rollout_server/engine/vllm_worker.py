@@ -499,6 +499,8 @@ class WeightSyncWorkerExtension:
         except BaseException:
             if p.overlap is not None:
                 self._grpo_restore(p.overlap)
+            if p.kept is not None and self._grpo_comm is None:  # receives aborted (timeout,
+                self._grpo_staging = None  # cancel): part of them may be written, as in close
             if p.ack and self._grpo_comm is not None:  # the word was read: the group is usable
                 self._grpo_ack(False)
             raise

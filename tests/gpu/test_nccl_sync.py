@@ -189,7 +189,8 @@ def test_prepared_sync(server, qwen3_dir, log_dir) -> None:
     assert server.info()["weight_version"] == version + 1
     served = server.get("/weights/checksum").json()
     assert served["checksum"] == pytest.approx(perturbed_checksum, rel=1e-9)
-    # The next learner forms the group again and syncs (the original weights, prepared),
+    # The next learner forms the group again and syncs (the original weights, prepared; staged
+    # afresh, "direct": the expired update's receives were aborted, so its buffers were dropped),
     # returning on the workers' NCCL acknowledgement: a generation asked right then already
     # runs on the new version, and the HTTP answers come after.
     rc, out = send(server, qwen3_dir, prepare=True, early=True, log_dir=log_dir)
