@@ -32,6 +32,11 @@ def make_accelerator() -> Accelerator:
                 "deploy/accelerate/single_gpu.yaml (or plain python -m learner) unless the model "
                 "needs ZeRO-3's CPU offload."
             )
+        if ds.zero_stage == 3:
+            log.info(
+                "ZeRO-3 gathers every layer once per micro-batch (and again for checkpointed "
+                "recompute): take the largest grpo.micro_batch_size that fits"
+            )
     return acc
 
 
