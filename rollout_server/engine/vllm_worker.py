@@ -278,14 +278,16 @@ class WeightSyncWorkerExtension:
     @contextlib.contextmanager
     def _grpo_group_dropped_on_failure(self) -> Iterator[None]:
         """A failure while receiving leaves the group unusable: forget it (``wait_event``
-        already aborted it) or abort it; the next update needs a new init."""
+        already aborted it) or abort it; the next update needs a new init. The kept staging
+        buffers go too: the aborted receives may have written part of them."""
         try:
             yield
-        except NcclGroupError:
-            self._grpo_comm = None  # aborted inside wait_event
-            raise
-        except BaseException:
-            self.grpo_close_weight_group()
+        except BaseException as exc:
+            if isinstance(exc, NcclGroupError):
+                self._grpo_comm = None  # aborted inside wait_event
+            else:
+                self.grpo_close_weight_group()
+            self._grpo_staging = None
             raise
 
     def grpo_begin_update(
@@ -499,8 +501,6 @@ class WeightSyncWorkerExtension:
         except BaseException:
             if p.overlap is not None:
                 self._grpo_restore(p.overlap)
-            if p.kept is not None and self._grpo_comm is None:  # receives aborted (timeout,
-                self._grpo_staging = None  # cancel): part of them may be written, as in close
             if p.ack and self._grpo_comm is not None:  # the word was read: the group is usable
                 self._grpo_ack(False)
             raise
