@@ -297,6 +297,10 @@ def breakdown_fused(hd, b, t, chunk):
         ("grad_hidden = G @ W (cuBLAS)", ev(lambda: torch.mm(g, w2, out=gh)), True),
         ("grad_weight += Gᵀ @ h (cuBLAS)", ev(lambda: grad_w.addmm_(g.T, h2[:c])), True),
     ]  # fmt: skip
+    extra = [  # not part of the sum: what a change would save
+        ("grad_weight = Gᵀ @ h (beta 0)", ev(lambda: torch.mm(g.T, h2[:c], out=grad_w)), True),
+        ("token loss gradients, CUDA graph", _graph_ms(ev, token_loss, logp, ent, c), False),
+    ]
     flop = 2 * c * hd * VOCAB
     nchunks = -(-n // c)
     print(f"fused breakdown H={hd} N={n}, chunk {c} ({nchunks} chunks), per chunk:")
@@ -304,10 +308,63 @@ def breakdown_fused(hd, b, t, chunk):
         rate = f"({flop / ms / 1e9:4.0f} TFLOP/s)" if product else ""
         print(f"  {name:<36}{ms:8.3f} ms  x{nchunks} = {ms * nchunks:7.1f} ms {rate}")
     print(f"  sum x chunks: {sum(r[1] for r in rows) * nchunks:.1f} ms")
+    for name, ms, product in extra:
+        rate = f"({flop / ms / 1e9:4.0f} TFLOP/s)" if product else ""
+        print(f"  (alt) {name:<30}{ms:8.3f} ms  x{nchunks} = {ms * nchunks:7.1f} ms {rate}")
     h.grad = w.grad = None
     print(f"  whole fwd+bwd (median): {measure(run_fused, make_inputs(b, t, hd), 5)[0]:.1f} ms")
     print(f"  softmax tiles kernel config: {getattr(_softmax_tiles_kernel, 'best_config', None)}")
     return rows
+
+
+def _graph_ms(ev, token_loss, logp, ent, c):
+    """Replay time of the chunk's token-loss gradients captured in a CUDA graph."""
+    from learner.fused_loss import _token_grads
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _token_grads(token_loss, logp, ent, 0, c)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _token_grads(token_loss, logp, ent, 0, c)
+        return ev(graph.replay)
+    except Exception as e:  # an experiment: report, do not end the breakdown
+        print(f"  CUDA graph of the token gradients failed: {type(e).__name__}: {e}")
+        return float("nan")
+
+
+def profile_fused(hd, b, t, out_dir):
+    """Host time vs GPU time of one fused fwd+bwd, and its kernels by total GPU time."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = make_inputs(b, t, hd)
+    h, w = inputs[0], inputs[1]
+    run_fused(*inputs)
+    for _ in range(2):
+        h.grad = w.grad = None
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run_fused(*inputs)
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    print(f"profile H={hd} N={b * t}: host returns after {host * 1e3:.1f} ms, GPU done at "
+          f"{wall * 1e3:.1f} ms")  # fmt: skip
+    h.grad = w.grad = None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_fused(*inputs)
+        torch.cuda.synchronize()
+    avgs = prof.key_averages()
+    busy = sum(a.self_device_time_total for a in avgs) / 1e3
+    print(f"  GPU busy (sum of kernel times, profiled run): {busy:.1f} ms")
+    print(avgs.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out_dir / f"fused_trace_h{hd}.json"))
 
 
 def plot(results, path):
@@ -353,6 +410,7 @@ def main():
     p.add_argument("--no-sweep", action="store_true", help="only the headline token count")
     p.add_argument("--breakdown", action="store_true", help="time the stages of ours and exit")
     p.add_argument("--fused-chunk", type=int, default=1024, help="tokens per chunk of fused")
+    p.add_argument("--profile", action="store_true", help="profile one fused fwd+bwd and exit")
     p.add_argument("--no-accuracy", action="store_true", help="skip the float64 comparison")
     args = p.parse_args()
     FUSED_CHUNK["size"] = args.fused_chunk
@@ -361,6 +419,11 @@ def main():
             "liger-kernel is not installed: skipping the liger variant (pip install liger-kernel)"
         )
         args.variants = [v for v in args.variants if v != "liger"]
+    if args.profile:
+        for head in args.heads:
+            hd, t, bs = HEADS[head]
+            profile_fused(hd, bs[-1], t, args.out_dir)
+        return
     if args.breakdown:
         for head in args.heads:
             hd, t, bs = HEADS[head]

@@ -41,6 +41,10 @@ from learner.logprobs import fp16_grad_scale
 
 TILE_V = 128  # vocab columns per stored tile (one `ref` value per token and tile)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# The forward kernel's two pipelining choices (both on unless set to 0; for A/B benchmarks).
+TMA_STORE = os.environ.get("GRPO_FUSED_TMA_STORE", "1") != "0"
+FLATTEN = os.environ.get("GRPO_FUSED_FLATTEN", "1") != "0"
+WARP_SPEC = os.environ.get("GRPO_FUSED_WARP_SPEC", "0") == "1"  # experimental on Hopper
 
 _TILE_CONFIGS = _configs(
     [
@@ -53,14 +57,19 @@ _TILE_CONFIGS = _configs(
 )
 
 
-@triton.autotune(configs=_TILE_CONFIGS, key=["H", "V", "IEEE"], prune_configs_by=_PRUNE)
+@triton.autotune(
+    configs=_TILE_CONFIGS,
+    key=["H", "V", "IEEE", "TMA_STORE", "FLATTEN", "WARP_SPEC"],
+    prune_configs_by=_PRUNE,
+)
 @triton.jit
 def _softmax_tiles_kernel(
     h_ptr,  # [N, H] contiguous
     w_ptr,  # [V, H] contiguous
     tgt_ptr,  # [N]
     pt_ptr,  # [N, P_STRIDE] fp16 out: 2^(z2 - ref) per column
-    ref_ptr,  # [N, REF_STRIDE] fp32 out: the running max (base 2) each tile was stored against
+    ref_ptr,  # [V / TILE_V, REF_STRIDE] fp32 out: the running max (base 2) each tile was
+    #           stored against, one row per vocab tile (coalesced over tokens)
     m_ptr,  # [S, PART_STRIDE] out: running max (base 2)
     s_ptr,  # [S, PART_STRIDE] out: Σ 2^(z2 - m)
     t_ptr,  # [S, PART_STRIDE] out: Σ 2^(z2 - m) · z2
@@ -74,6 +83,10 @@ def _softmax_tiles_kernel(
     v_per_split,  # a multiple of TILE_V
     inv_t2,  # log2(e) / T: z2 = logits · inv_t2 are base-2 logits
     IEEE: tl.constexpr,
+    TMA_STORE: tl.constexpr,  # p̃ tiles stored by TMA (async, bounds-clipped) or per thread
+    FLATTEN: tl.constexpr,  # one pipelined loop over (vocab tile, k): the next tile's loads
+    #                         are in flight during this tile's softmax and store
+    WARP_SPEC: tl.constexpr,  # producer/consumer warps over the vocab tiles (no FLATTEN)
     BLOCK_V: tl.constexpr,  # = TILE_V
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -82,6 +95,8 @@ def _softmax_tiles_kernel(
     pid_s = tl.program_id(1)
     h_desc = tl.make_tensor_descriptor(h_ptr, [N, H], [H, 1], [BLOCK_N, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, [V, H], [H, 1], [BLOCK_V, BLOCK_K])
+    if TMA_STORE:
+        pt_desc = tl.make_tensor_descriptor(pt_ptr, [N, V], [P_STRIDE, 1], [BLOCK_N, BLOCK_V])
     row0 = pid_n * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -90,15 +105,18 @@ def _softmax_tiles_kernel(
     t = tl.zeros([BLOCK_N], tl.float32)
     v_start = pid_s * v_per_split
     v_end = tl.minimum(V, v_start + v_per_split)
-    for v0 in range(v_start, v_end, BLOCK_V):
+    for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=FLATTEN, warp_specialize=WARP_SPEC):
         z2 = _logits_tile(h_desc, w_desc, row0, v0, H, inv_t2, IEEE, BLOCK_N, BLOCK_V, BLOCK_K)
         cols = v0 + tl.arange(0, BLOCK_V)
         if v0 + BLOCK_V > V:
             z2 = tl.where(cols[None, :] < V, z2, _MASKED)
         m, s, t, p = _online_lse_step(m, s, t, z2)
-        offs = rows[:, None].to(tl.int64) * P_STRIDE + cols[None, :]
-        tl.store(pt_ptr + offs, p.to(tl.float16), mask=row_ok[:, None] & (cols[None, :] < V))
-        tl.store(ref_ptr + rows * REF_STRIDE + v0 // BLOCK_V, m, mask=row_ok)
+        if TMA_STORE:
+            pt_desc.store([row0, v0], p.to(tl.float16))
+        else:
+            offs = rows[:, None].to(tl.int64) * P_STRIDE + cols[None, :]
+            tl.store(pt_ptr + offs, p.to(tl.float16), mask=row_ok[:, None] & (cols[None, :] < V))
+        tl.store(ref_ptr + (v0 // BLOCK_V) * REF_STRIDE + rows, m, mask=row_ok)
     out = pid_s * PART_STRIDE + rows
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
@@ -111,7 +129,7 @@ def _softmax_tiles_kernel(
 @triton.jit
 def _logits_grad_kernel(
     buf_ptr,  # [N, STRIDE] int16: fp16 p̃ in, ∂loss/∂logits (bf16 or fp16 bits) out, in place
-    ref_ptr,  # [N, REF_STRIDE] fp32
+    ref_ptr,  # [V / TILE_V, REF_STRIDE] fp32
     lse2_ptr,  # [N] log-sum-exp of z, base 2
     glp_ptr,  # [N] ∂loss/∂logp / T
     gent_ptr,  # [N] ∂loss/∂entropy / T
@@ -133,7 +151,7 @@ def _logits_grad_kernel(
     ok = row_ok[:, None] & (cols < V)[None, :]
     offs = rows[:, None].to(tl.int64) * STRIDE + cols[None, :]
     pt = tl.load(buf_ptr + offs, mask=ok, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-    ref = tl.load(ref_ptr + rows * REF_STRIDE + pid_v, mask=row_ok, other=0.0)
+    ref = tl.load(ref_ptr + pid_v * REF_STRIDE + rows, mask=row_ok, other=0.0)
     lse2 = tl.load(lse2_ptr + rows, mask=row_ok, other=0.0)
     glp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
     shift = ref - lse2  # [BM] log2 of p / p̃ (<= 0)
@@ -176,7 +194,7 @@ class TritonChunks:
         n_tiles_v = triton.cdiv(v, TILE_V)
         # Row stride a multiple of 8 entries (16 bytes) for cuBLAS and the bulk copies.
         self.buf = torch.empty(c, n_tiles_v * TILE_V, dtype=torch.int16, device=hidden.device)
-        self.ref = torch.empty(c, n_tiles_v, dtype=torch.float32, device=hidden.device)
+        self.ref = torch.empty(n_tiles_v, c, dtype=torch.float32, device=hidden.device)
         # Vocab splits: enough programs to fill the GPU ~4 times at 128 tokens a program.
         n_tiles = triton.cdiv(c, 128)
         splits = max(
@@ -199,7 +217,8 @@ class TritonChunks:
         _softmax_tiles_kernel[grid](
             self.h[s:e], self.w, self.tgt[s:e], self.buf.view(torch.float16), self.ref,
             m, sm, t, self.tz, nb, v, hd, self.buf.shape[1], self.ref.shape[1], m.shape[1],
-            self.v_per_split, LOG2E * self.inv_t, IEEE=False, BLOCK_V=TILE_V,
+            self.v_per_split, LOG2E * self.inv_t, IEEE=False, TMA_STORE=TMA_STORE,
+            FLATTEN=FLATTEN and not WARP_SPEC, WARP_SPEC=WARP_SPEC, BLOCK_V=TILE_V,
         )  # fmt: skip
         m, sm, t = m[:, :nb], sm[:, :nb], t[:, :nb]  # [S, nb], base 2
         big = m.max(dim=0).values  # [nb]

@@ -425,6 +425,56 @@ def test_triton_path_on_gpu():
     assert_all(run_triton_checks("cuda", [700, 0, 900, 400], 520, 50_001, [512, 2000]))
 
 
+class _HostSync:
+    """A token loss that reads its value on the host: it cannot be captured in a CUDA graph."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, logp, entropy):
+        loss = self.inner(logp, entropy)
+        assert float(loss.detach()) == float(loss.detach())  # .item(): a device-to-host sync
+        return loss
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_token_grads_equal_eager_ones_and_fall_back():
+    """The per-chunk token-loss gradients replayed from a CUDA graph are the eager ones, bit for
+    bit; a token loss with a host sync falls back to eager with a warning, same results."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, hd, v, b = 3000, 256, 5000, 4
+    h = torch.randn(n, hd, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(v, hd, device="cuda", generator=g) * hd**-0.5).bfloat16()
+    tgt = torch.randint(0, v, (n,), device="cuda", generator=g)
+    seq = torch.arange(b, device="cuda").repeat_interleave(n // b)
+    old = -torch.rand(n, device="cuda", generator=g) - 8
+    ref = old + 0.05 * torch.randn(n, device="cuda", generator=g)
+    adv = torch.randn(b, device="cuda", generator=g)
+    cfg = LossConfig(beta=0.04, tis_cap=2.0, entropy_coef=0.01)
+    token_loss = GRPOTokenLoss(
+        cfg, seq, adv, old_logprobs=old, ref_logprobs=ref, sampling_logprobs=old - 0.1
+    )
+    assert not token_loss.constant_grads
+
+    def run(loss_fn, graph):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fused_grpo_loss(
+            hh, ww, tgt, loss_fn, temperature=0.9, chunk_size=512, cuda_graph=graph
+        )
+        out[0].backward()
+        return (*out, hh.grad, ww.grad)
+
+    eager = run(token_loss, False)
+    graphed = run(token_loss, True)
+    for a, c in zip(eager, graphed, strict=True):
+        assert torch.equal(a, c)
+    with pytest.warns(UserWarning, match="could not be captured in a CUDA graph"):
+        fallen = run(_HostSync(token_loss), True)
+    for a, c in zip(eager, fallen, strict=True):
+        assert torch.equal(a, c)
+
+
 if __name__ == "__main__":  # the interpreter run: tiny sizes, CPU
     print(json.dumps(run_triton_checks("cpu", [13, 0, 11], 32, 300, [10, 24])))
 
