@@ -301,6 +301,11 @@ def breakdown_fused(hd, b, t, chunk):
         ("grad_weight = Gᵀ @ h (beta 0)", ev(lambda: torch.mm(g.T, h2[:c], out=grad_w)), True),
         ("token loss gradients, CUDA graph", _graph_ms(ev, token_loss, logp, ent, c), False),
     ]
+    dwt = torch.empty(hd, VOCAB, device="cuda", dtype=h2.dtype)  # grad_weight transposed
+    extra += [
+        ("grad_weightᵀ += hᵀ @ G", ev(lambda: dwt.addmm_(h2[:c].T, g)), True),
+        ("grad_weightᵀ = hᵀ @ G (beta 0)", ev(lambda: torch.mm(h2[:c].T, g, out=dwt)), True),
+    ]
     flop = 2 * c * hd * VOCAB
     nchunks = -(-n // c)
     print(f"fused breakdown H={hd} N={n}, chunk {c} ({nchunks} chunks), per chunk:")
@@ -364,7 +369,7 @@ def profile_fused(hd, b, t, out_dir):
     print(f"  GPU busy (sum of kernel times, profiled run): {busy:.1f} ms")
     print(avgs.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
     out_dir.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(out_dir / f"fused_trace_h{hd}.json"))
+    prof.export_chrome_trace(str(out_dir / f"fused_trace_h{hd}_c{FUSED_CHUNK['size']}.json"))
 
 
 def plot(results, path):
