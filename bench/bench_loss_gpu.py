@@ -12,7 +12,8 @@ Variants, all computing the same DAPO loss (beta 0.04 with reference log-probs, 
 - liger: liger-kernel 0.8.5 `LigerFusedLinearGRPOLoss` (defaults: compiled, chunk_size=1).
 - ours:  `token_logprobs(impl="triton")` + `grpo_loss` (4 N·H·V products).
 - fused: `fused_grpo_loss(impl="triton")` with `GRPOTokenLoss` (3 products: both gradients
-         in the forward, `--fused-chunk` tokens' logits at a time, 2 bytes an entry).
+         in the forward, `--fused-chunk` tokens' logits at a time, 2 bytes an entry;
+         default `auto_chunk_size`: 1536 tokens on the 0.6B head, 2048 on the 8B one).
 
 Accuracy (`fused` and `ours`, at each head's largest token count): loss and gradients against
 float64 (`token_logprobs(impl="torch")` on float64 copies of the same bf16 inputs); the bar
@@ -38,6 +39,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from learner.fused_loss import auto_chunk_size
 
 HEADS = {"qwen3-0.6b": (1024, 2048, [2, 4, 8, 16]), "qwen3-8b": (4096, 4096, [1, 2, 4, 8])}
 VOCAB = 151_936
@@ -85,7 +88,7 @@ def run_ours(h, w, ids, old, ref, adv, mask):
     return loss.detach()
 
 
-FUSED_CHUNK = {"size": 1024}  # --fused-chunk
+FUSED_CHUNK: dict[str, int | None] = {"size": None}  # --fused-chunk; None: auto_chunk_size
 
 
 def run_fused(h, w, ids, old, ref, adv, mask):
@@ -306,6 +309,11 @@ def breakdown_fused(hd, b, t, chunk):
         ("grad_weightᵀ += hᵀ @ G", ev(lambda: dwt.addmm_(h2[:c].T, g)), True),
         ("grad_weightᵀ = hᵀ @ G (beta 0)", ev(lambda: torch.mm(h2[:c].T, g, out=dwt)), True),
     ]
+    gt = g.T.contiguous()  # G stored [V, C]
+    extra += [
+        ("G [V,C]: grad_weight += G @ h", ev(lambda: grad_w.addmm_(gt, h2[:c])), True),
+        ("G [V,C]: grad_hidden = Gᵀ @ W", ev(lambda: torch.mm(gt.T, w2, out=gh)), True),
+    ]
     flop = 2 * c * hd * VOCAB
     nchunks = -(-n // c)
     print(f"fused breakdown H={hd} N={n}, chunk {c} ({nchunks} chunks), per chunk:")
@@ -369,7 +377,8 @@ def profile_fused(hd, b, t, out_dir):
     print(f"  GPU busy (sum of kernel times, profiled run): {busy:.1f} ms")
     print(avgs.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
     out_dir.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(out_dir / f"fused_trace_h{hd}_c{FUSED_CHUNK['size']}.json"))
+    chunk = FUSED_CHUNK["size"] or auto_chunk_size(hd)
+    prof.export_chrome_trace(str(out_dir / f"fused_trace_h{hd}_c{chunk}.json"))
 
 
 def plot(results, path):
@@ -414,7 +423,9 @@ def main():
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--no-sweep", action="store_true", help="only the headline token count")
     p.add_argument("--breakdown", action="store_true", help="time the stages of ours and exit")
-    p.add_argument("--fused-chunk", type=int, default=1024, help="tokens per chunk of fused")
+    p.add_argument(
+        "--fused-chunk", type=int, default=None, help="tokens per chunk of fused (default: auto)"
+    )
     p.add_argument("--profile", action="store_true", help="profile one fused fwd+bwd and exit")
     p.add_argument("--no-accuracy", action="store_true", help="skip the float64 comparison")
     args = p.parse_args()
@@ -433,7 +444,7 @@ def main():
         for head in args.heads:
             hd, t, bs = HEADS[head]
             if "fused" in args.variants:
-                breakdown_fused(hd, bs[-1], t, args.fused_chunk)
+                breakdown_fused(hd, bs[-1], t, args.fused_chunk or auto_chunk_size(hd))
             if "ours" in args.variants:
                 breakdown(hd, bs[-1], t)
         return
@@ -475,7 +486,8 @@ def main():
     args.out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "matmul_tflops": tflops}
     meta |= {"torch": torch.__version__, "temperature": TEMP, "results": results}
-    meta |= {"fused_chunk": args.fused_chunk, "accuracy": acc}
+    chunks = {head: args.fused_chunk or auto_chunk_size(HEADS[head][0]) for head in args.heads}
+    meta |= {"fused_chunk": chunks, "accuracy": acc}
     meta["persistent_grad_kernel"] = os.environ.get("GRPO_TRITON_PERSISTENT", "1") != "0"
     (args.out_dir / "loss_gpu.json").write_text(json.dumps(meta, indent=2) + "\n")
     plot(results, args.out_dir / "loss_gpu.png")

@@ -174,6 +174,9 @@ class GRPOConfig(_Section):
     fused_loss: bool = Field(
         False, description="loss fused with the LM head: 3 N·H·V products instead of 4"
     )
+    fused_chunk_size: int | None = Field(
+        None, ge=1, description="tokens a chunk of the fused loss; none: 1.5 × hidden (1024-2048)"
+    )
     packing: bool = Field(False, description="padding-free micro-batches (best-fit packing)")
     max_tokens_per_micro_batch: int = Field(4096, ge=1, description="packing token budget")
     pad_to_multiple_of: int = Field(1, ge=1)

@@ -61,7 +61,9 @@ def build_models(
             model.enable_input_require_grads()
     chunk = cfg.grpo.logprob_chunk_size
     temperature = cfg.sampling.temperature
-    policy = PolicyLogprobs(model, temperature=temperature, chunk_size=chunk)
+    policy = PolicyLogprobs(
+        model, temperature=temperature, chunk_size=chunk, fused_chunk_size=cfg.grpo.fused_chunk_size
+    )
     ref_policy = (
         PolicyLogprobs(ref, temperature=temperature, chunk_size=chunk) if ref is not None else None
     )

@@ -34,11 +34,19 @@ def is_peft(model: nn.Module) -> bool:
 
 
 class PolicyLogprobs(nn.Module):
-    def __init__(self, model: nn.Module, *, temperature: float = 1.0, chunk_size: int = 1024):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        temperature: float = 1.0,
+        chunk_size: int = 1024,
+        fused_chunk_size: int | None = None,
+    ):
         super().__init__()
         self.model = model
         self.temperature = temperature
         self.chunk_size = chunk_size
+        self.fused_chunk_size = fused_chunk_size  # None: `fused_loss.auto_chunk_size`
         head = model.get_output_embeddings()
         if head is None:
             raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")
@@ -74,7 +82,7 @@ class PolicyLogprobs(nn.Module):
             if token_loss is not None:
                 return fused_grpo_loss(
                     hidden[sel], weight, input_ids[:, 1:][sel], token_loss,
-                    temperature=self.temperature, chunk_size=self.chunk_size,
+                    temperature=self.temperature, chunk_size=self.fused_chunk_size,
                 )  # fmt: skip
             return token_logprobs(
                 hidden[sel],  # [N, H]

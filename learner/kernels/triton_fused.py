@@ -52,6 +52,7 @@ _TILE_CONFIGS = _configs(
         ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
         ({"BLOCK_N": 128, "BLOCK_K": 128}, 8, 3),
         ({"BLOCK_N": 64, "BLOCK_K": 64}, 4, 4),
+        ({"BLOCK_N": 256, "BLOCK_K": 64}, 8, 3),
     ],
     {"BLOCK_N": 16, "BLOCK_K": 16},
 )

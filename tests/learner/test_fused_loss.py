@@ -509,3 +509,20 @@ def test_train_step_says_where_its_time_went(tiny_model_dir):
         clock.lap(phase)
     secs = clock.seconds()
     assert secs.keys() == {"a", "b"} and secs["a"] >= 0.04 and 0.02 <= secs["b"] < secs["a"]
+
+
+def test_auto_chunk_size_follows_the_head_and_reaches_the_policy(tiny_model_dir):
+    from learner.config import load_config
+    from learner.fused_loss import auto_chunk_size
+    from learner.model_setup import build_models
+
+    # 1.5 × hidden, a multiple of 256, within [1024, 2048]
+    got = {h: auto_chunk_size(h) for h in (64, 896, 1024, 2048, 4096, 8192)}
+    assert got == {64: 1024, 896: 1280, 1024: 1536, 2048: 2048, 4096: 2048, 8192: 2048}
+    base = ['data.path="x.jsonl"', 'rewards=[{name="length"}]', "grpo.fused_loss=true"]
+    policy, _ = build_models(load_config(None, base), str(tiny_model_dir))
+    assert policy.fused_chunk_size is None  # auto, in fused_grpo_loss
+    policy, _ = build_models(
+        load_config(None, [*base, "grpo.fused_chunk_size=512"]), str(tiny_model_dir)
+    )
+    assert policy.fused_chunk_size == 512
