@@ -113,6 +113,9 @@ class GRPOTokenLoss:
         # weight (exp(old - sampling) with old = logp) they depend on logp.
         no_is = self.sampling is None or cfg.tis_cap is None
         self.constant_grads = self.old is None and cfg.beta == 0.0 and no_is
+        # Whether the loss differentiates the entropy (else it is a metric): without it the
+        # Triton engine stores the logits tiles so that no second pass over them is needed.
+        self.entropy_grad = cfg.entropy_coef != 0.0
 
     @classmethod
     def for_batch(
@@ -259,7 +262,8 @@ class FusedLinearLoss(torch.autograd.Function):
         if impl == "triton":
             from learner.kernels.triton_fused import TritonChunks
 
-            chunks = TritonChunks(hidden, weight, targets, temperature, chunk)
+            ent_grad = getattr(token_loss, "entropy_grad", True)
+            chunks = TritonChunks(hidden, weight, targets, temperature, chunk, ent_grad)
         else:
             chunks = TorchChunks(hidden, weight, targets, temperature)
         grad_h = torch.zeros_like(hidden) if need_h else None  # [N, H]
@@ -284,13 +288,22 @@ class FusedLinearLoss(torch.autograd.Function):
                 g_lp, g_ent = _token_grads(token_loss, logp, ent, s, e)
             if g_lp is None and g_ent is None:
                 continue
-            # [C, V] ∂loss/∂logits in the matmul dtype, times `scale` (a power of two, fp16 only)
+            # [C, V] ∂loss/∂logits in the matmul dtype, times `scale` (a power of two, fp16
+            # only), or such that ∂loss/∂logits = diag(scale) @ g (scale [C], anchored tiles)
             g, scale = chunks.logits_grad(g_lp, g_ent)
+            rows = isinstance(scale, Tensor)
             if grad_h is not None:  # beta 0: the rows' old values are not read
                 out = grad_h[s:e]
-                torch.addmm(out, g, chunks.w, beta=0, alpha=1.0 / scale, out=out)
+                if rows:
+                    torch.mm(g, chunks.w, out=out).mul_(scale[:, None])
+                else:
+                    torch.addmm(out, g, chunks.w, beta=0, alpha=1.0 / scale, out=out)
             if grad_w is not None:
-                _accumulate(grad_w, g.T, chunks.h[s:e], first=dw_empty, alpha=1.0 / scale)
+                if rows:  # Gᵀ h = gᵀ (diag(scale) h): the small operand takes the scaling
+                    h_s = (chunks.h[s:e].float() * scale[:, None]).to(chunks.h.dtype)
+                    _accumulate(grad_w, g.T, h_s, first=dw_empty)
+                else:
+                    _accumulate(grad_w, g.T, chunks.h[s:e], first=dw_empty, alpha=1.0 / scale)
                 dw_empty = False
             del g
         del graphed  # frees the graph's memory pool

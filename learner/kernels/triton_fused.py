@@ -45,6 +45,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 TMA_STORE = os.environ.get("GRPO_FUSED_TMA_STORE", "1") != "0"
 FLATTEN = os.environ.get("GRPO_FUSED_FLATTEN", "1") != "0"
 WARP_SPEC = os.environ.get("GRPO_FUSED_WARP_SPEC", "0") == "1"  # experimental on Hopper
+# Anchored tiles where they apply (bf16, no entropy gradient); 0: always the tile-max path.
+ANCHORED = os.environ.get("GRPO_FUSED_ANCHORED", "1") != "0"
+LN2 = 0.6931471805599453
 
 _TILE_CONFIGS = _configs(
     [
@@ -173,13 +176,135 @@ def _logits_grad_kernel(
     tl.store(buf_ptr + offs, bits, mask=ok)
 
 
+@triton.jit
+def _anchor_kernel(
+    h_ptr, w_ptr, tgt_ptr, r_ptr, N, H, inv_t2, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """The anchor R of each token: its target's logit, base 2 (`inv_t2` = log2(e) / T)."""
+    h_desc = tl.make_tensor_descriptor(h_ptr, [N, H], [H, 1], [BLOCK_N, BLOCK_K])
+    row0 = tl.program_id(0) * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    tz = _target_logit(h_desc, w_ptr, tgt_ptr, rows, row_ok, row0, H, BLOCK_N, BLOCK_K)
+    tl.store(r_ptr + rows, tz * inv_t2, mask=row_ok)
+
+
+@triton.autotune(configs=_TILE_CONFIGS, key=["H", "V", "FLATTEN"])
+@triton.jit
+def _anchored_tiles_kernel(
+    h_ptr,  # [N, H] contiguous
+    w_ptr,  # [V, H] contiguous
+    tgt_ptr,  # [N]
+    r_ptr,  # [N] the anchor: target logit, base 2
+    pt_ptr,  # [N, P_STRIDE] int16 out: the bf16 bits of 2^(z2 - R) per column
+    s_ptr,  # [S, PART_STRIDE] out: Σ 2^(z2 - R) over the split's columns but the target
+    t_ptr,  # [S, PART_STRIDE] out: Σ 2^(z2 - R) · (z2 - R), same columns
+    N,
+    V,
+    H,
+    P_STRIDE,
+    PART_STRIDE,
+    v_per_split,  # a multiple of TILE_V
+    inv_t2,  # log2(e) / T
+    FLATTEN: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Logits tiles stored as 2^(z2 - R) in bf16 against a per-token anchor fixed in advance:
+    no running max, no rescaling, one reference for every tile of a row (so the gradient is a
+    row scaling of the stored values: no second pass). bf16's exponent range holds
+    2^(z2 - R) for z2 - R < 128: a target logit more than 88·T nats below the row's largest
+    (a target probability below 2^-128) overflows, which the merge detects and
+    `_anchor_fallback_kernel` redoes for that row."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    h_desc = tl.make_tensor_descriptor(h_ptr, [N, H], [H, 1], [BLOCK_N, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, [V, H], [H, 1], [BLOCK_V, BLOCK_K])
+    pt_desc = tl.make_tensor_descriptor(pt_ptr, [N, V], [P_STRIDE, 1], [BLOCK_N, BLOCK_V])
+    row0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    r = tl.load(r_ptr + rows, mask=row_ok, other=0.0)
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    s = tl.zeros([BLOCK_N], tl.float32)
+    t = tl.zeros([BLOCK_N], tl.float32)
+    v_start = pid_s * v_per_split
+    v_end = tl.minimum(V, v_start + v_per_split)
+    for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=FLATTEN):
+        z2 = _logits_tile(h_desc, w_desc, row0, v0, H, inv_t2, False, BLOCK_N, BLOCK_V, BLOCK_K)
+        cols = v0 + tl.arange(0, BLOCK_V)
+        d = z2 - r[:, None]
+        if v0 + BLOCK_V > V:
+            d = tl.where(cols[None, :] < V, d, _MASKED)
+        p = tl.exp2(d)
+        pt_desc.store([row0, v0], p.to(tl.bfloat16).to(tl.int16, bitcast=True))
+        q = tl.where(cols[None, :] == tgt[:, None], 0.0, p)  # the target's term: exactly 1
+        s += tl.sum(q, 1)
+        t += tl.sum(q * d, 1)
+    out = pid_s * PART_STRIDE + rows
+    tl.store(s_ptr + out, s, mask=row_ok)
+    tl.store(t_ptr + out, t, mask=row_ok)
+
+
+@triton.jit
+def _row_logits(h_ptr, w_ptr, row, v0, V, H, inv_t2, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Base-2 logits of one token at columns `v0 + [0, BLOCK_V)` on the CUDA cores (fp32);
+    columns past V read as `_MASKED`."""
+    cols = v0 + tl.arange(0, BLOCK_V)
+    acc = tl.zeros([BLOCK_V], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        hk = tl.load(h_ptr + row.to(tl.int64) * H + kk, mask=kk < H, other=0.0)
+        wk = tl.load(
+            w_ptr + cols[:, None].to(tl.int64) * H + kk[None, :],
+            mask=(cols < V)[:, None] & (kk < H)[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(wk.to(tl.float32) * hk.to(tl.float32)[None, :], 1)
+    return tl.where(cols < V, acc * inv_t2, _MASKED)
+
+
+@triton.jit
+def _anchor_fallback_kernel(
+    h_ptr, w_ptr, tgt_ptr, bad_ptr, r_ptr, a_ptr, sx_ptr, tx_ptr, pt_ptr,
+    V, H, P_STRIDE, inv_t2, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """For each token flagged in `bad` (its anchored sums overflowed): the row again, one
+    token a program, anchored at the row's max m instead (values in (0, 1]): rewrites its
+    stored tiles, its sums without the target, and a = R - m (the target's stored value is
+    2^a). Unflagged tokens return at once: the common case costs one launch."""
+    row = tl.program_id(0)
+    if tl.load(bad_ptr + row) != 0:
+        tgt = tl.load(tgt_ptr + row)
+        m = float("-inf")
+        for v0 in range(0, V, BLOCK_V):
+            z2 = _row_logits(h_ptr, w_ptr, row, v0, V, H, inv_t2, BLOCK_V, BLOCK_K)
+            m = tl.maximum(m, tl.max(z2, 0))
+        sx = 0.0
+        tx = 0.0
+        for v0 in range(0, V, BLOCK_V):
+            z2 = _row_logits(h_ptr, w_ptr, row, v0, V, H, inv_t2, BLOCK_V, BLOCK_K)
+            cols = v0 + tl.arange(0, BLOCK_V)
+            d = z2 - m
+            p = tl.exp2(d)
+            bits = p.to(tl.bfloat16).to(tl.int16, bitcast=True)
+            tl.store(pt_ptr + row.to(tl.int64) * P_STRIDE + cols, bits, mask=cols < V)
+            q = tl.where(cols == tgt, 0.0, p)
+            sx += tl.sum(q, 0)
+            tx += tl.sum(q * d, 0)
+        tl.store(a_ptr + row, tl.load(r_ptr + row) - m)
+        tl.store(sx_ptr + row, sx)
+        tl.store(tx_ptr + row, tx)
+
+
 class TritonChunks:
     """Chunk engine with the interface of `fused_loss.TorchChunks`: `stats(s, e)` then
     `logits_grad(g_logp, g_ent)` for the same chunk."""
 
     def __init__(
         self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-        temperature: float, chunk_size: int,
+        temperature: float, chunk_size: int, entropy_grad: bool = True,
     ):  # fmt: skip
         if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
             raise ValueError(
@@ -206,8 +331,78 @@ class TritonChunks:
         self.parts = torch.empty(3, self.splits, c, dtype=torch.float32, device=hidden.device)
         self.tz = torch.empty(c, dtype=torch.float32, device=hidden.device)
         self._state: tuple | None = None
+        # Anchored tiles (bf16, no entropy gradient): ∂loss/∂logits is a row scaling of the
+        # stored tiles, applied in the gradient products: no pass over the chunk's logits.
+        self.anchored = ANCHORED and not entropy_grad and self.w.dtype == torch.bfloat16
 
     def stats(self, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.anchored:
+            return self._anchored_stats(s, e)
+        return self._tile_stats(s, e)
+
+    def logits_grad(
+        self, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
+    ) -> tuple[torch.Tensor, float | torch.Tensor]:
+        """∂loss/∂logits of the chunk [nb, V] in the weight's dtype, and a scale: a float
+        (the matrix is ∂loss/∂logits times it; != 1 for fp16 only, see `fp16_grad_scale`),
+        or, anchored, a [nb] fp32 tensor (∂loss/∂logits = diag(scale) @ the matrix)."""
+        if self.anchored:
+            return self._anchored_grad(g_lp, g_ent)
+        return self._tile_grad(g_lp, g_ent)
+
+    def _anchored_stats(self, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        nb = e - s
+        v, hd = self.w.shape
+        h, tgt, inv_t2 = self.h[s:e], self.tgt[s:e], LOG2E * self.inv_t
+        r = self.tz  # [C] the anchors
+        block = 16 if _INTERPRET else 64
+        _anchor_kernel[(triton.cdiv(nb, block),)](
+            h, self.w, tgt, r, nb, hd, inv_t2, BLOCK_N=block, BLOCK_K=16 if _INTERPRET else 64
+        )
+        _, sx, tx = self.parts.unbind(0)  # [S, C] each
+
+        def grid(meta):
+            return (triton.cdiv(nb, meta["BLOCK_N"]), self.splits)
+
+        buf = self.buf  # int16: bf16 bits
+        _anchored_tiles_kernel[grid](
+            h, self.w, tgt, r, buf, sx, tx, nb, v, hd, buf.shape[1], sx.shape[1],
+            self.v_per_split, inv_t2, FLATTEN=FLATTEN, BLOCK_V=TILE_V,
+        )  # fmt: skip
+        sx, tx = sx[:, :nb].sum(0), tx[:, :nb].sum(0)  # [nb] over the splits
+        bad = ~(torch.isfinite(sx) & torch.isfinite(tx) & (sx < 2.0**100))
+        a = torch.zeros_like(sx)  # log2 of the target's stored value
+        _anchor_fallback_kernel[(nb,)](
+            h, self.w, tgt, bad, r, a, sx, tx, buf, v, hd, buf.shape[1], inv_t2,
+            BLOCK_V=16 if _INTERPRET else 128, BLOCK_K=16 if _INTERPRET else 64,
+        )  # fmt: skip
+        total = torch.exp2(a) + sx  # Σ of the stored values, target included
+        # log p = log(2^a / total); 1 + sx without rounding where a = 0 (every sane row)
+        logp = torch.where(a == 0, -torch.log1p(sx), a * LN2 - torch.log(total))
+        ent = (torch.log2(total) - (tx + torch.exp2(a) * a) / total) * LN2
+        # The target's entry of ∂loss/∂logits ∝ 2^a - total = -sx: written over its tile value.
+        flat = torch.arange(nb, device=sx.device) * buf.shape[1] + tgt
+        buf.view(torch.bfloat16).view(-1).index_put_((flat,), (-sx).to(torch.bfloat16))
+        self._state = (s, e, total)
+        return logp.clamp_max_(0.0), ent
+
+    def _anchored_grad(
+        self, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._state is not None
+        s, e, total = self._state
+        self._state = None
+        if g_ent is not None:
+            raise RuntimeError(
+                "fused_grpo_loss: the token loss differentiates the entropy, but the chunk "
+                "engine was built without the entropy gradient (token_loss.entropy_grad)"
+            )
+        glp = g_lp.float() * self.inv_t if g_lp is not None else torch.zeros_like(total)
+        # ∂loss/∂z_j = glp (1[j = target] - p_j) = -(glp / total) · (stored_j - total·1[target])
+        return self.buf.view(torch.bfloat16)[: e - s, : self.w.shape[0]], -glp / total
+
+    def _tile_stats(self, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+
         nb = e - s
         v, hd = self.w.shape
         m, sm, t = self.parts.unbind(0)  # [S, C] each
@@ -232,10 +427,9 @@ class TritonChunks:
         self._state = (s, e, lse2, ent)
         return logp, ent
 
-    def logits_grad(
+    def _tile_grad(
         self, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
     ) -> tuple[torch.Tensor, float]:
-        """∂loss/∂logits of the chunk times `scale` (fp16 only, see `fp16_grad_scale`)."""
         assert self._state is not None
         s, e, lse2, ent = self._state
         self._state = None

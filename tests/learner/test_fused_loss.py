@@ -158,6 +158,7 @@ def separable(cl, ce):
         out = (lp.double() * cl).sum() if cl is not None else 0.0
         return out + (ent.double() * ce).sum() if ce is not None else out
 
+    token_loss.entropy_grad = ce is not None  # without: the Triton path's anchored tiles (bf16)
     return token_loss
 
 
@@ -398,6 +399,8 @@ def run_triton_checks(device, n_lens, hd, v, chunk_sizes, temperature=0.8, seed=
                 out.append((f"logp<=0 {tag}", float(ours[1].max().clamp_min(0)), 1e-30))
                 finite = all(bool(torch.isfinite(x).all()) for x in (*ours[1:3], *ours[4:]))
                 out.append((f"finite {tag}", float(not finite), 0.5))
+        if dtype == torch.bfloat16:  # anchored tiles: a target 2^-128 below its row's max
+            out += _overflow_checks(h, w, t, cl, temperature, chunk_sizes[0])
         cfg = LossConfig(loss_type="grpo", beta=0.1, tis_cap=1.5, entropy_coef=0.3)
         args = (h, w, t, seq, ex, cfg, ("ref", "sampling"), True, temperature)
         run = functools.partial(fused, *args, chunk_size=chunk_sizes[0], impl="triton")
@@ -405,6 +408,34 @@ def run_triton_checks(device, n_lens, hd, v, chunk_sizes, temperature=0.8, seed=
         ref = grads_of(functools.partial(reference_loss, *args), h, w)
         for i, name in ((0, "loss"), (4, "grad_hidden"), (5, "grad_weight")):
             out.append((f"grpo_loss {name} {dtype}", rel(ours[i], ref[i]), 1e-2))
+    return out
+
+
+def _overflow_checks(h, w, t, cl, temperature, chunk_size):
+    """Two tokens whose target is the least likely token by ~90·T nats and more: their
+    anchored tiles (2^(z - z_target) in bf16) overflow, and the fallback redoes those rows."""
+    h = h.detach().clone()
+    t = t.clone()
+    for k in (0, h.shape[0] - 1):
+        h[k] *= 40.0
+        t[k] = int((h[k].double() @ w.detach().double().T).argmin())
+    h.requires_grad_()
+    token_loss = separable(cl, None)
+    ref = grads_of(functools.partial(run_full, h, w, t, token_loss, temperature), h, w)
+    run = functools.partial(
+        run_fused, h, w, t, token_loss, temperature=temperature, chunk_size=chunk_size,
+        impl="triton",
+    )  # fmt: skip
+    ours = grads_of(run, h, w)
+    tag = f"overflowing anchor (target logp {float(ref[1][0]):.0f}, {float(ref[1][-1]):.0f})"
+    out = [
+        (f"{name} {tag}", rel(ours[i], ref[i]), 1e-4) for i, name in ((1, "logp"), (2, "entropy"))
+    ]
+    out.append((f"grad_hidden {tag}", rel(ours[4], ref[4]), 1e-2))
+    out.append((f"grad_weight {tag}", rel(ours[5], ref[5]), 1e-2))
+    finite = all(bool(torch.isfinite(x).all()) for x in (*ours[1:3], *ours[4:]))
+    out.append((f"finite {tag}", float(not finite), 0.5))
+    out.append((f"the targets are 2^-128 unlikely {tag}", float(ref[1][[0, -1]].max() + 130), 0.0))
     return out
 
 
