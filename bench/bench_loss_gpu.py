@@ -258,7 +258,12 @@ def breakdown(hd, b, t):
 
 def breakdown_fused(hd, b, t, chunk):
     """Time each stage of one chunk of fused (and the whole fwd+bwd) at one shape."""
-    from learner.fused_loss import GRPOTokenLoss, _token_grads
+    from learner.fused_loss import (
+        GRPOTokenLoss,
+        _token_grads,
+        grad_hidden_rows,
+        grad_weight_add,
+    )
     from learner.kernels.triton_fused import TritonChunks, _softmax_tiles_kernel
     from learner.loss import LossConfig
 
@@ -267,13 +272,14 @@ def breakdown_fused(hd, b, t, chunk):
     h2, w2, ids2 = h.detach().view(-1, hd), w.detach(), ids.view(-1)
     seq = torch.arange(b, device="cuda").repeat_interleave(t)
     token_loss = GRPOTokenLoss(LossConfig(beta=0.04), seq, adv, old_logprobs=old, ref_logprobs=ref)
-    chunks = TritonChunks(h2, w2, ids2, TEMP, chunk)
+    chunks = TritonChunks(h2, w2, ids2, TEMP, chunk, token_loss.entropy_grad)
+    print(f"anchored tiles: {chunks.anchored}")
     c = min(chunk, n)
     logp = torch.zeros(n, device="cuda")
     ent = torch.zeros(n, device="cuda")
     logp[:c], ent[:c] = chunks.stats(0, c)
     g_lp, g_ent = _token_grads(token_loss, logp, ent, 0, c)
-    g, _ = chunks.logits_grad(g_lp, g_ent)
+    g, scale = chunks.logits_grad(g_lp, g_ent)
     grad_w = torch.empty_like(w2)
     gh = torch.empty(c, hd, device="cuda", dtype=h2.dtype)
 
@@ -296,9 +302,9 @@ def breakdown_fused(hd, b, t, chunk):
     rows = [  # (stage, ms, is an N·H·V product)
         ("softmax tiles + merge", stats_ms, True),
         ("token loss gradients (autograd)", ev(lambda: _token_grads(token_loss, logp, ent, 0, c)), False),
-        ("dlogits in place", ev(stats_and_grad) - stats_ms, False),
-        ("grad_hidden = G @ W (cuBLAS)", ev(lambda: torch.mm(g, w2, out=gh)), True),
-        ("grad_weight += Gᵀ @ h (cuBLAS)", ev(lambda: grad_w.addmm_(g.T, h2[:c])), True),
+        ("dlogits (row scales if anchored)", ev(stats_and_grad) - stats_ms, False),
+        ("grad_hidden = G @ W", ev(lambda: grad_hidden_rows(g, scale, w2, gh, 0, c)), True),
+        ("grad_weight += Gᵀ @ h", ev(lambda: grad_weight_add(g, scale, h2[:c], grad_w, first=False)), True),
     ]  # fmt: skip
     extra = [  # not part of the sum: what a change would save
         ("grad_weight = Gᵀ @ h (beta 0)", ev(lambda: torch.mm(g.T, h2[:c], out=grad_w)), True),

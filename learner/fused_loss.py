@@ -291,19 +291,9 @@ class FusedLinearLoss(torch.autograd.Function):
             # [C, V] ∂loss/∂logits in the matmul dtype, times `scale` (a power of two, fp16
             # only), or such that ∂loss/∂logits = diag(scale) @ g (scale [C], anchored tiles)
             g, scale = chunks.logits_grad(g_lp, g_ent)
-            rows = isinstance(scale, Tensor)
-            if grad_h is not None:  # beta 0: the rows' old values are not read
-                out = grad_h[s:e]
-                if rows:
-                    torch.mm(g, chunks.w, out=out).mul_(scale[:, None])
-                else:
-                    torch.addmm(out, g, chunks.w, beta=0, alpha=1.0 / scale, out=out)
+            grad_hidden_rows(g, scale, chunks.w, grad_h, s, e)
             if grad_w is not None:
-                if rows:  # Gᵀ h = gᵀ (diag(scale) h): the small operand takes the scaling
-                    h_s = (chunks.h[s:e].float() * scale[:, None]).to(chunks.h.dtype)
-                    _accumulate(grad_w, g.T, h_s, first=dw_empty)
-                else:
-                    _accumulate(grad_w, g.T, chunks.h[s:e], first=dw_empty, alpha=1.0 / scale)
+                grad_weight_add(g, scale, chunks.h[s:e], grad_w, first=dw_empty)
                 dw_empty = False
             del g
         del graphed  # frees the graph's memory pool
@@ -331,6 +321,30 @@ class FusedLinearLoss(torch.autograd.Function):
         if grad_w is not None:
             grad_w = grad_w.to(ctx.weight_dtype)
         return grad_h, grad_w, None, None, None
+
+
+def grad_hidden_rows(
+    g: Tensor, scale: float | Tensor, weight: Tensor, grad_h: Tensor | None, s: int, e: int
+) -> None:
+    """`grad_h[s:e] = ∂loss/∂logits @ weight` from a chunk engine's `logits_grad` output."""
+    if grad_h is None:
+        return
+    out = grad_h[s:e]
+    if isinstance(scale, Tensor):  # ∂loss/∂logits = diag(scale) @ g
+        torch.mm(g, weight, out=out).mul_(scale[:, None])
+    else:  # beta 0: the rows' old values are not read
+        torch.addmm(out, g, weight, beta=0, alpha=1.0 / scale, out=out)
+
+
+def grad_weight_add(
+    g: Tensor, scale: float | Tensor, hidden: Tensor, grad_w: Tensor, *, first: bool
+) -> None:
+    """`grad_w (+)= ∂loss/∂logitsᵀ @ hidden` (the chunk's rows) from `logits_grad`'s output."""
+    if isinstance(scale, Tensor):  # Gᵀ h = gᵀ (diag(scale) h): the small operand is scaled
+        hidden = (hidden.float() * scale[:, None]).to(hidden.dtype)
+        _accumulate(grad_w, g.T, hidden, first=first)
+    else:
+        _accumulate(grad_w, g.T, hidden, first=first, alpha=1.0 / scale)
 
 
 def _token_grads(
