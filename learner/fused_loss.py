@@ -341,7 +341,8 @@ def grad_weight_add(
 ) -> None:
     """`grad_w (+)= ∂loss/∂logitsᵀ @ hidden` (the chunk's rows) from `logits_grad`'s output."""
     if isinstance(scale, Tensor):  # Gᵀ h = gᵀ (diag(scale) h): the small operand is scaled
-        hidden = (hidden.float() * scale[:, None]).to(hidden.dtype)
+        # fp32 product, one rounding to the weight's dtype, one kernel
+        hidden = torch.mul(hidden, scale[:, None], out=torch.empty_like(hidden))
         _accumulate(grad_w, g.T, hidden, first=first)
     else:
         _accumulate(grad_w, g.T, hidden, first=first, alpha=1.0 / scale)

@@ -355,10 +355,11 @@ class TritonChunks:
         v, hd = self.w.shape
         h, tgt, inv_t2 = self.h[s:e], self.tgt[s:e], LOG2E * self.inv_t
         r = self.tz  # [C] the anchors
-        block = 16 if _INTERPRET else 64
-        _anchor_kernel[(triton.cdiv(nb, block),)](
-            h, self.w, tgt, r, nb, hd, inv_t2, BLOCK_N=block, BLOCK_K=16 if _INTERPRET else 64
-        )
+        # Many small programs (16 tokens each): a gather-dot, bound by reading 2·C·H values.
+        _anchor_kernel[(triton.cdiv(nb, 16),)](
+            h, self.w, tgt, r, nb, hd, inv_t2, BLOCK_N=16, BLOCK_K=16 if _INTERPRET else 128,
+            num_warps=4,
+        )  # fmt: skip
         _, sx, tx = self.parts.unbind(0)  # [S, C] each
 
         def grid(meta):
