@@ -15,6 +15,24 @@ products with cuBLAS after):
 3. `_logits_grad_kernel`: p = p̃ · 2^(ref - lse) and ∂loss/∂logits from it, written in the
    weight's dtype (bf16/fp16) over p̃ in the same buffer, so cuBLAS reads it directly.
 
+Anchored tiles (bf16 weights, and a token loss that does not differentiate the entropy:
+`entropy_grad` False, GRPO's usual case), which replace steps 1 and 3:
+
+1'. `_anchor_kernel` first computes each token's anchor R = its target's logit (base 2), then
+   `_anchored_tiles_kernel` stores every tile as 2^(z - R) in bf16 — one reference per row, fixed
+   before the pass: no running max, no rescaling — and sums them (and their ·(z - R)) over all
+   columns but the target's, whose own value is exactly 1. bf16's 8-bit exponent holds
+   2^(z - R) while z - R < 128 (base 2): only a target more than 88·T nats below its row's
+   largest logit (p < 2^-128) overflows; the merge flags such rows and `_anchor_fallback_kernel`
+   redoes them (anchored at the row's max instead; the common case is one launch that returns).
+3'. ∂loss/∂z_j = g (1[j = target] - p_j) = -(g / S) · (stored_j - S·1[j = target]) with S the
+   row's sum: once the target's entry is overwritten with 1 - S (= minus the other columns'
+   sum, exact in fp32), the gradient is a row scaling of the stored tiles. The caller applies it
+   in the two products (`fused_loss.grad_hidden_rows`: scale dH's C rows after the product;
+   `grad_weight_add`: scale the C hidden rows before it), so there is no pass over the C × V
+   values between the forward kernel and cuBLAS. Precision: the stored values carry bf16's
+   2⁻⁹ relative rounding, the same as the materialised ∂loss/∂logits of steps 1-3.
+
 The buffer is C × V 2-byte values, the chunk's only large allocation; nothing N×V exists.
 """
 
@@ -296,6 +314,51 @@ def _anchor_fallback_kernel(
         tl.store(a_ptr + row, tl.load(r_ptr + row) - m)
         tl.store(sx_ptr + row, sx)
         tl.store(tx_ptr + row, tx)
+
+
+@triton.jit
+def _row_scale_kernel(x_ptr, s_ptr, out_ptr, H, X_STRIDE, OUT_STRIDE, BLOCK: tl.constexpr):
+    """out[r] = x[r] · s[r] (fp32 product, one rounding to out's dtype)."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    x = tl.load(x_ptr + row.to(tl.int64) * X_STRIDE + cols, mask=ok, other=0.0)
+    y = x.to(tl.float32) * tl.load(s_ptr + row)
+    tl.store(
+        out_ptr + row.to(tl.int64) * OUT_STRIDE + cols, y.to(out_ptr.dtype.element_ty), mask=ok
+    )
+
+
+def row_scale(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out = diag(scale) @ x` for 2-D row-contiguous CUDA tensors (`out` may be `x`): one
+    vectorised pass (PyTorch's broadcast multiply of bf16 by fp32 rows runs ~3x slower)."""
+    n, h = x.shape
+    assert x.stride(1) == 1 and out.stride(1) == 1 and scale.shape == (n,)
+    block = 1024
+    _row_scale_kernel[(n, triton.cdiv(h, block))](
+        x, scale, out, h, x.stride(0), out.stride(0), BLOCK=block, num_warps=4
+    )
+    return out
+
+
+@triton.jit
+def _scale_kernel(x_ptr, s_ptr, N, BLOCK: tl.constexpr):
+    """x *= s (a device scalar); nothing is read or written where s == 1."""
+    s = tl.load(s_ptr)
+    if s != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        x = tl.load(x_ptr + offs, mask=ok, other=0.0)
+        tl.store(x_ptr + offs, (x.to(tl.float32) * s).to(x_ptr.dtype.element_ty), mask=ok)
+
+
+def scale_(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """`x *= s` in place for a contiguous CUDA tensor and a one-element CUDA tensor `s`,
+    without a host sync: with s == 1 (a plain `loss.backward()`) the kernel returns at once."""
+    assert x.is_contiguous() and s.numel() == 1
+    block = 4096
+    _scale_kernel[(triton.cdiv(x.numel(), block),)](x, s, x.numel(), BLOCK=block, num_warps=8)
+    return x
 
 
 class TritonChunks:

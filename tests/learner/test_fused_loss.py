@@ -401,6 +401,7 @@ def run_triton_checks(device, n_lens, hd, v, chunk_sizes, temperature=0.8, seed=
                 out.append((f"finite {tag}", float(not finite), 0.5))
         if dtype == torch.bfloat16:  # anchored tiles: a target 2^-128 below its row's max
             out += _overflow_checks(h, w, t, cl, temperature, chunk_sizes[0])
+        out += _scale_kernel_checks(device, dtype)
         cfg = LossConfig(loss_type="grpo", beta=0.1, tis_cap=1.5, entropy_coef=0.3)
         args = (h, w, t, seq, ex, cfg, ("ref", "sampling"), True, temperature)
         run = functools.partial(fused, *args, chunk_size=chunk_sizes[0], impl="triton")
@@ -408,6 +409,26 @@ def run_triton_checks(device, n_lens, hd, v, chunk_sizes, temperature=0.8, seed=
         ref = grads_of(functools.partial(reference_loss, *args), h, w)
         for i, name in ((0, "loss"), (4, "grad_hidden"), (5, "grad_weight")):
             out.append((f"grpo_loss {name} {dtype}", rel(ours[i], ref[i]), 1e-2))
+    return out
+
+
+def _scale_kernel_checks(device, dtype):
+    """The row-scale and in-place scale kernels the fused path applies its gradients with."""
+    from learner.kernels.triton_fused import row_scale, scale_
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 1500, generator=g).to(dtype).to(device)
+    sc = (torch.rand(37, generator=g, dtype=torch.float64) * 1e-3).float().to(device)
+    want = (x.double() * sc.double()[:, None]).to(dtype)
+    # bf16: Triton's interpreter rounds toward zero (an ulp, 2^-8, off round-to-nearest)
+    tol = 2.0**-7 if dtype == torch.bfloat16 else 1e-30
+    out = [(f"row_scale {dtype}", rel(row_scale(x, sc, torch.empty_like(x)), want), tol)]
+    y = x.clone()
+    out.append((f"row_scale in place {dtype}", rel(row_scale(y, sc, y), want), tol))
+    for v in (2.5, 1.0):
+        y = x.clone()
+        scale_(y, torch.tensor([v], device=device))
+        out.append((f"scale_ by {v} {dtype}", rel(y, (x.double() * v).to(dtype)), tol))
     return out
 
 
