@@ -2,7 +2,8 @@
 
 Run by tests/gpu/test_zero3_step.py with 1 and 2 processes: the loss and the global gradient
 norm must agree (each rank trains on its share of the same rollouts; the DAPO normaliser is
-global, so the sharding must not change the numbers). Prints one JSON line on rank 0.
+global, so the sharding must not change the numbers). `--fused`: the loss fused with the LM
+head (`grpo.fused_loss`), whose weight ZeRO-3 gathers for it. Prints one JSON line on rank 0.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def rollouts(n: int, vocab: int, seed: int = 0) -> list[Rollout]:
     return out
 
 
-def main(model_dir: str) -> None:
+def main(model_dir: str, fused: bool = False) -> None:
     acc = make_accelerator()
     cfg = load_config(
         None,
@@ -49,14 +50,14 @@ def main(model_dir: str) -> None:
     policy, opt = acc.prepare(policy, opt)
     vocab = 256  # ids every tokenizer/model of the suite has
     mine = rollouts(16, vocab)[acc.process_index :: acc.num_processes]
-    opts = StepOptions(micro_batch_size=4)
+    opts = StepOptions(micro_batch_size=4, fused_loss=fused)
     batches = build_micro_batches(mine, opts, pad_id=0)
     m = train_on(acc, policy, None, opt, LossConfig(loss_type="dapo"), batches, opts)
     m = reduce_metrics(acc, {"loss": m["loss"], "grad_norm": m["grad_norm"]})
     if acc.is_main_process:
-        print(json.dumps({"world": acc.num_processes, **m}), flush=True)
+        print(json.dumps({"world": acc.num_processes, "fused": fused, **m}), flush=True)
     acc.end_training()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], fused="--fused" in sys.argv[2:])
