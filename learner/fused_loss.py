@@ -14,7 +14,9 @@ incoming (scalar) grad_output.
     G_tj   = (g_logp_t (1[j = t] - p_j) - g_ent_t p_j (log p_j + entropy_t)) / T
 
 Memory: one chunk's logits (`chunk_size` × V; 2 bytes an entry on the Triton path, which
-stores fp16 softmax tiles and overwrites them in place with bf16 G) plus the two gradients,
+stores fp16 softmax tiles and overwrites them in place with bf16 G, or — bf16 weights, no
+entropy gradient — bf16 tiles anchored at the target logit whose row scaling is G, applied
+inside the two products; see `learner.kernels.triton_fused`) plus the two gradients,
 which exist from the forward on (dW is [V, H] in the weight's dtype, the same tensor the
 4-product path allocates in its backward).
 
@@ -29,10 +31,14 @@ accumulates in an fp32 [V, H] buffer instead: 4·V·H bytes instead of 2·V·H (
 `token_loss` must be separable as above: its gradient w.r.t. one token's (log-prob, entropy)
 may depend only on that token's values. Tokens of later chunks hold zeros while earlier chunks
 differentiate it; the returned loss and metrics come from one last call with every token filled.
-Differentiating it costs ~100 small kernels; a token loss whose gradient does not depend on the
+Differentiating it costs ~180 small kernels (on CUDA captured once per call in a graph and
+replayed per chunk: `cuda_graph`); a token loss whose gradient does not depend on the
 values at all sets `constant_grads = True` and is differentiated once instead of once per chunk
 (`GRPOTokenLoss` with μ = 1, no KL and no IS weight: the ratio exp(logp - logp.detach()) is 1
-whatever logp is, and the entropy bonus is linear).
+whatever logp is, and the entropy bonus is linear). A token loss may also say
+`entropy_grad = False` (it never differentiates the entropy; `GRPOTokenLoss` without an entropy
+bonus), which lets the Triton engine use its anchored tiles; without the attribute it is assumed
+True.
 """
 
 from __future__ import annotations
