@@ -260,11 +260,16 @@ def breakdown_fused(hd, b, t, chunk):
     """Time each stage of one chunk of fused (and the whole fwd+bwd) at one shape."""
     from learner.fused_loss import (
         GRPOTokenLoss,
+        _GraphedTokenGrads,
         _token_grads,
         grad_hidden_rows,
         grad_weight_add,
     )
-    from learner.kernels.triton_fused import TritonChunks, _softmax_tiles_kernel
+    from learner.kernels.triton_fused import (
+        TritonChunks,
+        _anchored_tiles_kernel,
+        _softmax_tiles_kernel,
+    )
     from learner.loss import LossConfig
 
     h, w, ids, old, ref, adv, _ = make_inputs(b, t, hd)
@@ -299,27 +304,18 @@ def breakdown_fused(hd, b, t, chunk):
         chunks.logits_grad(g_lp, g_ent)
 
     stats_ms = ev(lambda: chunks.stats(0, c))
+    graphed = _GraphedTokenGrads(token_loss, logp, ent)  # what chunks after the first run
     rows = [  # (stage, ms, is an N·H·V product)
         ("softmax tiles + merge", stats_ms, True),
-        ("token loss gradients (autograd)", ev(lambda: _token_grads(token_loss, logp, ent, 0, c)), False),
+        ("token loss gradients (CUDA graph)", ev(lambda: graphed(0, c)), False),
         ("dlogits (row scales if anchored)", ev(stats_and_grad) - stats_ms, False),
         ("grad_hidden = G @ W", ev(lambda: grad_hidden_rows(g, scale, w2, gh, 0, c)), True),
         ("grad_weight += Gᵀ @ h", ev(lambda: grad_weight_add(g, scale, h2[:c], grad_w, first=False)), True),
     ]  # fmt: skip
-    extra = [  # not part of the sum: what a change would save
+    extra = [  # not part of the sum
+        ("token loss gradients, eager", ev(lambda: _token_grads(token_loss, logp, ent, 0, c)), False),
         ("grad_weight = Gᵀ @ h (beta 0)", ev(lambda: torch.mm(g.T, h2[:c], out=grad_w)), True),
-        ("token loss gradients, CUDA graph", _graph_ms(ev, token_loss, logp, ent, c), False),
-    ]
-    dwt = torch.empty(hd, VOCAB, device="cuda", dtype=h2.dtype)  # grad_weight transposed
-    extra += [
-        ("grad_weightᵀ += hᵀ @ G", ev(lambda: dwt.addmm_(h2[:c].T, g)), True),
-        ("grad_weightᵀ = hᵀ @ G (beta 0)", ev(lambda: torch.mm(h2[:c].T, g, out=dwt)), True),
-    ]
-    gt = g.T.contiguous()  # G stored [V, C]
-    extra += [
-        ("G [V,C]: grad_weight += G @ h", ev(lambda: grad_w.addmm_(gt, h2[:c])), True),
-        ("G [V,C]: grad_hidden = Gᵀ @ W", ev(lambda: torch.mm(gt.T, w2, out=gh)), True),
-    ]
+    ]  # fmt: skip
     flop = 2 * c * hd * VOCAB
     nchunks = -(-n // c)
     print(f"fused breakdown H={hd} N={n}, chunk {c} ({nchunks} chunks), per chunk:")
@@ -332,27 +328,9 @@ def breakdown_fused(hd, b, t, chunk):
         print(f"  (alt) {name:<30}{ms:8.3f} ms  x{nchunks} = {ms * nchunks:7.1f} ms {rate}")
     h.grad = w.grad = None
     print(f"  whole fwd+bwd (median): {measure(run_fused, make_inputs(b, t, hd), 5)[0]:.1f} ms")
-    print(f"  softmax tiles kernel config: {getattr(_softmax_tiles_kernel, 'best_config', None)}")
+    kernel = _anchored_tiles_kernel if chunks.anchored else _softmax_tiles_kernel
+    print(f"  {kernel.fn.__name__} config: {getattr(kernel, 'best_config', None)}")
     return rows
-
-
-def _graph_ms(ev, token_loss, logp, ent, c):
-    """Replay time of the chunk's token-loss gradients captured in a CUDA graph."""
-    from learner.fused_loss import _token_grads
-
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            _token_grads(token_loss, logp, ent, 0, c)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            _token_grads(token_loss, logp, ent, 0, c)
-        return ev(graph.replay)
-    except Exception as e:  # an experiment: report, do not end the breakdown
-        print(f"  CUDA graph of the token gradients failed: {type(e).__name__}: {e}")
-        return float("nan")
 
 
 def profile_fused(hd, b, t, out_dir):

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Tuning sweep of the fused loss on one GPU (issue 6): the GPU tests of the loss kernels, then
-# the per-chunk breakdown of `fused` for the forward kernel's pipelining variants and chunk
-# sizes. Output: $OUT/sweep.txt (and the junit report). Usage, in the device run:
-#   OUT=$OUT bash bench/loss_gpu_sweep.sh            # SWEEP_TESTS=0 skips the tests
+# the per-chunk breakdown of `fused` with and without anchored tiles (GRPO_FUSED_ANCHORED) and
+# at several chunk sizes. Output: $OUT/sweep.txt (and the junit report). Usage, in the device
+# run:   OUT=$OUT bash bench/loss_gpu_sweep.sh            # SWEEP_TESTS=0 skips the tests
+# (bench/results/loss_gpu_sweep_h100_session12.txt is an earlier form of this sweep, which also
+# compared the forward kernel's pipelining choices, since fixed: TMA store, flattened loop.)
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -15,15 +17,15 @@ B="python3 bench/bench_loss_gpu.py --breakdown --variants fused"
     timeout 300 python3 -m pytest -q -m gpu tests/learner/test_fused_loss.py \
       tests/learner/test_triton_kernel.py --junitxml="$OUT/gpu_tests_loss.xml" 2>&1 | tail -15
   fi
-  for v in ${SWEEP_VARIANTS:-"1 1 0" "1 0 0" "0 1 0" "0 0 0" "1 0 1"}; do
-    set -- $v
-    echo "=== TMA_STORE=$1 FLATTEN=$2 WARP_SPEC=$3"
-    GRPO_FUSED_TMA_STORE=$1 GRPO_FUSED_FLATTEN=$2 GRPO_FUSED_WARP_SPEC=$3 \
-      timeout 120 $B --heads qwen3-0.6b --fused-chunk 1024 2>&1 | tail -14
+  for a in 1 0; do
+    for h in qwen3-0.6b qwen3-8b; do
+      echo "=== GRPO_FUSED_ANCHORED=$a $h, default chunk"
+      GRPO_FUSED_ANCHORED=$a timeout 150 $B --heads "$h" 2>&1 | tail -14
+    done
   done
-  for hc in ${SWEEP_CHUNKS:-"qwen3-0.6b 1536" "qwen3-0.6b 2048" "qwen3-8b 1024" "qwen3-8b 2048" "qwen3-8b 4096"}; do
+  for hc in ${SWEEP_CHUNKS:-"qwen3-0.6b 1024" "qwen3-0.6b 2048" "qwen3-8b 1024" "qwen3-8b 4096"}; do
     set -- $hc
-    echo "=== defaults, $1 chunk $2"
+    echo "=== $1 chunk $2"
     timeout 150 $B --heads "$1" --fused-chunk "$2" 2>&1 | tail -14
   done
 } 2>&1 | tee "$OUT/sweep.txt"

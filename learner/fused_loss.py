@@ -57,6 +57,7 @@ from learner.logprobs import (
     compute_dtype,
     fp16_grad_scale,
     logits_grad,
+    triton_importable,
 )
 from learner.loss import LossConfig, LossInputs, grpo_loss
 
@@ -201,10 +202,11 @@ def fused_grpo_loss(
     hidden `[N, H]`, weight `[V, H]`, targets `[N]` in `[0, V)`. Returns `(loss, logp [N],
     entropy [N])`; only the loss is differentiable (w.r.t. hidden and weight), and both
     gradients are computed here, in the forward. `chunk_size` tokens have their logits in
-    memory at a time; None: `auto_chunk_size(hidden size)`. `impl="auto"` takes the Triton kernels for CUDA bf16/fp16 inputs when
-    triton imports, else the PyTorch path (the reference; float64 works). `cuda_graph`: on
-    CUDA, differentiate `token_loss` in a CUDA graph captured once per call and replayed for
-    every chunk but the first (one launch instead of ~100 small ones a chunk); a token loss
+    memory at a time; None: `auto_chunk_size(hidden size)`. `impl="auto"` takes the Triton
+    kernels for CUDA bf16/fp16 inputs when triton imports, else the PyTorch path (the
+    reference; float64 works). `cuda_graph`: on CUDA, differentiate `token_loss` in a CUDA
+    graph captured once per call and replayed for every chunk but the first (one launch
+    instead of ~180 small ones a chunk); a token loss
     that cannot be captured (a host sync, say) falls back to eager, with one warning.
     """
     if chunk_size is None:
@@ -240,7 +242,7 @@ def _triton_usable(hidden: Tensor, weight: Tensor) -> bool:
         return False
     if weight.dtype != hidden.dtype or hidden.shape[1] * 2 % 16:  # 16-byte rows for TMA
         return False
-    return _triton_importable()
+    return triton_importable()
 
 
 class FusedLinearLoss(torch.autograd.Function):
@@ -329,7 +331,7 @@ def _scale_by(x: Tensor, s: Tensor) -> None:
     """`x *= s` (s: the 0-dim incoming gradient). On CUDA a Triton kernel that reads the
     scalar on the device and does nothing when it is 1 (no host sync); PyTorch's `mul_` by a
     0-dim CUDA tensor broadcasts it (3.3 ms on an 8B head's 1.2 GB grad_weight)."""
-    if x.is_cuda and s.is_cuda and x.is_contiguous() and _triton_importable():
+    if x.is_cuda and s.is_cuda and x.is_contiguous() and triton_importable():
         from learner.kernels.triton_fused import scale_
 
         scale_(x, s.reshape(1).float())
@@ -339,19 +341,11 @@ def _scale_by(x: Tensor, s: Tensor) -> None:
 
 def _row_scaled(x: Tensor, scale: Tensor, out: Tensor) -> Tensor:
     """`out = diag(scale) @ x`, one rounding (out may be x)."""
-    if x.is_cuda and _triton_importable():
+    if x.is_cuda and triton_importable():
         from learner.kernels.triton_fused import row_scale
 
         return row_scale(x, scale, out)
     return torch.mul(x, scale[:, None], out=out)
-
-
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def grad_hidden_rows(
@@ -409,14 +403,10 @@ class _GraphedTokenGrads:
         self.failed = False
 
     def __call__(self, s: int, e: int) -> tuple[Tensor | None, Tensor | None]:
-        token_loss, logp, ent = self.args
-        if self.failed:
-            return _token_grads(token_loss, logp, ent, s, e)
-        if self.graph is None:
+        if self.graph is None and not self.failed:
             self._capture()
-            if self.failed:
-                return _token_grads(token_loss, logp, ent, s, e)
-        assert self.graph is not None
+        if self.graph is None:  # the capture failed
+            return _token_grads(*self.args, s, e)
         self.graph.replay()
         g_lp, g_ent = self.out
         return (None if g_lp is None else g_lp[s:e]), (None if g_ent is None else g_ent[s:e])

@@ -21,6 +21,7 @@ and ∂/∂logits = ∂/∂z / T, then grad_hidden = G @ W and grad_weight = G�
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -103,6 +104,11 @@ def _triton_usable(hidden: Tensor) -> bool:
         return False
     if hidden.shape[1] * hidden.element_size() % 16:  # bulk tensor copies need 16-byte rows
         return False
+    return triton_importable()
+
+
+@functools.cache
+def triton_importable() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -59,10 +59,6 @@ from learner.logprobs import fp16_grad_scale
 
 TILE_V = 128  # vocab columns per stored tile (one `ref` value per token and tile)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# The forward kernel's two pipelining choices (both on unless set to 0; for A/B benchmarks).
-TMA_STORE = os.environ.get("GRPO_FUSED_TMA_STORE", "1") != "0"
-FLATTEN = os.environ.get("GRPO_FUSED_FLATTEN", "1") != "0"
-WARP_SPEC = os.environ.get("GRPO_FUSED_WARP_SPEC", "0") == "1"  # experimental on Hopper
 # Anchored tiles where they apply (bf16, no entropy gradient); 0: always the tile-max path.
 ANCHORED = os.environ.get("GRPO_FUSED_ANCHORED", "1") != "0"
 LN2 = 0.6931471805599453
@@ -81,7 +77,7 @@ _TILE_CONFIGS = _configs(
 
 @triton.autotune(
     configs=_TILE_CONFIGS,
-    key=["H", "V", "IEEE", "TMA_STORE", "FLATTEN", "WARP_SPEC"],
+    key=["H", "V", "IEEE"],
     prune_configs_by=_PRUNE,
 )
 @triton.jit
@@ -105,10 +101,6 @@ def _softmax_tiles_kernel(
     v_per_split,  # a multiple of TILE_V
     inv_t2,  # log2(e) / T: z2 = logits · inv_t2 are base-2 logits
     IEEE: tl.constexpr,
-    TMA_STORE: tl.constexpr,  # p̃ tiles stored by TMA (async, bounds-clipped) or per thread
-    FLATTEN: tl.constexpr,  # one pipelined loop over (vocab tile, k): the next tile's loads
-    #                         are in flight during this tile's softmax and store
-    WARP_SPEC: tl.constexpr,  # producer/consumer warps over the vocab tiles (no FLATTEN)
     BLOCK_V: tl.constexpr,  # = TILE_V
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -117,8 +109,7 @@ def _softmax_tiles_kernel(
     pid_s = tl.program_id(1)
     h_desc = tl.make_tensor_descriptor(h_ptr, [N, H], [H, 1], [BLOCK_N, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, [V, H], [H, 1], [BLOCK_V, BLOCK_K])
-    if TMA_STORE:
-        pt_desc = tl.make_tensor_descriptor(pt_ptr, [N, V], [P_STRIDE, 1], [BLOCK_N, BLOCK_V])
+    pt_desc = tl.make_tensor_descriptor(pt_ptr, [N, V], [P_STRIDE, 1], [BLOCK_N, BLOCK_V])
     row0 = pid_n * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -127,17 +118,15 @@ def _softmax_tiles_kernel(
     t = tl.zeros([BLOCK_N], tl.float32)
     v_start = pid_s * v_per_split
     v_end = tl.minimum(V, v_start + v_per_split)
-    for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=FLATTEN, warp_specialize=WARP_SPEC):
+    # Flattened (vocab tile, k) loop: the next tile's loads are in flight during this tile's
+    # softmax and its TMA store (async, bounds-clipped); 426 -> 501 TFLOP/s on an H100.
+    for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=True):
         z2 = _logits_tile(h_desc, w_desc, row0, v0, H, inv_t2, IEEE, BLOCK_N, BLOCK_V, BLOCK_K)
         cols = v0 + tl.arange(0, BLOCK_V)
         if v0 + BLOCK_V > V:
             z2 = tl.where(cols[None, :] < V, z2, _MASKED)
         m, s, t, p = _online_lse_step(m, s, t, z2)
-        if TMA_STORE:
-            pt_desc.store([row0, v0], p.to(tl.float16))
-        else:
-            offs = rows[:, None].to(tl.int64) * P_STRIDE + cols[None, :]
-            tl.store(pt_ptr + offs, p.to(tl.float16), mask=row_ok[:, None] & (cols[None, :] < V))
+        pt_desc.store([row0, v0], p.to(tl.float16))
         tl.store(ref_ptr + (v0 // BLOCK_V) * REF_STRIDE + rows, m, mask=row_ok)
     out = pid_s * PART_STRIDE + rows
     tl.store(m_ptr + out, m, mask=row_ok)
@@ -207,7 +196,7 @@ def _anchor_kernel(
     tl.store(r_ptr + rows, tz * inv_t2, mask=row_ok)
 
 
-@triton.autotune(configs=_TILE_CONFIGS, key=["H", "V", "FLATTEN"])
+@triton.autotune(configs=_TILE_CONFIGS, key=["H", "V"])
 @triton.jit
 def _anchored_tiles_kernel(
     h_ptr,  # [N, H] contiguous
@@ -224,7 +213,6 @@ def _anchored_tiles_kernel(
     PART_STRIDE,
     v_per_split,  # a multiple of TILE_V
     inv_t2,  # log2(e) / T
-    FLATTEN: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -249,7 +237,7 @@ def _anchored_tiles_kernel(
     t = tl.zeros([BLOCK_N], tl.float32)
     v_start = pid_s * v_per_split
     v_end = tl.minimum(V, v_start + v_per_split)
-    for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=FLATTEN):
+    for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=True):
         z2 = _logits_tile(h_desc, w_desc, row0, v0, H, inv_t2, False, BLOCK_N, BLOCK_V, BLOCK_K)
         cols = v0 + tl.arange(0, BLOCK_V)
         d = z2 - r[:, None]
@@ -431,7 +419,7 @@ class TritonChunks:
         buf = self.buf  # int16: bf16 bits
         _anchored_tiles_kernel[grid](
             h, self.w, tgt, r, buf, sx, tx, nb, v, hd, buf.shape[1], sx.shape[1],
-            self.v_per_split, inv_t2, FLATTEN=FLATTEN, BLOCK_V=TILE_V,
+            self.v_per_split, inv_t2, BLOCK_V=TILE_V,
         )  # fmt: skip
         sx, tx = sx[:, :nb].sum(0), tx[:, :nb].sum(0)  # [nb] over the splits
         bad = ~(torch.isfinite(sx) & torch.isfinite(tx) & (sx < 2.0**100))
@@ -477,8 +465,7 @@ class TritonChunks:
         _softmax_tiles_kernel[grid](
             self.h[s:e], self.w, self.tgt[s:e], self.buf.view(torch.float16), self.ref,
             m, sm, t, self.tz, nb, v, hd, self.buf.shape[1], self.ref.shape[1], m.shape[1],
-            self.v_per_split, LOG2E * self.inv_t, IEEE=False, TMA_STORE=TMA_STORE,
-            FLATTEN=FLATTEN and not WARP_SPEC, WARP_SPEC=WARP_SPEC, BLOCK_V=TILE_V,
+            self.v_per_split, LOG2E * self.inv_t, IEEE=False, BLOCK_V=TILE_V,
         )  # fmt: skip
         m, sm, t = m[:, :nb], sm[:, :nb], t[:, :nb]  # [S, nb], base 2
         big = m.max(dim=0).values  # [nb]
