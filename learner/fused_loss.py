@@ -280,7 +280,7 @@ class FusedLinearLoss(torch.autograd.Function):
         graphed = _GraphedTokenGrads(token_loss, logp, ent) if cuda_graph else None
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            logp[s:e], ent[s:e] = chunks.stats(s, e)
+            logp[s:e], ent[s:e] = chunks.stats(s, e, out=(logp[s:e], ent[s:e]))
             if not (need_h or need_w):
                 continue
             if const:
@@ -476,7 +476,7 @@ class TorchChunks:
         self.cdtype = compute_dtype(hidden.dtype)
         self._state: tuple | None = None
 
-    def stats(self, s: int, e: int) -> tuple[Tensor, Tensor]:
+    def stats(self, s: int, e: int, out: object = None) -> tuple[Tensor, Tensor]:
         z = _scaled_logits(self.h[s:e], self.w, self.inv_t, self.cdtype)  # [C, V]
         lse = torch.logsumexp(z, dim=-1)  # [C]
         logp = z.gather(1, self.tgt[s:e, None]).squeeze(1) - lse

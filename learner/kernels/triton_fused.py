@@ -58,6 +58,8 @@ from learner.kernels.triton_logprobs import (
 from learner.logprobs import fp16_grad_scale
 
 TILE_V = 128  # vocab columns per stored tile (one `ref` value per token and tile)
+# Tokens a forward launch: larger chunks are run as several (their hidden rows stay in L2).
+FWD_ROWS = int(os.environ.get("GRPO_FUSED_FWD_ROWS", "2048"))
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Anchored tiles where they apply (bf16, no entropy gradient); 0: always the tile-max path.
 ANCHORED = os.environ.get("GRPO_FUSED_ANCHORED", "1") != "0"
@@ -196,7 +198,23 @@ def _anchor_kernel(
     tl.store(r_ptr + rows, tz * inv_t2, mask=row_ok)
 
 
-@triton.autotune(configs=_TILE_CONFIGS, key=["H", "V"])
+# The anchored kernel keeps no per-tile reference, so its vocab tile is free: 128 or 256 columns;
+# 4-warp configs leave room for two programs an SM (one's softmax under the other's products).
+_ANCHORED_CONFIGS = _configs(
+    [
+        ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, 8, 4),
+        ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 128}, 8, 3),
+        ({"BLOCK_N": 256, "BLOCK_V": 128, "BLOCK_K": 64}, 8, 3),
+        ({"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64}, 8, 3),
+        ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, 4, 3),
+        ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, 4, 2),
+        ({"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_K": 64}, 4, 3),
+    ],
+    {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16},
+)
+
+
+@triton.autotune(configs=_ANCHORED_CONFIGS, key=["H", "V"])
 @triton.jit
 def _anchored_tiles_kernel(
     h_ptr,  # [N, H] contiguous
@@ -272,14 +290,54 @@ def _row_logits(h_ptr, w_ptr, row, v0, V, H, inv_t2, BLOCK_V: tl.constexpr, BLOC
 
 
 @triton.jit
+def _log1p(x):
+    """log(1 + x) for x >= 0, accurate for small x (Goldberg's trick: the rounding of 1 + x
+    cancels in log(u) · x / (u - 1))."""
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / tl.where(u == 1.0, 1.0, u - 1.0)))
+
+
+@triton.jit
+def _anchored_merge_kernel(
+    sx_ptr, tx_ptr, tgt_ptr, pt_ptr, logp_ptr, ent_ptr, total_ptr, bad_ptr,
+    N, S, PART_STRIDE, P_STRIDE, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """A row's anchored partials summed over the vocab splits, and everything the chunk needs
+    from them, in one launch: log-prob, entropy, the row's total Σ 2^(z2 - R) and the target's
+    entry of the stored tiles overwritten with -sx (see the module docstring, step 3'). Rows
+    whose sums overflowed (or are not finite) are only flagged in `bad`: the fallback kernel
+    redoes them."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < N
+    sx = tl.zeros([BLOCK], tl.float32)
+    tx = tl.zeros([BLOCK], tl.float32)
+    for sp in range(S):
+        sx += tl.load(sx_ptr + sp * PART_STRIDE + rows, mask=ok, other=0.0)
+        tx += tl.load(tx_ptr + sp * PART_STRIDE + rows, mask=ok, other=0.0)
+    # sx < 2^100 is false for NaN and +inf too
+    sane = (sx < 1.2676506002282294e30) & (tx == tx) & (tl.abs(tx) < float("inf"))
+    total = 1.0 + sx  # the target's own stored value is exactly 1
+    logp = tl.minimum(-_log1p(sx), 0.0)
+    ent = (tl.log2(total) - tx / total) * 0.6931471805599453
+    good = ok & sane
+    tl.store(logp_ptr + rows, logp, mask=good)
+    tl.store(ent_ptr + rows, ent, mask=good)
+    tl.store(total_ptr + rows, total, mask=good)
+    tl.store(bad_ptr + rows, (~sane).to(tl.int8), mask=ok)
+    tgt = tl.load(tgt_ptr + rows, mask=good, other=0)
+    bits = (-sx).to(tl.bfloat16).to(tl.int16, bitcast=True)
+    tl.store(pt_ptr + rows.to(tl.int64) * P_STRIDE + tgt, bits, mask=good)
+
+
+@triton.jit
 def _anchor_fallback_kernel(
-    h_ptr, w_ptr, tgt_ptr, bad_ptr, r_ptr, a_ptr, sx_ptr, tx_ptr, pt_ptr,
+    h_ptr, w_ptr, tgt_ptr, bad_ptr, r_ptr, pt_ptr, logp_ptr, ent_ptr, total_ptr,
     V, H, P_STRIDE, inv_t2, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """For each token flagged in `bad` (its anchored sums overflowed): the row again, one
     token a program, anchored at the row's max m instead (values in (0, 1]): rewrites its
-    stored tiles, its sums without the target, and a = R - m (the target's stored value is
-    2^a). Unflagged tokens return at once: the common case costs one launch."""
+    stored tiles (the target's entry with -sx) and its log-prob, entropy and total. Unflagged
+    tokens return at once: the common case costs one launch."""
     row = tl.program_id(0)
     if tl.load(bad_ptr + row) != 0:
         tgt = tl.load(tgt_ptr + row)
@@ -299,9 +357,16 @@ def _anchor_fallback_kernel(
             q = tl.where(cols == tgt, 0.0, p)
             sx += tl.sum(q, 0)
             tx += tl.sum(q * d, 0)
-        tl.store(a_ptr + row, tl.load(r_ptr + row) - m)
-        tl.store(sx_ptr + row, sx)
-        tl.store(tx_ptr + row, tx)
+        a = tl.load(r_ptr + row) - m  # log2 of the target's stored value
+        pa = tl.exp2(a)
+        total = pa + sx
+        tl.store(logp_ptr + row, tl.minimum(a * 0.6931471805599453 - tl.log(total), 0.0))
+        tl.store(ent_ptr + row, (tl.log2(total) - (tx + pa * a) / total) * 0.6931471805599453)
+        tl.store(total_ptr + row, total)
+        tl.store(
+            pt_ptr + row.to(tl.int64) * P_STRIDE + tgt,
+            (-sx).to(tl.bfloat16).to(tl.int16, bitcast=True),
+        )
 
 
 @triton.jit
@@ -368,16 +433,19 @@ class TritonChunks:
         v = self.w.shape[0]
         self.inv_t = 1.0 / temperature
         c = max(1, min(chunk_size, n))
+        # The forward kernel runs over at most FWD_ROWS tokens a launch: its hidden rows stay in
+        # L2 while the weight streams past, however large the chunk the products see.
+        self.fwd_rows = max(1, min(FWD_ROWS, c))
         n_tiles_v = triton.cdiv(v, TILE_V)
         # Row stride a multiple of 8 entries (16 bytes) for cuBLAS and the bulk copies.
         self.buf = torch.empty(c, n_tiles_v * TILE_V, dtype=torch.int16, device=hidden.device)
         self.ref = torch.empty(n_tiles_v, c, dtype=torch.float32, device=hidden.device)
         # Vocab splits: enough programs to fill the GPU ~4 times at 128 tokens a program.
-        n_tiles = triton.cdiv(c, 128)
+        n_tiles = triton.cdiv(self.fwd_rows, 128)
         splits = max(
             1, min(triton.cdiv(4 * _num_sms(hidden.device), n_tiles), triton.cdiv(v, 2048))
         )
-        self.v_per_split = triton.cdiv(triton.cdiv(v, splits), TILE_V) * TILE_V
+        self.v_per_split = triton.cdiv(triton.cdiv(v, splits), 256) * 256  # any vocab tile's
         self.splits = triton.cdiv(v, self.v_per_split)
         self.parts = torch.empty(3, self.splits, c, dtype=torch.float32, device=hidden.device)
         self.tz = torch.empty(c, dtype=torch.float32, device=hidden.device)
@@ -385,10 +453,21 @@ class TritonChunks:
         # Anchored tiles (bf16, no entropy gradient): ∂loss/∂logits is a row scaling of the
         # stored tiles, applied in the gradient products: no pass over the chunk's logits.
         self.anchored = ANCHORED and not entropy_grad and self.w.dtype == torch.bfloat16
-
-    def stats(self, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.anchored:
-            return self._anchored_stats(s, e)
+            self.total = torch.empty(c, dtype=torch.float32, device=hidden.device)
+            self.bad = torch.empty(c, dtype=torch.int8, device=hidden.device)
+
+    def _sub_chunks(self, s: int, e: int):
+        """The forward launches of rows `[s, e)`: (offset in the chunk, global start, end)."""
+        for r0 in range(s, e, self.fwd_rows):
+            yield r0 - s, r0, min(e, r0 + self.fwd_rows)
+
+    def stats(
+        self, s: int, e: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of tokens `[s, e)` (written into `out` where it can)."""
+        if self.anchored:
+            return self._anchored_stats(s, e, out)
         return self._tile_stats(s, e)
 
     def logits_grad(
@@ -401,7 +480,7 @@ class TritonChunks:
             return self._anchored_grad(g_lp, g_ent)
         return self._tile_grad(g_lp, g_ent)
 
-    def _anchored_stats(self, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _anchored_stats(self, s: int, e: int, out) -> tuple[torch.Tensor, torch.Tensor]:
         nb = e - s
         v, hd = self.w.shape
         h, tgt, inv_t2 = self.h[s:e], self.tgt[s:e], LOG2E * self.inv_t
@@ -412,31 +491,33 @@ class TritonChunks:
             num_warps=4,
         )  # fmt: skip
         _, sx, tx = self.parts.unbind(0)  # [S, C] each
-
-        def grid(meta):
-            return (triton.cdiv(nb, meta["BLOCK_N"]), self.splits)
-
         buf = self.buf  # int16: bf16 bits
-        _anchored_tiles_kernel[grid](
-            h, self.w, tgt, r, buf, sx, tx, nb, v, hd, buf.shape[1], sx.shape[1],
-            self.v_per_split, inv_t2, BLOCK_V=TILE_V,
+        for off, r0, r1 in self._sub_chunks(s, e):
+            rows = r1 - r0
+
+            def grid(meta, rows=rows):
+                return (triton.cdiv(rows, meta["BLOCK_N"]), self.splits)
+
+            _anchored_tiles_kernel[grid](
+                self.h[r0:r1], self.w, self.tgt[r0:r1], r[off:], buf[off:], sx[:, off:],
+                tx[:, off:], rows, v, hd, buf.shape[1], sx.shape[1], self.v_per_split, inv_t2,
+            )  # fmt: skip
+        if out is not None and all(x.dtype == torch.float32 and x.is_contiguous() for x in out):
+            logp, ent = out  # written in place: no copies
+        else:
+            logp, ent = torch.empty(2, nb, dtype=torch.float32, device=h.device)
+        total, bad = self.total[:nb], self.bad[:nb]
+        block = 16 if _INTERPRET else 256
+        _anchored_merge_kernel[(triton.cdiv(nb, block),)](
+            sx, tx, tgt, buf, logp, ent, total, bad, nb, self.splits, sx.shape[1], buf.shape[1],
+            BLOCK=block, num_warps=4,
         )  # fmt: skip
-        sx, tx = sx[:, :nb].sum(0), tx[:, :nb].sum(0)  # [nb] over the splits
-        bad = ~(torch.isfinite(sx) & torch.isfinite(tx) & (sx < 2.0**100))
-        a = torch.zeros_like(sx)  # log2 of the target's stored value
         _anchor_fallback_kernel[(nb,)](
-            h, self.w, tgt, bad, r, a, sx, tx, buf, v, hd, buf.shape[1], inv_t2,
+            h, self.w, tgt, bad, r, buf, logp, ent, total, v, hd, buf.shape[1], inv_t2,
             BLOCK_V=16 if _INTERPRET else 128, BLOCK_K=16 if _INTERPRET else 64,
         )  # fmt: skip
-        total = torch.exp2(a) + sx  # Σ of the stored values, target included
-        # log p = log(2^a / total); 1 + sx without rounding where a = 0 (every sane row)
-        logp = torch.where(a == 0, -torch.log1p(sx), a * LN2 - torch.log(total))
-        ent = (torch.log2(total) - (tx + torch.exp2(a) * a) / total) * LN2
-        # The target's entry of ∂loss/∂logits ∝ 2^a - total = -sx: written over its tile value.
-        flat = torch.arange(nb, device=sx.device) * buf.shape[1] + tgt
-        buf.view(torch.bfloat16).view(-1).index_put_((flat,), (-sx).to(torch.bfloat16))
         self._state = (s, e, total)
-        return logp.clamp_max_(0.0), ent
+        return logp, ent
 
     def _anchored_grad(
         self, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
@@ -459,14 +540,19 @@ class TritonChunks:
         v, hd = self.w.shape
         m, sm, t = self.parts.unbind(0)  # [S, C] each
 
-        def grid(meta):
-            return (triton.cdiv(nb, meta["BLOCK_N"]), self.splits)
+        pt = self.buf.view(torch.float16)
+        for off, r0, r1 in self._sub_chunks(s, e):
+            rows = r1 - r0
 
-        _softmax_tiles_kernel[grid](
-            self.h[s:e], self.w, self.tgt[s:e], self.buf.view(torch.float16), self.ref,
-            m, sm, t, self.tz, nb, v, hd, self.buf.shape[1], self.ref.shape[1], m.shape[1],
-            self.v_per_split, LOG2E * self.inv_t, IEEE=False, BLOCK_V=TILE_V,
-        )  # fmt: skip
+            def grid(meta, rows=rows):
+                return (triton.cdiv(rows, meta["BLOCK_N"]), self.splits)
+
+            _softmax_tiles_kernel[grid](
+                self.h[r0:r1], self.w, self.tgt[r0:r1], pt[off:], self.ref[:, off:],
+                m[:, off:], sm[:, off:], t[:, off:], self.tz[off:], rows, v, hd, pt.shape[1],
+                self.ref.shape[1], m.shape[1], self.v_per_split, LOG2E * self.inv_t, IEEE=False,
+                BLOCK_V=TILE_V,
+            )  # fmt: skip
         m, sm, t = m[:, :nb], sm[:, :nb], t[:, :nb]  # [S, nb], base 2
         big = m.max(dim=0).values  # [nb]
         scale = torch.exp2(m - big)  # [S, nb]

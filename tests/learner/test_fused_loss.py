@@ -368,8 +368,12 @@ def test_rejects_bad_inputs():
         fused_grpo_loss(h, w, t, tl, impl="cuda")
 
 
-def run_triton_checks(device, n_lens, hd, v, chunk_sizes, temperature=0.8, seed=0):
-    """[(name, error, tolerance)]: the Triton path in bf16/fp16 vs float64 on the same inputs."""
+def run_triton_checks(device, n_lens, hd, v, chunk_sizes, fwd_rows, temperature=0.8, seed=0):
+    """[(name, error, tolerance)]: the Triton path in bf16/fp16 vs float64 on the same inputs.
+    `fwd_rows` < the chunk sizes: the forward kernel runs each chunk as several launches."""
+    from learner.kernels import triton_fused
+
+    triton_fused.FWD_ROWS = fwd_rows
     out = []
     for dtype in (torch.bfloat16, torch.float16):
         # Logits of std ~3 at any width (0.7 · √16, as the CPU tests' make()): with 0.7 at
@@ -474,7 +478,7 @@ def test_triton_path_on_gpu():
     # Odd sizes: hidden 520, vocab 50_001 (partial last tile), 2000 tokens in 4 ragged rollouts.
     from tests.learner.triton_checks import assert_all
 
-    assert_all(run_triton_checks("cuda", [700, 0, 900, 400], 520, 50_001, [512, 2000]))
+    assert_all(run_triton_checks("cuda", [700, 0, 900, 400], 520, 50_001, [512, 2000], 768))
 
 
 class _HostSync:
@@ -528,7 +532,7 @@ def test_cuda_graph_token_grads_equal_eager_ones_and_fall_back():
 
 
 if __name__ == "__main__":  # the interpreter run: tiny sizes, CPU
-    print(json.dumps(run_triton_checks("cpu", [13, 0, 11], 32, 300, [10, 24])))
+    print(json.dumps(run_triton_checks("cpu", [13, 0, 11], 32, 300, [10, 24], fwd_rows=7)))
 
 
 def test_train_step_says_where_its_time_went(tiny_model_dir):
