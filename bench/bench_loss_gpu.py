@@ -106,6 +106,37 @@ def run_fused(h, w, ids, old, ref, adv, mask):
     return loss.detach()
 
 
+def _fused_at(spec):
+    """run_fused at `CHUNK[:FWD_ROWS[:CACHE]]` (see --fused-configs)."""
+    from learner import fused_loss
+    from learner.kernels import triton_fused
+
+    chunk, fwd_rows, cache = ([int(x) for x in spec.split(":")] + [0, 1])[:3]
+
+    def run(*inputs):
+        saved = (FUSED_CHUNK["size"], triton_fused.FWD_ROWS, fused_loss.GRAPH_CACHE_SIZE)
+        FUSED_CHUNK["size"] = chunk
+        triton_fused.FWD_ROWS = fwd_rows or saved[1]
+        fused_loss.GRAPH_CACHE_SIZE = 2 if cache else 0
+        if not cache:
+            fused_loss._GRAPH_CACHE.clear()
+        try:
+            return run_fused(*inputs)
+        finally:
+            FUSED_CHUNK["size"], triton_fused.FWD_ROWS, fused_loss.GRAPH_CACHE_SIZE = saved
+
+    return run
+
+
+def _print_tile_configs():
+    """The forward kernels' autotuned configs, per (H, V) key."""
+    from learner.kernels.triton_fused import _anchored_tiles_kernel, _softmax_tiles_kernel
+
+    for kern in (_anchored_tiles_kernel, _softmax_tiles_kernel):
+        for key, cfg in getattr(kern, "cache", {}).items():
+            print(f"{kern.fn.__name__} {key[:2]}: {cfg}")
+
+
 _LIGER = {}
 
 
@@ -304,7 +335,8 @@ def breakdown_fused(hd, b, t, chunk):
         chunks.logits_grad(g_lp, g_ent)
 
     stats_ms = ev(lambda: chunks.stats(0, c))
-    graphed = _GraphedTokenGrads(token_loss, logp, ent)  # what chunks after the first run
+    # what every chunk of a call runs once the graph is captured
+    graphed = _GraphedTokenGrads(token_loss, logp, ent, cached=False)
     rows = [  # (stage, ms, is an N·H·V product)
         ("softmax tiles + merge", stats_ms, True),
         ("token loss gradients (CUDA graph)", ev(lambda: graphed(0, c)), False),
@@ -410,6 +442,14 @@ def main():
     p.add_argument(
         "--fused-chunk", type=int, default=None, help="tokens per chunk of fused (default: auto)"
     )
+    p.add_argument(
+        "--fused-configs",
+        nargs="+",
+        default=[],
+        metavar="CHUNK[:FWD_ROWS[:CACHE]]",
+        help="also run fused at these settings (tuning): tokens a chunk, tokens a forward launch"
+        " (triton_fused.FWD_ROWS), 0 to keep no CUDA graph between calls",
+    )
     p.add_argument("--profile", action="store_true", help="profile one fused fwd+bwd and exit")
     p.add_argument("--no-accuracy", action="store_true", help="skip the float64 comparison")
     args = p.parse_args()
@@ -440,13 +480,14 @@ def main():
         for b in batches[-1:] if args.no_sweep else batches:
             n = b * t
             floor_ms = 6 * n * hd * VOCAB / (tflops * 1e12) * 1e3
-            for name in args.variants:
+            for name in args.variants + [f"fused@{c}" for c in args.fused_configs]:
                 inputs = make_inputs(b, t, hd)
+                fn = VARIANTS.get(name) or _fused_at(name.split("@")[1])
                 iters = args.iters if name != "liger" else max(2, args.iters // 3)
                 if name == "liger":  # compile each shape afresh: torch 2.11's dynamic-shape
                     torch._dynamo.reset()  # recompile of Liger's loss fails on the second shape
                 try:
-                    ms, gb = measure(VARIANTS[name], inputs, iters)
+                    ms, gb = measure(fn, inputs, iters)
                 except Exception as e:  # one failing variant must not end the run
                     print(f"{head} {name} N={n} failed: {type(e).__name__}: {str(e)[:200]}")
                     ms, gb = float("nan"), float("nan")
@@ -470,6 +511,7 @@ def main():
     args.out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "matmul_tflops": tflops}
     meta |= {"torch": torch.__version__, "temperature": TEMP, "results": results}
+    _print_tile_configs()
     chunks = {head: args.fused_chunk or auto_chunk_size(HEADS[head][0]) for head in args.heads}
     meta |= {"fused_chunk": chunks, "accuracy": acc}
     meta["persistent_grad_kernel"] = os.environ.get("GRPO_TRITON_PERSISTENT", "1") != "0"

@@ -43,8 +43,11 @@ True.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import warnings
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Literal
 
 import torch
@@ -167,6 +170,35 @@ class GRPOTokenLoss:
             )
         return x
 
+    def graph_key(self) -> Hashable:
+        """All that a CUDA graph of `__call__` bakes in besides the values of `graph_inputs`
+        (the fused loss reuses a captured graph for a later token loss of the same key)."""
+        shapes = tuple(None if x is None else (x.shape, x.dtype) for x in self.graph_inputs())
+        return (
+            dataclasses.astuple(self.cfg), self._shape, self.num_tokens, self.num_items_in_batch,
+            self.dp_world_size, self.num_micro_batches, shapes,
+        )  # fmt: skip
+
+    def graph_inputs(self) -> list[Tensor | None]:
+        """The tensors `__call__` reads besides (logp, entropy)."""
+        return [*self._index, self.advantages, self.mask, self.old, self.sampling, self.ref]
+
+    def graph_copy(self) -> GRPOTokenLoss:
+        """A copy owning its input tensors: the static inputs of a cached CUDA graph, which
+        `load_graph_inputs` refills from each later token loss of the same key."""
+        new = copy.copy(self)
+        new._index = (self._index[0].clone(), self._index[1].clone())
+        for name in ("advantages", "mask", "old", "sampling", "ref"):
+            x = getattr(self, name)
+            setattr(new, name, None if x is None else x.clone())
+        new.metrics = {}
+        return new
+
+    def load_graph_inputs(self, other: GRPOTokenLoss) -> None:
+        for mine, theirs in zip(self.graph_inputs(), other.graph_inputs(), strict=True):
+            if mine is not None:
+                mine.copy_(theirs)
+
     def __call__(self, logp: Tensor, entropy: Tensor) -> Tensor:
         lp = self.regroup(logp)  # [B, L]
         inputs = LossInputs(
@@ -256,13 +288,16 @@ class FusedLinearLoss(torch.autograd.Function):
             cuda_graph
             and hidden.is_cuda
             and (need_h or need_w)
-            and n > 2 * chunk  # one eager chunk, one capture, at least one replay
             and not getattr(token_loss, "constant_grads", False)
             and not torch.cuda.is_current_stream_capturing()
         )
         cdtype = compute_dtype(hidden.dtype)
-        logp = hidden.new_zeros(n, dtype=cdtype)  # [N]
-        ent = hidden.new_zeros(n, dtype=cdtype)  # [N]
+        graphed = _GraphedTokenGrads.for_call(token_loss, n, chunk, hidden) if cuda_graph else None
+        if graphed is not None:  # [N] each, where the graph reads them
+            logp, ent = graphed.logp.zero_(), graphed.ent.zero_()
+        else:
+            logp = hidden.new_zeros(n, dtype=cdtype)  # [N]
+            ent = hidden.new_zeros(n, dtype=cdtype)  # [N]
         if impl == "triton":
             from learner.kernels.triton_fused import TritonChunks
 
@@ -277,7 +312,6 @@ class FusedLinearLoss(torch.autograd.Function):
         const = (need_h or need_w) and getattr(token_loss, "constant_grads", False)
         if const:  # once, at any values (zeros)
             g_lp_all, g_ent_all = _token_grads(token_loss, logp, ent, 0, n)
-        graphed = _GraphedTokenGrads(token_loss, logp, ent) if cuda_graph else None
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             logp[s:e], ent[s:e] = chunks.stats(s, e, out=(logp[s:e], ent[s:e]))
@@ -286,7 +320,7 @@ class FusedLinearLoss(torch.autograd.Function):
             if const:
                 g_lp = None if g_lp_all is None else g_lp_all[s:e]
                 g_ent = None if g_ent_all is None else g_ent_all[s:e]
-            elif graphed is not None and s > 0:  # the first chunk ran eagerly: the warm-up
+            elif graphed is not None and (s > 0 or graphed.ready):  # else eager: the warm-up
                 g_lp, g_ent = graphed(s, e)
             else:
                 g_lp, g_ent = _token_grads(token_loss, logp, ent, s, e)
@@ -300,11 +334,13 @@ class FusedLinearLoss(torch.autograd.Function):
                 grad_weight_add(g, scale, chunks.h[s:e], grad_w, first=dw_empty)
                 dw_empty = False
             del g
-        del graphed  # frees the graph's memory pool
         if grad_w is not None and dw_empty:
             grad_w.zero_()
         with torch.no_grad():
             loss = token_loss(logp, ent)  # exact value and metrics: every token filled now
+        if graphed is not None and graphed.cached:  # the graph's buffers: the next call's
+            logp, ent = logp.clone(), ent.clone()
+        del graphed  # an uncached graph frees its memory pool
         ctx.grads = (grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(logp, ent)
@@ -387,20 +423,67 @@ def _token_grads(
 
 
 _GRAPH_WARNED: set[str] = set()  # token-loss types whose capture failed (warned once)
+_GRAPH_WARM: set[tuple[type, torch.device]] = set()  # captured once in this process
+_GRAPH_CACHE: OrderedDict[Hashable, _GraphedTokenGrads] = OrderedDict()
+GRAPH_CACHE_SIZE = 2  # graphs kept for later calls (each holds its N-sized buffers and pool)
 
 
 class _GraphedTokenGrads:
-    """`_token_grads` of all N tokens captured in a CUDA graph at the first call, replayed at
-    every call: the graph reads `logp` and `ent` where they are (the chunks fill them in
-    place) and writes the same two output tensors each time; a call returns chunk `[s, e)` of
-    them, valid until the next call (stream order: its users run before the next replay).
-    A failed capture leaves the caller on eager `_token_grads`."""
+    """`_token_grads` of all N tokens captured in a CUDA graph and replayed for each chunk:
+    the graph reads `logp` and `ent` where they are (the chunks fill them in place) and writes
+    the same two output tensors each time; a call returns chunk `[s, e)` of them, valid until
+    the next call (stream order: its users run before the next replay). A failed capture
+    leaves the caller on eager `_token_grads`.
 
-    def __init__(self, token_loss: TokenLoss, logp: Tensor, ent: Tensor) -> None:
+    `for_call` picks the capture's moment. The first call of a token-loss type in the process
+    runs its first chunk eagerly (the warm-up: lazy initialisation cannot happen in a capture)
+    and captures at the second. Later calls capture before the first chunk, on the host while
+    the GPU still runs whatever produced `hidden`. A token loss with `graph_key()` (see
+    `GRPOTokenLoss`) is captured on its `graph_copy()`, and the graph is kept: a later call
+    with the same key copies its inputs in (`load_graph_inputs`) and only replays."""
+
+    def __init__(self, token_loss: TokenLoss, logp: Tensor, ent: Tensor, cached: bool) -> None:
         self.args = (token_loss, logp, ent)
+        self.logp, self.ent = logp, ent
+        self.cached = cached  # kept in _GRAPH_CACHE: logp/ent are reused by later calls
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: tuple[Tensor | None, Tensor | None] = (None, None)
         self.failed = False
+
+    @property
+    def ready(self) -> bool:
+        return self.graph is not None
+
+    @classmethod
+    def for_call(
+        cls, token_loss: TokenLoss, n: int, chunk: int, hidden: Tensor
+    ) -> _GraphedTokenGrads | None:
+        """The graph for a fused-loss call over `n` tokens (None: differentiate eagerly)."""
+        dtype = compute_dtype(hidden.dtype)
+        warm = (type(token_loss), hidden.device) in _GRAPH_WARM
+        key = None
+        if hasattr(token_loss, "graph_key"):
+            key = (type(token_loss), hidden.device, dtype, n, token_loss.graph_key())
+            hit = _GRAPH_CACHE.get(key)
+            if hit is not None:
+                _GRAPH_CACHE.move_to_end(key)
+                hit.args[0].load_graph_inputs(token_loss)
+                return hit
+        if n <= (chunk if warm else 2 * chunk):  # the capture would not pay for itself
+            return None
+        logp = hidden.new_zeros(n, dtype=dtype)
+        ent = hidden.new_zeros(n, dtype=dtype)
+        if key is not None:
+            graphed = cls(token_loss.graph_copy(), logp, ent, cached=True)
+        else:
+            graphed = cls(token_loss, logp, ent, cached=False)
+        if warm:
+            graphed._capture()
+        if key is not None and not graphed.failed:
+            _GRAPH_CACHE[key] = graphed
+            while len(_GRAPH_CACHE) > GRAPH_CACHE_SIZE:
+                _GRAPH_CACHE.popitem(last=False)
+        return graphed
 
     def __call__(self, s: int, e: int) -> tuple[Tensor | None, Tensor | None]:
         if self.graph is None and not self.failed:
@@ -426,6 +509,8 @@ class _GraphedTokenGrads:
                     graph.capture_end()
         except RuntimeError as err:
             self.failed = True
+            for key in [k for k, v in _GRAPH_CACHE.items() if v is self]:
+                del _GRAPH_CACHE[key]
             name = type(token_loss).__qualname__
             if name not in _GRAPH_WARNED:
                 _GRAPH_WARNED.add(name)
@@ -439,6 +524,7 @@ class _GraphedTokenGrads:
         finally:
             torch.cuda.current_stream(logp.device).wait_stream(side)
         self.graph, self.out = graph, out
+        _GRAPH_WARM.add((type(token_loss), logp.device))
 
 
 def _accumulate(acc: Tensor, a: Tensor, b: Tensor, *, first: bool, alpha: float = 1.0) -> None:

@@ -522,8 +522,32 @@ def test_cuda_graph_token_grads_equal_eager_ones_and_fall_back():
         return (*out, hh.grad, ww.grad)
 
     eager = run(token_loss, False)
-    graphed = run(token_loss, True)
+    graphed = run(token_loss, True)  # the process's first capture: eager chunk, then capture
     for a, c in zip(eager, graphed, strict=True):
+        assert torch.equal(a, c)
+    from learner import fused_loss
+
+    (entry,) = [v for v in fused_loss._GRAPH_CACHE.values() if v.args[0] is not token_loss]
+    # A later token loss of the same key (other values) replays the kept graph, on its inputs;
+    # the first token loss's own tensors are untouched.
+    adv2 = adv.flip(0).clone()
+    other = GRPOTokenLoss(
+        cfg, seq, adv2, old_logprobs=old - 0.5, ref_logprobs=ref, sampling_logprobs=old - 0.1
+    )
+    eager2 = run(other, False)
+    graph_before = entry.graph
+    for a, c in zip(eager2, run(other, True), strict=True):
+        assert torch.equal(a, c)
+    assert entry.graph is graph_before  # replayed, not captured again
+    assert torch.equal(token_loss.advantages, adv) and not torch.equal(adv2, adv)
+    for a, c in zip(eager, run(token_loss, True), strict=True):  # and back
+        assert torch.equal(a, c)
+    # Another key (other lengths) once warm: captured before the first chunk, same results.
+    seq3 = torch.arange(b, device="cuda").repeat_interleave(
+        torch.tensor([500, 1000, 700, 800]).cuda()
+    )
+    third = GRPOTokenLoss(cfg, seq3, adv, old_logprobs=old, ref_logprobs=ref)
+    for a, c in zip(run(third, False), run(third, True), strict=True):
         assert torch.equal(a, c)
     with pytest.warns(UserWarning, match="could not be captured in a CUDA graph"):
         fallen = run(_HostSync(token_loss), True)
