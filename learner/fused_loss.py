@@ -266,7 +266,7 @@ def auto_chunk_size(hidden_size: int) -> int:
     hidden tile no longer stays in L2).
     """
     chunk = (3 * hidden_size // 2) // 256 * 256
-    return max(1024, min(2048, chunk))
+    return max(1024, min(4096, chunk))
 
 
 def _triton_usable(hidden: Tensor, weight: Tensor) -> bool:
