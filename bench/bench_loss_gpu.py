@@ -341,7 +341,7 @@ def breakdown_fused(hd, b, t, chunk):
         ("softmax tiles + merge", stats_ms, True),
         ("token loss gradients (CUDA graph)", ev(lambda: graphed(0, c)), False),
         ("dlogits (row scales if anchored)", ev(stats_and_grad) - stats_ms, False),
-        ("grad_hidden = G @ W", ev(lambda: grad_hidden_rows(g, scale, w2, gh, 0, c)), True),
+        ("grad_hidden = G @ W", ev(lambda: grad_hidden_rows(g, scale, w2, gh, 0, c, getattr(chunks, "fp32_rows", None))), True),
         ("grad_weight += Gᵀ @ h", ev(lambda: grad_weight_add(g, scale, h2[:c], grad_w, first=False)), True),
     ]  # fmt: skip
     extra = [  # not part of the sum

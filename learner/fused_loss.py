@@ -329,7 +329,7 @@ class FusedLinearLoss(torch.autograd.Function):
             # [C, V] ∂loss/∂logits in the matmul dtype, times `scale` (a power of two, fp16
             # only), or such that ∂loss/∂logits = diag(scale) @ g (scale [C], anchored tiles)
             g, scale = chunks.logits_grad(g_lp, g_ent)
-            grad_hidden_rows(g, scale, chunks.w, grad_h, s, e)
+            grad_hidden_rows(g, scale, chunks.w, grad_h, s, e, getattr(chunks, "fp32_rows", None))
             if grad_w is not None:
                 grad_weight_add(g, scale, chunks.h[s:e], grad_w, first=dw_empty)
                 dw_empty = False
@@ -385,13 +385,20 @@ def _row_scaled(x: Tensor, scale: Tensor, out: Tensor) -> Tensor:
 
 
 def grad_hidden_rows(
-    g: Tensor, scale: float | Tensor, weight: Tensor, grad_h: Tensor | None, s: int, e: int
-) -> None:
-    """`grad_h[s:e] = ∂loss/∂logits @ weight` from a chunk engine's `logits_grad` output."""
+    g: Tensor, scale: float | Tensor, weight: Tensor, grad_h: Tensor | None, s: int, e: int,
+    fp32_rows: Tensor | None = None,
+) -> None:  # fmt: skip
+    """`grad_h[s:e] = ∂loss/∂logits @ weight` from a chunk engine's `logits_grad` output.
+    `fp32_rows` (anchored tiles, CUDA): a [≥ e - s, H] fp32 buffer the product is written to
+    before its row scaling (one rounding, and cuBLAS's fp32-output kernel for this shape is
+    faster: 6.66 vs 6.97 ms for 4096 × 151936 × 4096 on an H100)."""
     if grad_h is None:
         return
     out = grad_h[s:e]
-    if isinstance(scale, Tensor):  # ∂loss/∂logits = diag(scale) @ g
+    if isinstance(scale, Tensor) and fp32_rows is not None:
+        y = torch.mm(g, weight, out_dtype=torch.float32, out=fp32_rows[: e - s])
+        _row_scaled(y, scale, out)
+    elif isinstance(scale, Tensor):  # ∂loss/∂logits = diag(scale) @ g
         _row_scaled(torch.mm(g, weight, out=out), scale, out)
     else:  # beta 0: the rows' old values are not read
         torch.addmm(out, g, weight, beta=0, alpha=1.0 / scale, out=out)

@@ -49,6 +49,7 @@ from learner.kernels.triton_logprobs import (
     _PRUNE,
     LOG2E,
     _configs,
+    _cublas_fp32_addmm_works,
     _logits_tile,
     _num_sms,
     _online_lse_step,
@@ -439,7 +440,6 @@ class TritonChunks:
         n_tiles_v = triton.cdiv(v, TILE_V)
         # Row stride a multiple of 8 entries (16 bytes) for cuBLAS and the bulk copies.
         self.buf = torch.empty(c, n_tiles_v * TILE_V, dtype=torch.int16, device=hidden.device)
-        self.ref = torch.empty(n_tiles_v, c, dtype=torch.float32, device=hidden.device)
         # Vocab splits: enough programs to fill the GPU ~4 times at 128 tokens a program.
         n_tiles = triton.cdiv(self.fwd_rows, 128)
         splits = max(
@@ -453,9 +453,16 @@ class TritonChunks:
         # Anchored tiles (bf16, no entropy gradient): ∂loss/∂logits is a row scaling of the
         # stored tiles, applied in the gradient products: no pass over the chunk's logits.
         self.anchored = ANCHORED and not entropy_grad and self.w.dtype == torch.bfloat16
+        dev = hidden.device
         if self.anchored:
-            self.total = torch.empty(c, dtype=torch.float32, device=hidden.device)
-            self.bad = torch.empty(c, dtype=torch.int8, device=hidden.device)
+            self.total = torch.empty(c, dtype=torch.float32, device=dev)
+            self.bad = torch.empty(c, dtype=torch.int8, device=dev)
+            # grad_hidden's product in fp32 before its row scaling (`grad_hidden_rows`)
+            self.fp32_rows = None
+            if _cublas_fp32_addmm_works(dev, self.w.dtype):
+                self.fp32_rows = torch.empty(c, self.h.shape[1], dtype=torch.float32, device=dev)
+        else:  # the reference (running max) each tile was stored against
+            self.ref = torch.empty(n_tiles_v, c, dtype=torch.float32, device=dev)
 
     def _sub_chunks(self, s: int, e: int):
         """The forward launches of rows `[s, e)`: (offset in the chunk, global start, end)."""
