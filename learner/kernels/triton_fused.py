@@ -449,6 +449,7 @@ class TritonChunks:
         self.splits = triton.cdiv(v, self.v_per_split)
         self.parts = torch.empty(3, self.splits, c, dtype=torch.float32, device=hidden.device)
         self.tz = torch.empty(c, dtype=torch.float32, device=hidden.device)
+        self.anchors: torch.Tensor | None = None  # [N] anchored tiles: each token's R
         self._state: tuple | None = None
         # Anchored tiles (bf16, no entropy gradient): ∂loss/∂logits is a row scaling of the
         # stored tiles, applied in the gradient products: no pass over the chunk's logits.
@@ -491,12 +492,15 @@ class TritonChunks:
         nb = e - s
         v, hd = self.w.shape
         h, tgt, inv_t2 = self.h[s:e], self.tgt[s:e], LOG2E * self.inv_t
-        r = self.tz  # [C] the anchors
-        # Many small programs (16 tokens each): a gather-dot, bound by reading 2·C·H values.
-        _anchor_kernel[(triton.cdiv(nb, 16),)](
-            h, self.w, tgt, r, nb, hd, inv_t2, BLOCK_N=16, BLOCK_K=16 if _INTERPRET else 128,
-            num_warps=4,
-        )  # fmt: skip
+        if self.anchors is None:  # every token's at once: one launch instead of one a chunk
+            n = self.h.shape[0]
+            self.anchors = torch.empty(n, dtype=torch.float32, device=self.h.device)
+            # Many small programs (16 tokens each): a gather-dot, bound by reading 2·N·H values.
+            _anchor_kernel[(triton.cdiv(n, 16),)](
+                self.h, self.w, self.tgt, self.anchors, n, hd, inv_t2, BLOCK_N=16,
+                BLOCK_K=16 if _INTERPRET else 128, num_warps=4,
+            )  # fmt: skip
+        r = self.anchors[s:e]  # [nb] the anchors
         _, sx, tx = self.parts.unbind(0)  # [S, C] each
         buf = self.buf  # int16: bf16 bits
         for off, r0, r1 in self._sub_chunks(s, e):
