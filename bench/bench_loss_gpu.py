@@ -347,6 +347,7 @@ def breakdown_fused(hd, b, t, chunk):
     extra = [  # not part of the sum
         ("token loss gradients, eager", ev(lambda: _token_grads(token_loss, logp, ent, 0, c)), False),
         ("grad_weight = Gᵀ @ h (beta 0)", ev(lambda: torch.mm(g.T, h2[:c], out=grad_w)), True),
+        ("grad_hidden, bf16 product", ev(lambda: grad_hidden_rows(g, scale, w2, gh, 0, c)), True),
     ]  # fmt: skip
     flop = 2 * c * hd * VOCAB
     nchunks = -(-n // c)
