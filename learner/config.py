@@ -175,7 +175,7 @@ class GRPOConfig(_Section):
         False, description="loss fused with the LM head: 3 N·H·V products instead of 4"
     )
     fused_chunk_size: int | None = Field(
-        None, ge=1, description="tokens a chunk of the fused loss; none: 1.5 × hidden (1024-2048)"
+        None, ge=1, description="tokens a chunk of the fused loss; none: 1.5 × hidden (1024-4096)"
     )
     packing: bool = Field(False, description="padding-free micro-batches (best-fit packing)")
     max_tokens_per_micro_batch: int = Field(4096, ge=1, description="packing token budget")

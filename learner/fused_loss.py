@@ -256,14 +256,15 @@ def fused_grpo_loss(
 
 
 def auto_chunk_size(hidden_size: int) -> int:
-    """Tokens a chunk: 1.5 × the hidden size, between 1024 and 2048, a multiple of 256.
+    """Tokens a chunk: 1.5 × the hidden size, between 1024 and 4096, a multiple of 256.
 
     The chunk's logits buffer (`chunk × V` 2-byte values on the GPU) then takes at most 1.5×
-    the LM head's own bytes (`V × H`): 0.47 GB for the Qwen3-0.6B head (1536 tokens), 0.62 GB
-    for the Qwen3-8B one (2048). Larger chunks amortise the per-chunk read-modify-write of
-    grad_weight and fill cuBLAS better: measured on an H100 (docs/benchmarks.md), the 8B head
-    took 205, 196 and 207 ms at 1024, 2048 and 4096 tokens a chunk (4096: the forward kernel's
-    hidden tile no longer stays in L2).
+    the LM head's own bytes (`V × H`): 0.47 GB for the Qwen3-0.6B head (1536 tokens), 1.24 GB
+    for the Qwen3-8B one (4096). Larger chunks amortise the per-chunk read-modify-write of
+    grad_weight and the per-chunk small kernels: measured on an H100 (docs/benchmarks.md), the
+    8B head took 188.8, 186.0 and 185.8 ms at 2048, 3072 and 4096 tokens a chunk (the forward
+    kernel runs in launches of at most `triton_fused.FWD_ROWS` = 2048 tokens, whose hidden rows
+    stay in L2: 195.9 ms at 4096 as one launch).
     """
     chunk = (3 * hidden_size // 2) // 256 * 256
     return max(1024, min(4096, chunk))
