@@ -18,7 +18,10 @@ stores fp16 softmax tiles and overwrites them in place with bf16 G, or — bf16 
 entropy gradient — bf16 tiles anchored at the target logit whose row scaling is G, applied
 inside the two products; see `learner.kernels.triton_fused`) plus the two gradients,
 which exist from the forward on (dW is [V, H] in the weight's dtype, the same tensor the
-4-product path allocates in its backward).
+4-product path allocates in its backward); with anchored tiles also `chunk_size` × H fp32 rows
+(grad_hidden's product before its row scaling). On CUDA the token loss's CUDA graph may be kept
+for the next call (`_GraphedTokenGrads`; at most `GRAPH_CACHE_SIZE` of them, each with a few
+N-sized buffers).
 
 Accuracy of dW: it is summed over ceil(N / chunk_size) chunks. Each chunk's product
 accumulates in fp32 inside cuBLAS, but the running sum lives in the weight's dtype: one bf16
@@ -391,8 +394,8 @@ def grad_hidden_rows(
 ) -> None:  # fmt: skip
     """`grad_h[s:e] = ∂loss/∂logits @ weight` from a chunk engine's `logits_grad` output.
     `fp32_rows` (anchored tiles, CUDA): a [≥ e - s, H] fp32 buffer the product is written to
-    before its row scaling (one rounding, and cuBLAS's fp32-output kernel for this shape is
-    faster: 6.66 vs 6.97 ms for 4096 × 151936 × 4096 on an H100)."""
+    before its row scaling (one rounding, and cuBLAS's fp32-output kernel is faster at the
+    8B head's shape: 6.86 vs 8.08 ms for 4096 × 151936 × 4096 on an H100, `--breakdown`)."""
     if grad_h is None:
         return
     out = grad_h[s:e]
