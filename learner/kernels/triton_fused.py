@@ -18,13 +18,15 @@ products with cuBLAS after):
 Anchored tiles (bf16 weights, and a token loss that does not differentiate the entropy:
 `entropy_grad` False, GRPO's usual case), which replace steps 1 and 3:
 
-1'. `_anchor_kernel` first computes each token's anchor R = its target's logit (base 2), then
-   `_anchored_tiles_kernel` stores every tile as 2^(z - R) in bf16 — one reference per row, fixed
-   before the pass: no running max, no rescaling — and sums them (and their ·(z - R)) over all
-   columns but the target's, whose own value is exactly 1. bf16's 8-bit exponent holds
-   2^(z - R) while z - R < 128 (base 2): only a target more than 88·T nats below its row's
-   largest logit (p < 2^-128) overflows; the merge flags such rows and `_anchor_fallback_kernel`
-   redoes them (anchored at the row's max instead; the common case is one launch that returns).
+1'. `_anchor_kernel` first computes every token's anchor R = its target's logit (base 2; one
+   launch a call), then `_anchored_tiles_kernel` stores every tile as 2^(z - R) in bf16 — one
+   reference per row, fixed before the pass: no running max, no rescaling — and sums them (and
+   their ·(z - R)) over all columns but the target's, whose own value is exactly 1.
+   `_anchored_merge_kernel` adds up the vocab splits into log-prob, entropy and the row's sum.
+   bf16's 8-bit exponent holds 2^(z - R) while z - R < 128 (base 2): only a target more than
+   88·T nats below its row's largest logit (p < 2^-128) overflows; the merge flags such rows and
+   `_anchor_fallback_kernel` redoes them (anchored at the row's max instead; the common case is
+   one launch that returns).
 3'. ∂loss/∂z_j = g (1[j = target] - p_j) = -(g / S) · (stored_j - S·1[j = target]) with S the
    row's sum: once the target's entry is overwritten with 1 - S (= minus the other columns'
    sum, exact in fp32), the gradient is a row scaling of the stored tiles. The caller applies it
@@ -64,7 +66,6 @@ FWD_ROWS = int(os.environ.get("GRPO_FUSED_FWD_ROWS", "2048"))
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Anchored tiles where they apply (bf16, no entropy gradient); 0: always the tile-max path.
 ANCHORED = os.environ.get("GRPO_FUSED_ANCHORED", "1") != "0"
-LN2 = 0.6931471805599453
 
 _TILE_CONFIGS = _configs(
     [
@@ -448,7 +449,6 @@ class TritonChunks:
         self.v_per_split = triton.cdiv(triton.cdiv(v, splits), 256) * 256  # any vocab tile's
         self.splits = triton.cdiv(v, self.v_per_split)
         self.parts = torch.empty(3, self.splits, c, dtype=torch.float32, device=hidden.device)
-        self.tz = torch.empty(c, dtype=torch.float32, device=hidden.device)
         self.anchors: torch.Tensor | None = None  # [N] anchored tiles: each token's R
         self._state: tuple | None = None
         # Anchored tiles (bf16, no entropy gradient): ∂loss/∂logits is a row scaling of the
@@ -462,8 +462,9 @@ class TritonChunks:
             self.fp32_rows = None
             if _cublas_fp32_addmm_works(dev, self.w.dtype):
                 self.fp32_rows = torch.empty(c, self.h.shape[1], dtype=torch.float32, device=dev)
-        else:  # the reference (running max) each tile was stored against
+        else:  # the reference (running max) each tile was stored against; target logits
             self.ref = torch.empty(n_tiles_v, c, dtype=torch.float32, device=dev)
+            self.tz = torch.empty(c, dtype=torch.float32, device=dev)
 
     def _sub_chunks(self, s: int, e: int):
         """The forward launches of rows `[s, e)`: (offset in the chunk, global start, end)."""
