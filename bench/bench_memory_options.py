@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -428,6 +429,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config-timeout", type=float, default=90.0, help="s per configuration")
     p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="configurations run at once (> 1 only where step times do not matter: the CPU smoke)",
+    )
+    p.add_argument(
         "--budget-s",
         type=float,
         default=150.0,
@@ -526,22 +533,27 @@ def run_all(args: argparse.Namespace, names: list[str], model: str, argv: list[s
         },
         "configs": [],
     }
-    for name in names:
+
+    def one(name: str) -> dict[str, Any]:
         options = config_options(name)
         left = args.budget_s - (time.monotonic() - t_start)
         row: dict[str, Any] = {"name": name, "options": options}
         if left < 10:
-            row |= {"status": "skipped", "error": f"budget: {left:.0f} s left"}
-        else:
-            print(f"== {name}: {options}", flush=True)
-            spec = worker_spec(args, options, model)
-            row |= run_config(spec, min(args.config_timeout, left + 10))
-        report["configs"].append(row)
-        report["checks"] = checks(report["configs"])
-        report["wall_s"] = time.monotonic() - t_start
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        print(table(report["configs"], *args.unit).splitlines()[-1], flush=True)
+            return row | {"status": "skipped", "error": f"budget: {left:.0f} s left"}
+        print(f"== {name}: {options}", flush=True)
+        spec = worker_spec(args, options, model)
+        return row | run_config(spec, min(args.config_timeout, left + 10))
+
+    # --jobs > 1: configurations side by side (each its own process, so each peak is its own;
+    # the step times then share the CPU/GPU and are not comparable: for the CPU smoke run)
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for future in [pool.submit(one, name) for name in names]:  # in order, as each ends
+            report["configs"].append(future.result())
+            report["checks"] = checks(report["configs"])
+            report["wall_s"] = time.monotonic() - t_start
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(report, indent=2))
+            print(table(report["configs"], *args.unit).splitlines()[-1], flush=True)
     return report
 
 

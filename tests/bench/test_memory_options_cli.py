@@ -195,7 +195,7 @@ def smoke(tmp_path_factory):
         # the budget is for the GPU machine's call limit: here every configuration must run,
         # however slow the CI host (10 of them took 142 s on one, cut at 150 s by the default)
         [sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(out), "--steps", "2",
-         "--budget-s", "1200"],
+         "--budget-s", "1200", "--jobs", "2"],
         capture_output=True, text=True, timeout=1300, cwd=ROOT,
     )  # fmt: skip
     return proc, out
