@@ -34,8 +34,8 @@ accumulates in an fp32 [V, H] buffer instead: 4·V·H bytes instead of 2·V·H (
 `token_loss` must be separable as above: its gradient w.r.t. one token's (log-prob, entropy)
 may depend only on that token's values. Tokens of later chunks hold zeros while earlier chunks
 differentiate it; the returned loss and metrics come from one last call with every token filled.
-Differentiating it costs ~180 small kernels (on CUDA captured once per call in a graph and
-replayed per chunk: `cuda_graph`); a token loss whose gradient does not depend on the
+Differentiating it costs ~180 small kernels (on CUDA captured in a graph and replayed per
+chunk, the graph kept for the next call of the same shapes: `cuda_graph`); a token loss whose gradient does not depend on the
 values at all sets `constant_grads = True` and is differentiated once instead of once per chunk
 (`GRPOTokenLoss` with μ = 1, no KL and no IS weight: the ratio exp(logp - logp.detach()) is 1
 whatever logp is, and the entropy bonus is linear). A token loss may also say
@@ -240,9 +240,11 @@ def fused_grpo_loss(
     memory at a time; None: `auto_chunk_size(hidden size)`. `impl="auto"` takes the Triton
     kernels for CUDA bf16/fp16 inputs when triton imports, else the PyTorch path (the
     reference; float64 works). `cuda_graph`: on CUDA, differentiate `token_loss` in a CUDA
-    graph captured once per call and replayed for every chunk but the first (one launch
-    instead of ~180 small ones a chunk); a token loss
-    that cannot be captured (a host sync, say) falls back to eager, with one warning.
+    graph replayed for every chunk (one launch instead of ~180 small ones a chunk), captured
+    before the first chunk (the process's first capture: after an eager first chunk) or
+    reused from an earlier call with the same `graph_key()` (see `_GraphedTokenGrads`); a
+    token loss that cannot be captured (a host sync, say) falls back to eager, with one
+    warning.
     """
     if chunk_size is None:
         chunk_size = auto_chunk_size(weight.shape[-1])
