@@ -320,7 +320,7 @@ class FusedLinearLoss(torch.autograd.Function):
             g_lp_all, g_ent_all = _token_grads(token_loss, logp, ent, 0, n)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            logp[s:e], ent[s:e] = chunks.stats(s, e, out=(logp[s:e], ent[s:e]))
+            chunks.stats(s, e, logp[s:e], ent[s:e])
             if not (need_h or need_w):
                 continue
             if const:
@@ -575,15 +575,15 @@ class TorchChunks:
         self.cdtype = compute_dtype(hidden.dtype)
         self._state: tuple | None = None
 
-    def stats(self, s: int, e: int, out: object = None) -> tuple[Tensor, Tensor]:
+    def stats(self, s: int, e: int, logp: Tensor, ent: Tensor) -> None:
+        """Log-probs and entropies of tokens `[s, e)`, written into `logp` and `ent`."""
         z = _scaled_logits(self.h[s:e], self.w, self.inv_t, self.cdtype)  # [C, V]
         lse = torch.logsumexp(z, dim=-1)  # [C]
-        logp = z.gather(1, self.tgt[s:e, None]).squeeze(1) - lse
+        torch.sub(z.gather(1, self.tgt[s:e, None]).squeeze(1), lse, out=logp)
         p = (z - lse[:, None]).exp_()  # [C, V]
-        ent = lse - p.mul_(z).sum(-1)
+        torch.sub(lse, p.mul_(z).sum(-1), out=ent)
         del p
         self._state = (z, lse, ent, s, e)
-        return logp, ent
 
     def logits_grad(self, g_lp: Tensor | None, g_ent: Tensor | None) -> Tensor:
         assert self._state is not None

@@ -471,13 +471,13 @@ class TritonChunks:
         for r0 in range(s, e, self.fwd_rows):
             yield r0 - s, r0, min(e, r0 + self.fwd_rows)
 
-    def stats(
-        self, s: int, e: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies of tokens `[s, e)` (written into `out` where it can)."""
+    def stats(self, s: int, e: int, logp: torch.Tensor, ent: torch.Tensor) -> None:
+        """Log-probs and entropies of tokens `[s, e)`, written into `logp` and `ent` ([e - s]
+        contiguous fp32 each)."""
         if self.anchored:
-            return self._anchored_stats(s, e, out)
-        return self._tile_stats(s, e)
+            self._anchored_stats(s, e, logp, ent)
+        else:
+            self._tile_stats(s, e, logp, ent)
 
     def logits_grad(
         self, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
@@ -489,7 +489,7 @@ class TritonChunks:
             return self._anchored_grad(g_lp, g_ent)
         return self._tile_grad(g_lp, g_ent)
 
-    def _anchored_stats(self, s: int, e: int, out) -> tuple[torch.Tensor, torch.Tensor]:
+    def _anchored_stats(self, s: int, e: int, logp: torch.Tensor, ent: torch.Tensor) -> None:
         nb = e - s
         v, hd = self.w.shape
         h, tgt, inv_t2 = self.h[s:e], self.tgt[s:e], LOG2E * self.inv_t
@@ -514,10 +514,6 @@ class TritonChunks:
                 self.h[r0:r1], self.w, self.tgt[r0:r1], r[off:], buf[off:], sx[:, off:],
                 tx[:, off:], rows, v, hd, buf.shape[1], sx.shape[1], self.v_per_split, inv_t2,
             )  # fmt: skip
-        if out is not None and all(x.dtype == torch.float32 and x.is_contiguous() for x in out):
-            logp, ent = out  # written in place: no copies
-        else:
-            logp, ent = torch.empty(2, nb, dtype=torch.float32, device=h.device)
         total, bad = self.total[:nb], self.bad[:nb]
         block = 16 if _INTERPRET else 256
         _anchored_merge_kernel[(triton.cdiv(nb, block),)](
@@ -529,7 +525,6 @@ class TritonChunks:
             BLOCK_V=16 if _INTERPRET else 128, BLOCK_K=16 if _INTERPRET else 64,
         )  # fmt: skip
         self._state = (s, e, total)
-        return logp, ent
 
     def _anchored_grad(
         self, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
@@ -546,7 +541,7 @@ class TritonChunks:
         # ∂loss/∂z_j = glp (1[j = target] - p_j) = -(glp / total) · (stored_j - total·1[target])
         return self.buf.view(torch.bfloat16)[: e - s, : self.w.shape[0]], -glp / total
 
-    def _tile_stats(self, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tile_stats(self, s: int, e: int, logp: torch.Tensor, ent: torch.Tensor) -> None:
 
         nb = e - s
         v, hd = self.w.shape
@@ -571,10 +566,9 @@ class TritonChunks:
         total = (sm * scale).sum(0)
         lse2 = big + torch.log2(total)  # [nb]
         lse = lse2 * (1.0 / LOG2E)
-        ent = (lse2 - (t * scale).sum(0) / total) * (1.0 / LOG2E)
-        logp = (self.tz[:nb] - lse).clamp_max_(0.0)  # separate dot: clamp rounding above 0
+        torch.mul(lse2 - (t * scale).sum(0) / total, 1.0 / LOG2E, out=ent)
+        torch.clamp_max(self.tz[:nb] - lse, 0.0, out=logp)  # separate dot: rounding above 0
         self._state = (s, e, lse2, ent)
-        return logp, ent
 
     def _tile_grad(
         self, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
