@@ -401,11 +401,12 @@ def grad_hidden_rows(
     if grad_h is None:
         return
     out = grad_h[s:e]
-    if isinstance(scale, Tensor) and fp32_rows is not None:
-        y = torch.mm(g, weight, out_dtype=torch.float32, out=fp32_rows[: e - s])
+    if isinstance(scale, Tensor):  # ∂loss/∂logits = diag(scale) @ g
+        if fp32_rows is not None:
+            y = torch.mm(g, weight, out_dtype=torch.float32, out=fp32_rows[: e - s])
+        else:
+            y = torch.mm(g, weight, out=out)
         _row_scaled(y, scale, out)
-    elif isinstance(scale, Tensor):  # ∂loss/∂logits = diag(scale) @ g
-        _row_scaled(torch.mm(g, weight, out=out), scale, out)
     else:  # beta 0: the rows' old values are not read
         torch.addmm(out, g, weight, beta=0, alpha=1.0 / scale, out=out)
 
@@ -456,8 +457,7 @@ class _GraphedTokenGrads:
     with the same key copies its inputs in (`load_graph_inputs`) and only replays."""
 
     def __init__(self, token_loss: TokenLoss, logp: Tensor, ent: Tensor, cached: bool) -> None:
-        self.args = (token_loss, logp, ent)
-        self.logp, self.ent = logp, ent
+        self.token_loss, self.logp, self.ent = token_loss, logp, ent
         self.cached = cached  # kept in _GRAPH_CACHE: logp/ent are reused by later calls
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: tuple[Tensor | None, Tensor | None] = (None, None)
@@ -480,7 +480,7 @@ class _GraphedTokenGrads:
             hit = _GRAPH_CACHE.get(key)
             if hit is not None:
                 _GRAPH_CACHE.move_to_end(key)
-                hit.args[0].load_graph_inputs(token_loss)
+                hit.token_loss.load_graph_inputs(token_loss)
                 return hit
         if n <= (chunk if warm else 2 * chunk):  # the capture would not pay for itself
             return None
@@ -502,13 +502,13 @@ class _GraphedTokenGrads:
         if self.graph is None and not self.failed:
             self._capture()
         if self.graph is None:  # the capture failed
-            return _token_grads(*self.args, s, e)
+            return _token_grads(self.token_loss, self.logp, self.ent, s, e)
         self.graph.replay()
         g_lp, g_ent = self.out
         return (None if g_lp is None else g_lp[s:e]), (None if g_ent is None else g_ent[s:e])
 
     def _capture(self) -> None:
-        token_loss, logp, ent = self.args
+        token_loss, logp, ent = self.token_loss, self.logp, self.ent
         n = logp.shape[0]
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(device=logp.device)

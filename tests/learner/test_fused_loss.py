@@ -529,7 +529,7 @@ def test_cuda_graph_token_grads_equal_eager_ones_and_fall_back():
     for a, c in zip(eager, graphed, strict=True):
         assert torch.equal(a, c)
     (entry,) = fused_loss._GRAPH_CACHE.values()
-    assert entry.ready and entry.args[0] is not token_loss  # captured on its own copy
+    assert entry.ready and entry.token_loss is not token_loss  # captured on its own copy
     # A later token loss of the same key (other values) replays the kept graph, on its inputs;
     # the first token loss's own tensors are untouched.
     adv2 = adv.flip(0).clone()
