@@ -67,6 +67,23 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Anchored tiles where they apply (bf16, no entropy gradient); 0: always the tile-max path.
 ANCHORED = os.environ.get("GRPO_FUSED_ANCHORED", "1") != "0"
 
+
+@triton.jit
+def _tile_program(
+    h_ptr, w_ptr, pt_ptr, N, V, H, P_STRIDE, v_per_split,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """What a forward-tile program (grid: token blocks x vocab splits) works on: the hidden,
+    weight and stored-tile descriptors, its first row and rows, its vocab range."""
+    h_desc = tl.make_tensor_descriptor(h_ptr, [N, H], [H, 1], [BLOCK_N, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, [V, H], [H, 1], [BLOCK_V, BLOCK_K])
+    pt_desc = tl.make_tensor_descriptor(pt_ptr, [N, V], [P_STRIDE, 1], [BLOCK_N, BLOCK_V])
+    row0 = tl.program_id(0) * BLOCK_N
+    v_start = tl.program_id(1) * v_per_split
+    v_end = tl.minimum(V, v_start + v_per_split)
+    return h_desc, w_desc, pt_desc, row0, row0 + tl.arange(0, BLOCK_N), v_start, v_end
+
+
 _TILE_CONFIGS = _configs(
     [
         ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
@@ -109,19 +126,13 @@ def _softmax_tiles_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    h_desc = tl.make_tensor_descriptor(h_ptr, [N, H], [H, 1], [BLOCK_N, BLOCK_K])
-    w_desc = tl.make_tensor_descriptor(w_ptr, [V, H], [H, 1], [BLOCK_V, BLOCK_K])
-    pt_desc = tl.make_tensor_descriptor(pt_ptr, [N, V], [P_STRIDE, 1], [BLOCK_N, BLOCK_V])
-    row0 = pid_n * BLOCK_N
-    rows = row0 + tl.arange(0, BLOCK_N)
+    h_desc, w_desc, pt_desc, row0, rows, v_start, v_end = _tile_program(
+        h_ptr, w_ptr, pt_ptr, N, V, H, P_STRIDE, v_per_split, BLOCK_N, BLOCK_V, BLOCK_K
+    )
     row_ok = rows < N
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
-    v_start = pid_s * v_per_split
-    v_end = tl.minimum(V, v_start + v_per_split)
     # Flattened (vocab tile, k) loop: the next tile's loads are in flight during this tile's
     # softmax and its TMA store (async, bounds-clipped); 426 -> 501 TFLOP/s on an H100.
     for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=True):
@@ -132,11 +143,11 @@ def _softmax_tiles_kernel(
         m, s, t, p = _online_lse_step(m, s, t, z2)
         pt_desc.store([row0, v0], p.to(tl.float16))
         tl.store(ref_ptr + (v0 // BLOCK_V) * REF_STRIDE + rows, m, mask=row_ok)
-    out = pid_s * PART_STRIDE + rows
+    out = tl.program_id(1) * PART_STRIDE + rows
     tl.store(m_ptr + out, m, mask=row_ok)
     tl.store(s_ptr + out, s, mask=row_ok)
     tl.store(t_ptr + out, t, mask=row_ok)
-    if pid_s == 0:
+    if tl.program_id(1) == 0:
         tz = _target_logit(h_desc, w_ptr, tgt_ptr, rows, row_ok, row0, H, BLOCK_N, BLOCK_K)
         tl.store(tz_ptr + rows, tz * (inv_t2 * 0.6931471805599453), mask=row_ok)
 
@@ -243,20 +254,14 @@ def _anchored_tiles_kernel(
     2^(z2 - R) for z2 - R < 128: a target logit more than 88·T nats below the row's largest
     (a target probability below 2^-128) overflows, which the merge detects and
     `_anchor_fallback_kernel` redoes for that row."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    h_desc = tl.make_tensor_descriptor(h_ptr, [N, H], [H, 1], [BLOCK_N, BLOCK_K])
-    w_desc = tl.make_tensor_descriptor(w_ptr, [V, H], [H, 1], [BLOCK_V, BLOCK_K])
-    pt_desc = tl.make_tensor_descriptor(pt_ptr, [N, V], [P_STRIDE, 1], [BLOCK_N, BLOCK_V])
-    row0 = pid_n * BLOCK_N
-    rows = row0 + tl.arange(0, BLOCK_N)
+    h_desc, w_desc, pt_desc, row0, rows, v_start, v_end = _tile_program(
+        h_ptr, w_ptr, pt_ptr, N, V, H, P_STRIDE, v_per_split, BLOCK_N, BLOCK_V, BLOCK_K
+    )
     row_ok = rows < N
     r = tl.load(r_ptr + rows, mask=row_ok, other=0.0)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
-    v_start = pid_s * v_per_split
-    v_end = tl.minimum(V, v_start + v_per_split)
     for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=True):
         z2 = _logits_tile(h_desc, w_desc, row0, v0, H, inv_t2, False, BLOCK_N, BLOCK_V, BLOCK_K)
         cols = v0 + tl.arange(0, BLOCK_V)
@@ -268,7 +273,7 @@ def _anchored_tiles_kernel(
         q = tl.where(cols[None, :] == tgt[:, None], 0.0, p)  # the target's term: exactly 1
         s += tl.sum(q, 1)
         t += tl.sum(q * d, 1)
-    out = pid_s * PART_STRIDE + rows
+    out = tl.program_id(1) * PART_STRIDE + rows
     tl.store(s_ptr + out, s, mask=row_ok)
     tl.store(t_ptr + out, t, mask=row_ok)
 
