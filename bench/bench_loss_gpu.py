@@ -1,4 +1,4 @@
-"""GRPO loss through the LM head on a GPU: full logits vs Liger vs ours vs fused (fwd+bwd, bf16).
+"""GRPO loss through the LM head on a GPU: full logits vs TRL vs Liger vs ours vs fused (fwd+bwd, bf16).
 
     python bench/bench_loss_gpu.py --out-dir $OUT            # both heads, token sweep, plot
     python bench/bench_loss_gpu.py --breakdown               # time each kernel of ours
@@ -8,14 +8,21 @@ Variants, all computing the same DAPO loss (beta 0.04 with reference log-probs, 
 0.2/0.28, temperature 0.9) and gradients w.r.t. hidden states and LM-head weight:
 
 - full:  logits = hidden @ W.T materialised in bf16, divided by T, log-softmax (bf16) and
-         gather, entropy from it under no_grad (a metric, as TRL logs it).
+         gather, entropy from it under no_grad (a metric, as TRL logs it): plain PyTorch.
+- full-trl: the same materialised logits through TRL 1.16's Triton log-prob + entropy kernel
+         (`trl.kernels.logprob_entropy.selective_log_softmax_and_entropy`): full logits as
+         TRL computes them (one pass over the bf16 logits each way).
+- trl-chunked: TRL 1.16's fused LM head (`trl.kernels.chunked_logprob.ChunkedLogProbFunction`,
+         vocab chunks of 32768 as its GRPO trainer passes, entropy requested): cuBLAS tiles of
+         4096 tokens folded by a Triton kernel, recomputed in the backward (4 products, fp32
+         gradient accumulation), then `grpo_loss`.
 - liger: liger-kernel 0.8.5 `LigerFusedLinearGRPOLoss` (defaults: compiled, chunk_size=1).
 - ours:  `token_logprobs(impl="triton")` + `grpo_loss` (4 N·H·V products).
 - fused: `fused_grpo_loss(impl="triton")` with `GRPOTokenLoss` (3 products: both gradients
          in the forward, `--fused-chunk` tokens' logits at a time, 2 bytes an entry;
          default `auto_chunk_size`: 1536 tokens on the 0.6B head, 4096 on the 8B one).
 
-Accuracy (`fused` and `ours`, at each head's largest token count): loss and gradients against
+Accuracy (`fused`, `ours` and the TRL variants, at each head's largest token count): loss and gradients against
 float64 (`token_logprobs(impl="torch")` on float64 copies of the same bf16 inputs); the bar
 is a relative error <= 1e-2 for the gradients.
 
@@ -152,7 +159,42 @@ def run_liger(h, w, ids, old, ref, adv, mask):
     return loss.detach()
 
 
-VARIANTS = {"full": run_full, "liger": run_liger, "ours": run_ours, "fused": run_fused}
+def run_full_trl(h, w, ids, old, ref, adv, mask):
+    from trl.kernels.logprob_entropy import selective_log_softmax_and_entropy
+
+    from learner.loss import LossConfig, LossInputs, grpo_loss
+
+    logits = h @ w.T  # [B, T, V] bf16, materialised
+    lp, ent = selective_log_softmax_and_entropy(logits, ids, temperature=TEMP)  # fp32 each
+    del logits
+    inputs = LossInputs(lp, old, adv, mask, ref_logprobs=ref, entropy=ent.detach())
+    loss, _ = grpo_loss(inputs, LossConfig(beta=0.04))
+    loss.backward()
+    return loss.detach()
+
+
+TRL_VOCAB_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16
+
+
+def run_trl_chunked(h, w, ids, old, ref, adv, mask):
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    from learner.loss import LossConfig, LossInputs, grpo_loss
+
+    b, t, hd = h.shape
+    lp, ent, *_ = ChunkedLogProbFunction.apply(
+        h.view(-1, hd), w, None, ids.view(-1), TEMP, TRL_VOCAB_CHUNK, None, 1.0, ("entropy",)
+    )
+    inputs = LossInputs(lp.view(b, t), old, adv, mask, ref_logprobs=ref, entropy=ent.view(b, t))
+    loss, _ = grpo_loss(inputs, LossConfig(beta=0.04))
+    loss.backward()
+    return loss.detach()
+
+
+VARIANTS = {
+    "full": run_full, "full-trl": run_full_trl, "trl-chunked": run_trl_chunked,
+    "liger": run_liger, "ours": run_ours, "fused": run_fused,
+}  # fmt: skip
 
 
 def measure(fn, inputs, iters):
@@ -204,7 +246,7 @@ def accuracy(hd, b, t, variants):
         rows.append({"variant": name, "hidden": hd, "tokens": b * t, **errs})
         ok = errs["grad_hidden"] <= 1e-2 and errs["grad_weight"] <= 1e-2
         print(
-            f"accuracy H={hd} N={b * t} {name:<6} vs float64: loss {errs['loss']:.2e}, "
+            f"accuracy H={hd} N={b * t} {name:<12} vs float64: loss {errs['loss']:.2e}, "
             f"grad_hidden {errs['grad_hidden']:.2e}, grad_weight {errs['grad_weight']:.2e}  "
             f"({'ok' if ok else 'OVER 1e-2'})",
             flush=True,
@@ -460,6 +502,9 @@ def main():
             "liger-kernel is not installed: skipping the liger variant (pip install liger-kernel)"
         )
         args.variants = [v for v in args.variants if v != "liger"]
+    if {"full-trl", "trl-chunked"} & set(args.variants) and importlib.util.find_spec("trl") is None:
+        print("trl is not installed: skipping the TRL variants (pip install trl==1.16.0)")
+        args.variants = [v for v in args.variants if v not in ("full-trl", "trl-chunked")]
     if args.profile:
         for head in args.heads:
             hd, t, bs = HEADS[head]
@@ -498,11 +543,11 @@ def main():
                 row |= {"hidden": hd, "vocab": VOCAB, "ms": ms, "gb": gb, "floor_ms": floor_ms}
                 results.append(row)
                 print(
-                    f"{head:<11}{name:<6} B={b:<3}T={t:<5}N={n:<6}{ms:9.1f} ms {gb:8.2f} GB"
+                    f"{head:<11}{name:<12} B={b:<3}T={t:<5}N={n:<6}{ms:9.1f} ms {gb:8.2f} GB"
                     f"  (floor {floor_ms:.1f} ms)",
                     flush=True,
                 )
-    checked = [v for v in ("ours", "fused") if v in args.variants]
+    checked = [v for v in ("ours", "fused", "full-trl", "trl-chunked") if v in args.variants]
     acc = []
     if checked and not args.no_accuracy:
         for head in args.heads:
