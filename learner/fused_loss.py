@@ -51,7 +51,7 @@ import dataclasses
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -121,6 +121,7 @@ class GRPOTokenLoss:
         self.dp_world_size = dp_world_size
         self.num_micro_batches = num_micro_batches
         self.metrics: dict[str, Tensor] = {}
+        self._consts: tuple[Any, ...] | None = None  # token_grads' constants (built once)
         # Gradients independent of the values (see the module docstring): the fused loss
         # differentiates once for all chunks. With μ > 1 (ratio != 1), the KL term or the IS
         # weight (exp(old - sampling) with old = logp) they depend on logp.
@@ -201,6 +202,63 @@ class GRPOTokenLoss:
         for mine, theirs in zip(self.graph_inputs(), other.graph_inputs(), strict=True):
             if mine is not None:
                 mine.copy_(theirs)
+
+    def token_grads(
+        self, logp: Tensor, entropy: Tensor, s: int, e: int
+    ) -> tuple[Tensor, Tensor | None]:
+        """∂loss/∂logp and ∂loss/∂entropy of tokens `[s, e)` in closed form: what autograd
+        through `__call__` gives (`_token_grads`), from `logp[s:e]` and per-token constants
+        prepared once, in ~15 elementwise ops on the chunk instead of ~180 kernels over all N
+        tokens. The derivative follows `grpo_loss` term by term, with PyTorch's conventions
+        where it is not smooth: `torch.min` splits the gradient evenly on a tie (the ratio
+        inside the clip range, or a zero advantage) and `clamp` passes it at the bounds."""
+        dtype = torch.promote_types(logp.dtype, torch.float32)  # grpo_loss's
+        if self._consts is None or self._consts[1].dtype != dtype:
+            self._consts = self._grad_consts(dtype)
+        adv, w, old, ref, samp, g_ent = (x if x is None else x[s:e] for x in self._consts)
+        lp = logp[s:e].to(dtype)
+        cfg = self.cfg
+        ratio = torch.exp(lp - (lp if old is None else old))
+        lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+        u = ratio * adv  # the unclipped surrogate; the clipped one is clamp(ratio) * adv
+        v = torch.clamp(ratio, lo, hi) * adv
+        g_clip = torch.where((ratio >= lo) & (ratio <= hi), 1.0, 0.0)  # clamp's gradient
+        g_min = torch.where(u < v, 1.0, torch.where(u == v, 0.5 * (1.0 + g_clip), g_clip))
+        g = -(u * g_min)  # ∂(-min(u, v))/∂logp = -(∂min/∂u + ∂min/∂v · clamp') · ratio · adv
+        if samp is not None:  # the truncated IS weight multiplies the policy-gradient term
+            g = g * torch.clamp(torch.exp((lp if old is None else old) - samp), max=cfg.tis_cap)
+        if ref is not None:  # β·(exp(ref - logp) - (ref - logp) - 1)
+            g = g + cfg.beta * (1.0 - torch.exp(ref - lp))
+        return g * w, g_ent
+
+    def _grad_consts(self, dtype: torch.dtype) -> tuple[Tensor | None, ...]:
+        """Flat [N] per-token constants of `token_grads`: advantage, the reduction's weight
+        ∂loss/∂per_token, old / reference / sampling log-probs (None where unused), and
+        ∂loss/∂entropy (None without an entropy bonus)."""
+        seq, _ = self._index
+        n = self.num_tokens
+        num_seqs = self._shape[0]
+        micro = self.num_micro_batches
+        ones = torch.ones(n, dtype=dtype, device=seq.device)
+        kind = self.cfg.loss_type
+        if kind == "grpo":  # mean over each sequence's tokens, then over sequences
+            lengths = torch.bincount(seq, minlength=num_seqs).to(dtype).clamp(min=1.0)
+            w = ones / (lengths[seq] * num_seqs * micro)
+        elif kind == "dr_grpo":
+            w = ones / (num_seqs * self.cfg.max_completion_length * micro)
+        elif kind == "dapo" and self.num_items_in_batch is not None:
+            w = ones * (self.dp_world_size / float(self.num_items_in_batch))
+        else:  # bnpo, or dapo without num_items_in_batch
+            w = ones / (max(n, 1) * micro)
+
+        def flat(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x[self._index].to(dtype)
+
+        samp = flat(self.sampling) if self.cfg.tis_cap is not None else None
+        ref = flat(self.ref) if self.cfg.beta != 0.0 else None
+        coef = self.cfg.entropy_coef
+        g_ent = -coef * w if coef != 0.0 else None
+        return self.advantages.to(dtype)[seq], w, flat(self.old), ref, samp, g_ent
 
     def __call__(self, logp: Tensor, entropy: Tensor) -> Tensor:
         lp = self.regroup(logp)  # [B, L]
@@ -298,6 +356,8 @@ class FusedLinearLoss(torch.autograd.Function):
             and not torch.cuda.is_current_stream_capturing()
         )
         cdtype = compute_dtype(hidden.dtype)
+        closed = getattr(token_loss, "token_grads", None)  # closed-form per-token gradients
+        cuda_graph = cuda_graph and closed is None
         graphed = _GraphedTokenGrads.for_call(token_loss, n, chunk, hidden) if cuda_graph else None
         if graphed is not None:  # [N] each, where the graph reads them
             logp, ent = graphed.logp.zero_(), graphed.ent.zero_()
@@ -326,6 +386,8 @@ class FusedLinearLoss(torch.autograd.Function):
             if const:
                 g_lp = None if g_lp_all is None else g_lp_all[s:e]
                 g_ent = None if g_ent_all is None else g_ent_all[s:e]
+            elif closed is not None:
+                g_lp, g_ent = closed(logp, ent, s, e)
             elif graphed is not None and (s > 0 or graphed.ready):  # else eager: the warm-up
                 g_lp, g_ent = graphed(s, e)
             else:

@@ -144,6 +144,52 @@ def test_constant_grads_only_where_the_gradient_ignores_the_values(loss_type):
         assert tl.constant_grads == same == (i == 0), i
 
 
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("variant", [*VARIANTS, "mu1", "mu1-is", "dapo-items"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_closed_form_token_grads_equal_autograd(loss_type, variant, dtype):
+    """`GRPOTokenLoss.token_grads` (what the fused loss differentiates with) against autograd
+    through `grpo_loss`, chunk by chunk, with log-probs on both clip sides, inside the clip range
+    (torch.min's tie) and with a zero advantage."""
+    _, _, _, seq, ex = make(torch.float64)
+    n = seq.numel()
+    g = torch.Generator().manual_seed(3)
+    flat_old = ex["old"][seq, torch.cat([torch.arange(k) for k in LENS])]
+    lp = flat_old + 0.4 * torch.randn(n, generator=g, dtype=torch.float64)  # ratios 0.5-2
+    lp[::4] = flat_old[::4]  # ratio exactly 1: inside the range, where min(u, v) ties
+    ent = torch.rand(n, generator=g, dtype=torch.float64) * 3
+    adv = ex["advantages"].clone()
+    adv[1] = 0.0  # a group whose rewards were all equal
+    kw, names = VARIANTS.get(variant, ({"beta": 0.0, "tis_cap": 2.0}, ("sampling",)))
+    old = None if variant.startswith("mu1") else ex["old"]
+    if variant == "mu1":
+        kw = {"beta": 0.1, "tis_cap": None, "entropy_coef": 0.3}
+        names = ("ref",)
+    cfg = LossConfig(loss_type=loss_type, max_completion_length=16, **kw)
+    tl = GRPOTokenLoss(
+        cfg, seq, adv, old_logprobs=None if old is None else old.to(dtype),
+        num_items_in_batch=57.0 if variant == "dapo-items" else None,
+        dp_world_size=2 if variant == "dapo-items" else 1, num_micro_batches=3,
+        **{f"{k}_logprobs": ex[k].to(dtype) for k in names},
+    )  # fmt: skip
+    lp, ent = lp.to(dtype), ent.to(dtype)
+    want_lp, want_ent = _autograd(tl, lp, ent)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    for s, e in [(0, 7), (7, 20), (20, n)]:
+        got_lp, got_ent = tl.token_grads(lp, ent, s, e)
+        assert got_lp.dtype == dtype
+        torch.testing.assert_close(got_lp, want_lp[s:e], rtol=tol, atol=tol * 1e-2)
+        if want_ent is None:
+            assert got_ent is None
+        else:
+            torch.testing.assert_close(got_ent, want_ent[s:e], rtol=tol, atol=tol * 1e-2)
+
+
+def _autograd(tl, lp, ent):
+    lp, ent = lp.clone().requires_grad_(), ent.clone().requires_grad_()
+    return torch.autograd.grad(tl(lp, ent), (lp, ent), allow_unused=True)
+
+
 def full_logits(h, w, t, temperature):
     z = (h.double() @ w.double().T) / temperature  # [N, V]
     lp = torch.log_softmax(z, dim=-1)
