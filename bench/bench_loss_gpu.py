@@ -114,23 +114,19 @@ def run_fused(h, w, ids, old, ref, adv, mask):
 
 
 def _fused_at(spec):
-    """run_fused at `CHUNK[:FWD_ROWS[:CACHE]]` (see --fused-configs)."""
-    from learner import fused_loss
+    """run_fused at `CHUNK[:FWD_ROWS]` (see --fused-configs)."""
     from learner.kernels import triton_fused
 
-    chunk, fwd_rows, cache = ([int(x) for x in spec.split(":")] + [0, 1])[:3]
+    chunk, fwd_rows = ([int(x) for x in spec.split(":")] + [0])[:2]
 
     def run(*inputs):
-        saved = (FUSED_CHUNK["size"], triton_fused.FWD_ROWS, fused_loss.GRAPH_CACHE_SIZE)
+        saved = (FUSED_CHUNK["size"], triton_fused.FWD_ROWS)
         FUSED_CHUNK["size"] = chunk
         triton_fused.FWD_ROWS = fwd_rows or saved[1]
-        fused_loss.GRAPH_CACHE_SIZE = 2 if cache else 0
-        if not cache:
-            fused_loss._GRAPH_CACHE.clear()
         try:
             return run_fused(*inputs)
         finally:
-            FUSED_CHUNK["size"], triton_fused.FWD_ROWS, fused_loss.GRAPH_CACHE_SIZE = saved
+            FUSED_CHUNK["size"], triton_fused.FWD_ROWS = saved
 
     return run
 
@@ -377,17 +373,18 @@ def breakdown_fused(hd, b, t, chunk):
         chunks.logits_grad(g_lp, g_ent)
 
     stats_ms = ev(lambda: chunks.stats(0, c, logp[:c], ent[:c]))
-    # what every chunk of a call runs once the graph is captured
-    graphed = _GraphedTokenGrads(token_loss, logp, ent, cached=False)
+    # the autograd path of a token loss without closed-form gradients, as a CUDA graph
+    graphed = _GraphedTokenGrads(token_loss, logp, ent)
     rows = [  # (stage, ms, is an N·H·V product)
         ("softmax tiles + merge", stats_ms, True),
-        ("token loss gradients (CUDA graph)", ev(lambda: graphed(0, c)), False),
+        ("token loss gradients (closed form)", ev(lambda: token_loss.token_grads(logp, ent, 0, c)), False),
         ("dlogits (row scales if anchored)", ev(stats_and_grad) - stats_ms, False),
         ("grad_hidden = G @ W", ev(lambda: grad_hidden_rows(g, scale, w2, gh, 0, c, getattr(chunks, "fp32_rows", None))), True),
         ("grad_weight += Gᵀ @ h", ev(lambda: grad_weight_add(g, scale, h2[:c], grad_w, first=False)), True),
     ]  # fmt: skip
     extra = [  # not part of the sum
-        ("token loss gradients, eager", ev(lambda: _token_grads(token_loss, logp, ent, 0, c)), False),
+        ("token loss gradients, autograd", ev(lambda: _token_grads(token_loss, logp, ent, 0, c)), False),
+        ("token loss gradients, CUDA graph", ev(lambda: graphed(0, c)), False),
         ("grad_weight = Gᵀ @ h (beta 0)", ev(lambda: torch.mm(g.T, h2[:c], out=grad_w)), True),
         ("grad_hidden, bf16 product", ev(lambda: grad_hidden_rows(g, scale, w2, gh, 0, c)), True),
     ]  # fmt: skip
@@ -489,9 +486,9 @@ def main():
         "--fused-configs",
         nargs="+",
         default=[],
-        metavar="CHUNK[:FWD_ROWS[:CACHE]]",
+        metavar="CHUNK[:FWD_ROWS]",
         help="also run fused at these settings (tuning): tokens a chunk, tokens a forward launch"
-        " (triton_fused.FWD_ROWS), 0 to keep no CUDA graph between calls",
+        " (triton_fused.FWD_ROWS)",
     )
     p.add_argument("--profile", action="store_true", help="profile one fused fwd+bwd and exit")
     p.add_argument("--no-accuracy", action="store_true", help="skip the float64 comparison")

@@ -19,9 +19,7 @@ entropy gradient — bf16 tiles anchored at the target logit whose row scaling i
 inside the two products; see `learner.kernels.triton_fused`) plus the two gradients,
 which exist from the forward on (dW is [V, H] in the weight's dtype, the same tensor the
 4-product path allocates in its backward); with anchored tiles also `chunk_size` × H fp32 rows
-(grad_hidden's product before its row scaling). On CUDA the token loss's CUDA graph may be kept
-for the next call (`_GraphedTokenGrads`; at most `GRAPH_CACHE_SIZE` of them, each with a few
-N-sized buffers).
+(grad_hidden's product before its row scaling).
 
 Accuracy of dW: it is summed over ceil(N / chunk_size) chunks. Each chunk's product
 accumulates in fp32 inside cuBLAS, but the running sum lives in the weight's dtype: one bf16
@@ -34,11 +32,13 @@ accumulates in an fp32 [V, H] buffer instead: 4·V·H bytes instead of 2·V·H (
 `token_loss` must be separable as above: its gradient w.r.t. one token's (log-prob, entropy)
 may depend only on that token's values. Tokens of later chunks hold zeros while earlier chunks
 differentiate it; the returned loss and metrics come from one last call with every token filled.
-Differentiating it costs ~180 small kernels (on CUDA captured in a graph and replayed per
-chunk, the graph kept for the next call of the same shapes: `cuda_graph`); a token loss whose gradient does not depend on the
-values at all sets `constant_grads = True` and is differentiated once instead of once per chunk
-(`GRPOTokenLoss` with μ = 1, no KL and no IS weight: the ratio exp(logp - logp.detach()) is 1
-whatever logp is, and the entropy bonus is linear). A token loss may also say
+`GRPOTokenLoss` gives its per-token gradients in closed form (`token_grads`: ~15 elementwise
+ops on the chunk's tokens); any other token loss is differentiated by autograd, ~180 small
+kernels a chunk (on CUDA captured in a graph and replayed per chunk: `cuda_graph`). A token
+loss whose gradient does not depend on the values at all sets `constant_grads = True` and is
+differentiated once instead of once per chunk (`GRPOTokenLoss` with μ = 1, no KL and no IS
+weight: the ratio exp(logp - logp.detach()) is 1 whatever logp is, and the entropy bonus is
+linear). A token loss may also say
 `entropy_grad = False` (it never differentiates the entropy; `GRPOTokenLoss` without an entropy
 bonus), which lets the Triton engine use its anchored tiles; without the attribute it is assumed
 True.
@@ -46,11 +46,8 @@ True.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import warnings
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -174,35 +171,6 @@ class GRPOTokenLoss:
             )
         return x
 
-    def graph_key(self) -> Hashable:
-        """All that a CUDA graph of `__call__` bakes in besides the values of `graph_inputs`
-        (the fused loss reuses a captured graph for a later token loss of the same key)."""
-        shapes = tuple(None if x is None else (x.shape, x.dtype) for x in self.graph_inputs())
-        return (
-            dataclasses.astuple(self.cfg), self._shape, self.num_tokens, self.num_items_in_batch,
-            self.dp_world_size, self.num_micro_batches, shapes,
-        )  # fmt: skip
-
-    def graph_inputs(self) -> list[Tensor | None]:
-        """The tensors `__call__` reads besides (logp, entropy)."""
-        return [*self._index, self.advantages, self.mask, self.old, self.sampling, self.ref]
-
-    def graph_copy(self) -> GRPOTokenLoss:
-        """A copy owning its input tensors: the static inputs of a cached CUDA graph, which
-        `load_graph_inputs` refills from each later token loss of the same key."""
-        new = copy.copy(self)
-        new._index = (self._index[0].clone(), self._index[1].clone())
-        for name in ("advantages", "mask", "old", "sampling", "ref"):
-            x = getattr(self, name)
-            setattr(new, name, None if x is None else x.clone())
-        new.metrics = {}
-        return new
-
-    def load_graph_inputs(self, other: GRPOTokenLoss) -> None:
-        for mine, theirs in zip(self.graph_inputs(), other.graph_inputs(), strict=True):
-            if mine is not None:
-                mine.copy_(theirs)
-
     def token_grads(
         self, logp: Tensor, entropy: Tensor, s: int, e: int
     ) -> tuple[Tensor, Tensor | None]:
@@ -297,12 +265,13 @@ def fused_grpo_loss(
     gradients are computed here, in the forward. `chunk_size` tokens have their logits in
     memory at a time; None: `auto_chunk_size(hidden size)`. `impl="auto"` takes the Triton
     kernels for CUDA bf16/fp16 inputs when triton imports, else the PyTorch path (the
-    reference; float64 works). `cuda_graph`: on CUDA, differentiate `token_loss` in a CUDA
-    graph replayed for every chunk (one launch instead of ~180 small ones a chunk), captured
-    before the first chunk (the process's first capture: after an eager first chunk) or
-    reused from an earlier call with the same `graph_key()` (see `_GraphedTokenGrads`); a
-    token loss that cannot be captured (a host sync, say) falls back to eager, with one
-    warning.
+    reference; float64 works). A token loss with `token_grads(logp, entropy, s, e)` (as
+    `GRPOTokenLoss`) gives its per-token gradients in closed form; any other is differentiated
+    by autograd chunk by chunk, which `cuda_graph` (on CUDA) captures in a CUDA graph replayed
+    for every chunk (one launch instead of ~180 small ones a chunk; captured before the first
+    chunk, or after an eager first chunk for the process's first capture, see
+    `_GraphedTokenGrads`); a token loss that cannot be captured (a host sync, say) falls back
+    to eager, with one warning.
     """
     if chunk_size is None:
         chunk_size = auto_chunk_size(weight.shape[-1])
@@ -406,9 +375,7 @@ class FusedLinearLoss(torch.autograd.Function):
             grad_w.zero_()
         with torch.no_grad():
             loss = token_loss(logp, ent)  # exact value and metrics: every token filled now
-        if graphed is not None and graphed.cached:  # the graph's buffers: the next call's
-            logp, ent = logp.clone(), ent.clone()
-        del graphed  # an uncached graph frees its memory pool
+        del graphed  # frees the graph's memory pool
         ctx.grads = (grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(logp, ent)
@@ -500,8 +467,6 @@ def _token_grads(
 
 _GRAPH_WARNED: set[str] = set()  # token-loss types whose capture failed (warned once)
 _GRAPH_WARM: set[tuple[type, torch.device]] = set()  # captured once in this process
-_GRAPH_CACHE: OrderedDict[Hashable, _GraphedTokenGrads] = OrderedDict()
-GRAPH_CACHE_SIZE = 2  # graphs kept for later calls (each holds its N-sized buffers and pool)
 
 
 class _GraphedTokenGrads:
@@ -514,13 +479,10 @@ class _GraphedTokenGrads:
     `for_call` picks the capture's moment. The first call of a token-loss type in the process
     runs its first chunk eagerly (the warm-up: lazy initialisation cannot happen in a capture)
     and captures at the second. Later calls capture before the first chunk, on the host while
-    the GPU still runs whatever produced `hidden`. A token loss with `graph_key()` (see
-    `GRPOTokenLoss`) is captured on its `graph_copy()`, and the graph is kept: a later call
-    with the same key copies its inputs in (`load_graph_inputs`) and only replays."""
+    the GPU still runs whatever produced `hidden`."""
 
-    def __init__(self, token_loss: TokenLoss, logp: Tensor, ent: Tensor, cached: bool) -> None:
+    def __init__(self, token_loss: TokenLoss, logp: Tensor, ent: Tensor) -> None:
         self.token_loss, self.logp, self.ent = token_loss, logp, ent
-        self.cached = cached  # kept in _GRAPH_CACHE: logp/ent are reused by later calls
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: tuple[Tensor | None, Tensor | None] = (None, None)
         self.failed = False
@@ -536,28 +498,13 @@ class _GraphedTokenGrads:
         """The graph for a fused-loss call over `n` tokens (None: differentiate eagerly)."""
         dtype = compute_dtype(hidden.dtype)
         warm = (type(token_loss), hidden.device) in _GRAPH_WARM
-        key = None
-        if hasattr(token_loss, "graph_key"):
-            key = (type(token_loss), hidden.device, dtype, n, token_loss.graph_key())
-            hit = _GRAPH_CACHE.get(key)
-            if hit is not None:
-                _GRAPH_CACHE.move_to_end(key)
-                hit.token_loss.load_graph_inputs(token_loss)
-                return hit
         if n <= (chunk if warm else 2 * chunk):  # the capture would not pay for itself
             return None
-        logp = hidden.new_zeros(n, dtype=dtype)
-        ent = hidden.new_zeros(n, dtype=dtype)
-        if key is not None:
-            graphed = cls(token_loss.graph_copy(), logp, ent, cached=True)
-        else:
-            graphed = cls(token_loss, logp, ent, cached=False)
+        graphed = cls(
+            token_loss, hidden.new_zeros(n, dtype=dtype), hidden.new_zeros(n, dtype=dtype)
+        )
         if warm:
             graphed._capture()
-        if key is not None and not graphed.failed:
-            _GRAPH_CACHE[key] = graphed
-            while len(_GRAPH_CACHE) > GRAPH_CACHE_SIZE:
-                _GRAPH_CACHE.popitem(last=False)
         return graphed
 
     def __call__(self, s: int, e: int) -> tuple[Tensor | None, Tensor | None]:
@@ -584,8 +531,6 @@ class _GraphedTokenGrads:
                     graph.capture_end()
         except RuntimeError as err:
             self.failed = True
-            for key in [k for k, v in _GRAPH_CACHE.items() if v is self]:
-                del _GRAPH_CACHE[key]
             name = type(token_loss).__qualname__
             if name not in _GRAPH_WARNED:
                 _GRAPH_WARNED.add(name)
