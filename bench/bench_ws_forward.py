@@ -14,7 +14,8 @@ against it and times both on the Qwen3-0.6B head (1536 rows) and the Qwen3-8B he
 one forward launch), then writes `ws_forward.json`.
 
 Measured on an H100 (docs/benchmarks.md, session 14; `bench/results/ws_forward_h100_session14.json`):
-identical stored tiles, but 374 vs 518 TFLOP/s on the 0.6B head and 555 vs 660 on the 8B one.
+identical stored tiles, but 427 vs 532 TFLOP/s on the 0.6B head and 580 vs 684 on the 8B one
+(its best of 3 and 4 stages).
 With one 4-warp group a 128 x 128 accumulator is the largest tile, and 128 x 128 tiles read
 4/3 the L2 bytes per FLOP of the Triton kernel's 128 x 256 ones; a 128 x 256 accumulator
 handed over in fp32 needs 128 KB of shared memory on top of the load ring.
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.testing
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -47,33 +49,17 @@ from learner.kernels.triton_logprobs import LOG2E
 V = 151_936
 
 
+# The worker partitions share one signature: (descriptors, shared buffers, barriers, output
+# pointers, sizes and offsets), each a tuple.
+
+
 @gluon.jit
-def _ws_load(
-    h_desc,
-    w_desc,
-    bufs_h,
-    bufs_w,
-    ready,
-    empty,
-    acc_smem,
-    acc_bars,
-    r_ptr,
-    tgt_ptr,
-    pt_ptr,
-    s_ptr,
-    t_ptr,
-    N,
-    V,
-    P_STRIDE,
-    PART_STRIDE,
-    row0,
-    split,
-    v_start,
-    n_tiles,
-    KSTEPS,
-    inv_t2,
-):
+def _ws_load(descs, bufs, bars, ptrs, dims):
     """Loader warp: the (vocab tile, k) loop's hidden and weight blocks into the ring."""
+    h_desc, w_desc = descs
+    bufs_h, bufs_w, _ = bufs
+    ready, empty, _ = bars
+    _, _, _, _, row0, _, v_start, n_tiles, ksteps, _ = dims
     S: gl.constexpr = bufs_h.type.shape[0]
     BLOCK_K: gl.constexpr = h_desc.block_type.shape[1]
     BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
@@ -81,7 +67,7 @@ def _ws_load(
     i = 0
     for tile in range(n_tiles):
         v0 = v_start + tile * BLOCK_V
-        for k in range(KSTEPS):
+        for k in range(ksteps):
             idx = i % S
             mbarrier.wait(empty.index(idx), ((i // S) & 1) ^ 1)
             bar = ready.index(idx)
@@ -92,88 +78,56 @@ def _ws_load(
 
 
 @gluon.jit
-def _ws_epilogue(
-    h_desc,
-    w_desc,
-    bufs_h,
-    bufs_w,
-    ready,
-    empty,
-    acc_smem,
-    acc_bars,
-    r_ptr,
-    tgt_ptr,
-    pt_ptr,
-    s_ptr,
-    t_ptr,
-    N,
-    V,
-    P_STRIDE,
-    PART_STRIDE,
-    row0,
-    split,
-    v_start,
-    n_tiles,
-    KSTEPS,
-    inv_t2,
-):
+def _ws_epilogue(descs, bufs, bars, ptrs, dims):
     """Epilogue group: each handed-over tile as 2^(z2 - R) in bf16, and the row sums."""
+    h_desc, w_desc = descs
+    _, _, acc_smem = bufs
+    _, _, acc_bars = bars
+    r_ptr, tgt_ptr, pt_ptr, s_ptr, t_ptr = ptrs
+    n, v, p_stride, part_stride, row0, split, v_start, n_tiles, _, inv_t2 = dims
     BLOCK_N: gl.constexpr = h_desc.block_type.shape[0]
     BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     rows = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     cols0 = gl.arange(0, BLOCK_V, layout=gl.SliceLayout(0, layout))
-    row_ok = rows < N
+    row_ok = rows < n
     r = gl.load(r_ptr + rows, mask=row_ok, other=0.0)
     tgt = gl.load(tgt_ptr + rows, mask=row_ok, other=-1)
     s = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, layout))
     t = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, layout))
-    acc_ready = acc_bars.index(0)
-    acc_empty = acc_bars.index(1)
     for tile in range(n_tiles):
         v0 = v_start + tile * BLOCK_V
-        mbarrier.wait(acc_ready, tile & 1)
+        mbarrier.wait(acc_bars.index(0), tile & 1)
         z = acc_smem.load(layout)
-        mbarrier.arrive(acc_empty, count=1)
+        mbarrier.arrive(acc_bars.index(1), count=1)
         cols = v0 + cols0
         d = z * inv_t2 - r[:, None]
-        d = gl.where(cols[None, :] < V, d, -1.0e30)
+        d = gl.where(cols[None, :] < v, d, -1.0e30)
         p = gl.exp2(d)
-        offs = rows[:, None].to(gl.int64) * P_STRIDE + cols[None, :]
-        gl.store(pt_ptr + offs, p.to(gl.bfloat16), mask=row_ok[:, None] & (cols < V)[None, :])
+        offs = rows[:, None].to(gl.int64) * p_stride + cols[None, :]
+        gl.store(pt_ptr + offs, p.to(gl.bfloat16), mask=row_ok[:, None] & (cols < v)[None, :])
         q = gl.where(cols[None, :] == tgt[:, None], 0.0, p)
         s += gl.sum(q, 1)
         t += gl.sum(q * d, 1)
-    out = split * PART_STRIDE + rows
+    out = split * part_stride + rows
     gl.store(s_ptr + out, s, mask=row_ok)
     gl.store(t_ptr + out, t, mask=row_ok)
 
 
 @gluon.jit
-def _ws_mma(
-    bufs_h,
-    bufs_w,
-    ready,
-    empty,
-    acc_smem,
-    acc_bars,
-    n_tiles,
-    KSTEPS,
-    BLOCK_N: gl.constexpr,
-    BLOCK_V: gl.constexpr,
-    num_warps: gl.constexpr,
-):
+def _ws_mma(bufs, bars, n_tiles, ksteps, BLOCK_N: gl.constexpr, BLOCK_V: gl.constexpr,
+            num_warps: gl.constexpr):  # fmt: skip
     """MMA group: each vocab tile's wgmma products, handed over in shared memory (fp32)."""
+    bufs_h, bufs_w, acc_smem = bufs
+    ready, empty, acc_bars = bars
     S: gl.constexpr = bufs_h.type.shape[0]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_V, 16]
     )
-    acc_ready = acc_bars.index(0)
-    acc_empty = acc_bars.index(1)
     i = 0
     for tile in range(n_tiles):
         acc = gl.zeros((BLOCK_N, BLOCK_V), dtype=gl.float32, layout=mma_layout)
-        for k in range(KSTEPS):
+        for k in range(ksteps):
             idx = i % S
             mbarrier.wait(ready.index(idx), (i // S) & 1)
             acc = warpgroup_mma(
@@ -184,31 +138,17 @@ def _ws_mma(
             i += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((i + S - 1) % S), count=1)
-        mbarrier.wait(acc_empty, (tile & 1) ^ 1)
+        mbarrier.wait(acc_bars.index(1), (tile & 1) ^ 1)  # the epilogue has read the last one
         acc_smem.store(acc)
         fence_async_shared()
-        mbarrier.arrive(acc_ready, count=1)
+        mbarrier.arrive(acc_bars.index(0), count=1)
 
 
 @gluon.jit
 def ws_anchored_tiles_kernel(
-    h_desc,
-    w_desc,
-    r_ptr,
-    tgt_ptr,
-    pt_ptr,
-    s_ptr,
-    t_ptr,
-    N,
-    V,
-    H,
-    P_STRIDE,
-    PART_STRIDE,
-    v_per_split,
-    inv_t2,
-    STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
-):
+    h_desc, w_desc, r_ptr, tgt_ptr, pt_ptr, s_ptr, t_ptr, N, V, H, P_STRIDE, PART_STRIDE,
+    v_per_split, inv_t2, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
     """`triton_fused._anchored_tiles_kernel`'s outputs from three warp partitions."""
     BLOCK_N: gl.constexpr = h_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = h_desc.block_type.shape[1]
@@ -216,72 +156,29 @@ def ws_anchored_tiles_kernel(
     row0 = gl.program_id(0) * BLOCK_N
     split = gl.program_id(1)
     v_start = split * v_per_split
-    v_end = gl.minimum(V, v_start + v_per_split)
-    n_tiles = gl.cdiv(v_end - v_start, BLOCK_V)
-    KSTEPS = gl.cdiv(H, BLOCK_K)
-    bufs_h = gl.allocate_shared_memory(
-        h_desc.dtype,
-        [STAGES, BLOCK_N, BLOCK_K],
-        h_desc.layout,
-    )
-    bufs_w = gl.allocate_shared_memory(
-        w_desc.dtype,
-        [STAGES, BLOCK_V, BLOCK_K],
-        w_desc.layout,
-    )
+    n_tiles = gl.cdiv(gl.minimum(V, v_start + v_per_split) - v_start, BLOCK_V)
+    ksteps = gl.cdiv(H, BLOCK_K)
+    bufs_h = gl.allocate_shared_memory(h_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], h_desc.layout)
+    bufs_w = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_V, BLOCK_K], w_desc.layout)
     acc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_V], gl.float32)
     acc_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_V], acc_sl)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    acc_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    acc_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # full, free
     for j in gl.static_range(STAGES):
         mbarrier.init(ready.index(j), count=1)
         mbarrier.init(empty.index(j), count=1)
     mbarrier.init(acc_bars.index(0), count=1)
     mbarrier.init(acc_bars.index(1), count=1)
+    bufs = (bufs_h, bufs_w, acc_smem)
+    bars = (ready, empty, acc_bars)
     wargs = (
-        h_desc,
-        w_desc,
-        bufs_h,
-        bufs_w,
-        ready,
-        empty,
-        acc_smem,
-        acc_bars,
-        r_ptr,
-        tgt_ptr,
-        pt_ptr,
-        s_ptr,
-        t_ptr,
-        N,
-        V,
-        P_STRIDE,
-        PART_STRIDE,
-        row0,
-        split,
-        v_start,
-        n_tiles,
-        KSTEPS,
-        inv_t2,
-    )
+        (h_desc, w_desc), bufs, bars, (r_ptr, tgt_ptr, pt_ptr, s_ptr, t_ptr),
+        (N, V, P_STRIDE, PART_STRIDE, row0, split, v_start, n_tiles, ksteps, inv_t2),
+    )  # fmt: skip
     gl.warp_specialize(
         [
-            (
-                _ws_mma,
-                (
-                    bufs_h,
-                    bufs_w,
-                    ready,
-                    empty,
-                    acc_smem,
-                    acc_bars,
-                    n_tiles,
-                    KSTEPS,
-                    BLOCK_N,
-                    BLOCK_V,
-                    num_warps,
-                ),
-            ),
+            (_ws_mma, (bufs, bars, n_tiles, ksteps, BLOCK_N, BLOCK_V, num_warps)),
             (_ws_epilogue, wargs),
             (_ws_load, wargs),
         ],
@@ -322,19 +219,9 @@ def ws_launch(h, w, tgt, r, buf, sx, tx, v_per_split, splits, inv_t2, stages=4, 
     )
 
 
-def bench(fn, iters=20):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
+def bench(fn):
+    """Median ms of `fn` (triton's do_bench: L2 flushed before each run)."""
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
 def triton_launch(h, w, tgt, r, buf, sx, tx, v_per_split, splits, inv_t2):
