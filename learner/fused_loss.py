@@ -38,10 +38,9 @@ kernels a chunk (on CUDA captured in a graph and replayed per chunk: `cuda_graph
 loss whose gradient does not depend on the values at all sets `constant_grads = True` and is
 differentiated once instead of once per chunk (`GRPOTokenLoss` with μ = 1, no KL and no IS
 weight: the ratio exp(logp - logp.detach()) is 1 whatever logp is, and the entropy bonus is
-linear). A token loss may also say
-`entropy_grad = False` (it never differentiates the entropy; `GRPOTokenLoss` without an entropy
-bonus), which lets the Triton engine use its anchored tiles; without the attribute it is assumed
-True.
+linear). A token loss may also say `entropy_grad = False` (it never differentiates the entropy;
+`GRPOTokenLoss` without an entropy bonus), which lets the Triton engine use its anchored tiles;
+without the attribute it is assumed True.
 """
 
 from __future__ import annotations
@@ -114,6 +113,10 @@ class GRPOTokenLoss:
         self.ref = self._grid(ref_logprobs, "ref_logprobs")
         if isinstance(num_items_in_batch, Tensor):  # a float: no host sync in every call
             num_items_in_batch = float(num_items_in_batch)
+        if num_items_in_batch is not None and not num_items_in_batch > 0:
+            raise ValueError(
+                f"num_items_in_batch must be > 0 (the step's loss tokens), got {num_items_in_batch}"
+            )
         self.num_items_in_batch = num_items_in_batch
         self.dp_world_size = dp_world_size
         self.num_micro_batches = num_micro_batches

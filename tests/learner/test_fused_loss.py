@@ -185,6 +185,12 @@ def test_closed_form_token_grads_equal_autograd(loss_type, variant, dtype):
             torch.testing.assert_close(got_ent, want_ent[s:e], rtol=tol, atol=tol * 1e-2)
 
 
+def test_token_loss_rejects_a_non_positive_token_count():
+    _, _, _, seq, ex = make(torch.float64)
+    with pytest.raises(ValueError, match="num_items_in_batch must be > 0"):
+        GRPOTokenLoss(LossConfig(), seq, ex["advantages"], num_items_in_batch=0.0)
+
+
 def _autograd(tl, lp, ent):
     lp, ent = lp.clone().requires_grad_(), ent.clone().requires_grad_()
     return torch.autograd.grad(tl(lp, ent), (lp, ent), allow_unused=True)
