@@ -66,9 +66,17 @@ def make_inputs(b, t, hd, seed=0):
     return h.requires_grad_(), w.requires_grad_(), ids, old, ref, adv, mask
 
 
-def run_full(h, w, ids, old, ref, adv, mask):  # each run_* returns its loss, detached
+def _loss_backward(logp, ent, old, ref, adv, mask):
+    """The benchmark's DAPO loss of [B, T] log-probs (entropy: a metric), backward, detached."""
     from learner.loss import LossConfig, LossInputs, grpo_loss
 
+    inputs = LossInputs(logp, old, adv, mask, ref_logprobs=ref, entropy=ent.detach())
+    loss, _ = grpo_loss(inputs, LossConfig(beta=0.04))
+    loss.backward()
+    return loss.detach()
+
+
+def run_full(h, w, ids, old, ref, adv, mask):  # each run_* returns its loss, detached
     logits = h @ w.T  # [B, T, V] bf16, materialised
     logits.div_(TEMP)
     lp = torch.log_softmax(logits, -1)  # [B, T, V] bf16
@@ -77,22 +85,15 @@ def run_full(h, w, ids, old, ref, adv, mask):  # each run_* returns its loss, de
     with torch.no_grad():  # entropy as a metric, 4096 tokens at a time
         flat = lp.view(-1, lp.shape[-1])
         ent = torch.cat([-(c.float().exp() * c.float()).sum(-1) for c in flat.split(4096)])
-    inputs = LossInputs(logp, old, adv, mask, ref_logprobs=ref, entropy=ent.view(logp.shape))
-    loss, _ = grpo_loss(inputs, LossConfig(beta=0.04))
-    loss.backward()
-    return loss.detach()
+    return _loss_backward(logp, ent.view(logp.shape), old, ref, adv, mask)
 
 
 def run_ours(h, w, ids, old, ref, adv, mask):
     from learner.logprobs import token_logprobs
-    from learner.loss import LossConfig, LossInputs, grpo_loss
 
     b, t, hd = h.shape
     lp, ent = token_logprobs(h.view(-1, hd), w, ids.view(-1), temperature=TEMP, impl="triton")
-    inputs = LossInputs(lp.view(b, t), old, adv, mask, ref_logprobs=ref, entropy=ent.view(b, t))
-    loss, _ = grpo_loss(inputs, LossConfig(beta=0.04))
-    loss.backward()
-    return loss.detach()
+    return _loss_backward(lp.view(b, t), ent.view(b, t), old, ref, adv, mask)
 
 
 FUSED_CHUNK: dict[str, int | None] = {"size": None}  # --fused-chunk; None: auto_chunk_size
@@ -158,15 +159,10 @@ def run_liger(h, w, ids, old, ref, adv, mask):
 def run_full_trl(h, w, ids, old, ref, adv, mask):
     from trl.kernels.logprob_entropy import selective_log_softmax_and_entropy
 
-    from learner.loss import LossConfig, LossInputs, grpo_loss
-
     logits = h @ w.T  # [B, T, V] bf16, materialised
     lp, ent = selective_log_softmax_and_entropy(logits, ids, temperature=TEMP)  # fp32 each
     del logits
-    inputs = LossInputs(lp, old, adv, mask, ref_logprobs=ref, entropy=ent.detach())
-    loss, _ = grpo_loss(inputs, LossConfig(beta=0.04))
-    loss.backward()
-    return loss.detach()
+    return _loss_backward(lp, ent, old, ref, adv, mask)
 
 
 TRL_VOCAB_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 1.16
@@ -175,16 +171,11 @@ TRL_VOCAB_CHUNK = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE in TRL 
 def run_trl_chunked(h, w, ids, old, ref, adv, mask):
     from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
-    from learner.loss import LossConfig, LossInputs, grpo_loss
-
     b, t, hd = h.shape
     lp, ent, *_ = ChunkedLogProbFunction.apply(
         h.view(-1, hd), w, None, ids.view(-1), TEMP, TRL_VOCAB_CHUNK, None, 1.0, ("entropy",)
     )
-    inputs = LossInputs(lp.view(b, t), old, adv, mask, ref_logprobs=ref, entropy=ent.view(b, t))
-    loss, _ = grpo_loss(inputs, LossConfig(beta=0.04))
-    loss.backward()
-    return loss.detach()
+    return _loss_backward(lp.view(b, t), ent.view(b, t), old, ref, adv, mask)
 
 
 VARIANTS = {

@@ -188,8 +188,9 @@ class GRPOTokenLoss:
             self._consts = self._grad_consts(dtype)
         adv, w, old, ref, samp, g_ent = (x if x is None else x[s:e] for x in self._consts)
         lp = logp[s:e].to(dtype)
+        old = lp if old is None else old  # μ = 1: logp.detach(), as `__call__` passes
         cfg = self.cfg
-        ratio = torch.exp(lp - (lp if old is None else old))
+        ratio = torch.exp(lp - old)
         lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
         u = ratio * adv  # the unclipped surrogate; the clipped one is clamp(ratio) * adv
         v = torch.clamp(ratio, lo, hi) * adv
@@ -197,7 +198,7 @@ class GRPOTokenLoss:
         g_min = torch.where(u < v, 1.0, torch.where(u == v, 0.5 * (1.0 + g_clip), g_clip))
         g = -(u * g_min)  # ∂(-min(u, v))/∂logp = -(∂min/∂u + ∂min/∂v · clamp') · ratio · adv
         if samp is not None:  # the truncated IS weight multiplies the policy-gradient term
-            g = g * torch.clamp(torch.exp((lp if old is None else old) - samp), max=cfg.tis_cap)
+            g = g * torch.clamp(torch.exp(old - samp), max=cfg.tis_cap)
         if ref is not None:  # β·(exp(ref - logp) - (ref - logp) - 1)
             g = g + cfg.beta * (1.0 - torch.exp(ref - lp))
         return g * w, g_ent
@@ -320,16 +321,16 @@ class FusedLinearLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, token_loss, opts):
         temperature, chunk, fp32_dw, impl, (need_h, need_w), cuda_graph = opts
         n = hidden.shape[0]
+        closed = getattr(token_loss, "token_grads", None)  # closed-form per-token gradients
         cuda_graph = (
             cuda_graph
+            and closed is None
             and hidden.is_cuda
             and (need_h or need_w)
             and not getattr(token_loss, "constant_grads", False)
             and not torch.cuda.is_current_stream_capturing()
         )
         cdtype = compute_dtype(hidden.dtype)
-        closed = getattr(token_loss, "token_grads", None)  # closed-form per-token gradients
-        cuda_graph = cuda_graph and closed is None
         graphed = _GraphedTokenGrads.for_call(token_loss, n, chunk, hidden) if cuda_graph else None
         if graphed is not None:  # [N] each, where the graph reads them
             logp, ent = graphed.logp.zero_(), graphed.ent.zero_()
