@@ -211,23 +211,41 @@ def _anchor_kernel(
     tl.store(r_ptr + rows, tz * inv_t2, mask=row_ok)
 
 
-# The anchored kernel keeps no per-tile reference, so its vocab tile is free: 128 or 256 columns;
-# 4-warp configs leave room for two programs an SM (one's softmax under the other's products).
-# 5 stages of 128 x 128 tiles: 0.872 vs 0.896 ms for 4 on the Qwen3-0.6B head's 1536 rows
-# (H100), but 4.76 vs 3.94 ms on the 8B head's 2048; the autotuner keys on H.
+# The anchored kernel keeps no per-tile reference, so its vocab tile is free: 128 or 256 columns.
+# PIECE_V: the epilogue runs on the tile's columns in blocks of that many (each stored by its own
+# TMA store): 128 x 256 tiles in one block spill registers and their 64 KB store buffer leaves
+# room for 3 stages only; in two blocks no spills, and 4 stages fit (H100, one 1536-row launch
+# of the Qwen3-0.6B head, `bench/probe_forward.py`: 0.854 ms in one block, 0.806 in two, 0.754
+# in two with 4 stages; the 8B head's 2048 rows: 3.85 / 3.56 / 3.82 ms).
 _ANCHORED_CONFIGS = _configs(
     [
-        ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, 8, 4),
-        ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, 8, 5),
-        ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 128}, 8, 3),
-        ({"BLOCK_N": 256, "BLOCK_V": 128, "BLOCK_K": 64}, 8, 3),
-        ({"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64}, 8, 3),
-        ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, 4, 3),
-        ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, 4, 2),
-        ({"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_K": 64}, 4, 3),
+        ({"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64, "PIECE_V": 128}, 8, 4),
+        ({"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64, "PIECE_V": 128}, 8, 3),
+        ({"BLOCK_N": 256, "BLOCK_V": 128, "BLOCK_K": 64, "PIECE_V": 64}, 8, 3),
+        ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "PIECE_V": 128}, 8, 5),
+        ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64, "PIECE_V": 128}, 8, 4),
     ],
-    {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16},
+    {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16, "PIECE_V": 8},
 )
+
+
+@triton.jit
+def _anchored_piece(z2, c0, r, tgt, hit, V, row0, desc):
+    """One column block of an anchored tile (base-2 logits `z2` from column `c0`): stores
+    2^(z2 - R) as bf16 and returns its row sums Σ 2^(z2 - R) and Σ 2^(z2 - R)·(z2 - R) over the
+    block's columns but the row's target. The compare runs only where `hit`: a tile holds
+    some row's target (a fifth of the 128 x 256 tiles for V = 151936)."""
+    cols = c0 + tl.arange(0, z2.shape[1])
+    d = z2 - r[:, None]
+    if c0 + z2.shape[1] > V:
+        d = tl.where(cols[None, :] < V, d, _MASKED)
+    p = tl.exp2(d)
+    desc.store([row0, c0], p.to(tl.bfloat16).to(tl.int16, bitcast=True))
+    if hit != 0:  # noqa: SIM108 (a runtime branch: Triton has no tensor ternary)
+        q = tl.where(cols[None, :] == tgt[:, None], 0.0, p)  # the target's term: exactly 1
+    else:
+        q = p
+    return tl.sum(q, 1), tl.sum(q * d, 1)
 
 
 @triton.autotune(configs=_ANCHORED_CONFIGS, key=["H", "V"])
@@ -250,6 +268,7 @@ def _anchored_tiles_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PIECE_V: tl.constexpr,  # BLOCK_V or BLOCK_V / 2: the epilogue's column blocks
 ):
     """Logits tiles stored as 2^(z2 - R) in bf16 against a per-token anchor fixed in advance:
     no running max, no rescaling, one reference for every tile of a row (so the gradient is a
@@ -257,9 +276,10 @@ def _anchored_tiles_kernel(
     2^(z2 - R) for z2 - R < 128: a target logit more than 88·T nats below the row's largest
     (a target probability below 2^-128) overflows, which the merge detects and
     `_anchor_fallback_kernel` redoes for that row."""
-    h_desc, w_desc, pt_desc, row0, rows, v_start, v_end = _tile_program(
+    h_desc, w_desc, _, row0, rows, v_start, v_end = _tile_program(
         h_ptr, w_ptr, pt_ptr, N, V, H, P_STRIDE, v_per_split, BLOCK_N, BLOCK_V, BLOCK_K
     )
+    pt_desc = tl.make_tensor_descriptor(pt_ptr, [N, V], [P_STRIDE, 1], [BLOCK_N, PIECE_V])
     row_ok = rows < N
     r = tl.load(r_ptr + rows, mask=row_ok, other=0.0)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
@@ -267,15 +287,19 @@ def _anchored_tiles_kernel(
     t = tl.zeros([BLOCK_N], tl.float32)
     for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=True):
         z2 = _logits_tile(h_desc, w_desc, row0, v0, H, inv_t2, False, BLOCK_N, BLOCK_V, BLOCK_K)
-        cols = v0 + tl.arange(0, BLOCK_V)
-        d = z2 - r[:, None]
-        if v0 + BLOCK_V > V:
-            d = tl.where(cols[None, :] < V, d, _MASKED)
-        p = tl.exp2(d)
-        pt_desc.store([row0, v0], p.to(tl.bfloat16).to(tl.int16, bitcast=True))
-        q = tl.where(cols[None, :] == tgt[:, None], 0.0, p)  # the target's term: exactly 1
-        s += tl.sum(q, 1)
-        t += tl.sum(q * d, 1)
+        hit = tl.max(((tgt >= v0) & (tgt < v0 + BLOCK_V)).to(tl.int32), 0)
+        if PIECE_V == BLOCK_V:
+            ds, dt = _anchored_piece(z2, v0, r, tgt, hit, V, row0, pt_desc)
+            s += ds
+            t += dt
+        else:  # the accumulator's two column halves (a register view, no data movement)
+            lo, hi = tl.split(tl.permute(tl.reshape(z2, [BLOCK_N, 2, PIECE_V]), [0, 2, 1]))
+            ds, dt = _anchored_piece(lo, v0, r, tgt, hit, V, row0, pt_desc)
+            s += ds
+            t += dt
+            ds, dt = _anchored_piece(hi, v0 + PIECE_V, r, tgt, hit, V, row0, pt_desc)
+            s += ds
+            t += dt
     out = tl.program_id(1) * PART_STRIDE + rows
     tl.store(s_ptr + out, s, mask=row_ok)
     tl.store(t_ptr + out, t, mask=row_ok)
