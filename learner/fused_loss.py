@@ -77,6 +77,11 @@ class GRPOTokenLoss:
     `grpo_loss`, so all loss types, KL, truncated IS and the entropy bonus are exactly its own.
     `metrics` holds the metrics of the last call. A plain class, not a dataclass: DDP's
     forward rebuilds dataclass arguments field by field.
+
+    Construction does not wait for the GPU: what needs the host (rollout ids within
+    `advantages`, the [B, L] layout's L, which a [B, L] input must match) is checked on first
+    use, from a copy started here — the ValueError then comes from the fused loss's forward
+    (before it returns anything).
     """
 
     def __init__(
@@ -97,20 +102,46 @@ class GRPOTokenLoss:
                 f"seq must be an integer [N] tensor, got {tuple(seq.shape)} {seq.dtype}"
             )
         num_seqs = advantages.shape[0]
-        counts = torch.bincount(seq.long(), minlength=num_seqs)  # [B]
-        if counts.numel() > num_seqs:
-            raise ValueError(f"seq holds rollout ids >= len(advantages) = {num_seqs}")
-        starts = torch.cumsum(counts, 0) - counts  # [B]
-        col = torch.arange(seq.numel(), device=seq.device) - starts[seq]  # [N]
-        self._index = (seq.long(), col)
-        self._shape = (num_seqs, int(counts.max()) if seq.numel() else 1)  # the one host sync
-        self.num_tokens = seq.numel()
+        n = seq.numel()
+        if n and not num_seqs:
+            raise ValueError(f"{n} loss tokens but no rollouts: advantages is empty")
+        self.num_tokens = n
         self.cfg = cfg
         self.advantages = advantages
-        self.mask = self.regroup(torch.ones(seq.numel(), device=seq.device))  # [B, L]
-        self.old = self._grid(old_logprobs, "old_logprobs")
-        self.sampling = self._grid(sampling_logprobs, "sampling_logprobs")
-        self.ref = self._grid(ref_logprobs, "ref_logprobs")
+        dev = seq.device
+        # No host sync here (the fused loss's first kernels can start at once): the counts by a
+        # scatter-add over ids clamped into [0, B), and the facts that need the host (the ids'
+        # range, the longest rollout L of the [B, L] layout) copied back asynchronously and
+        # read on first need (`_facts`), long after the copy has landed.
+        ids = seq.long().clamp(0, max(num_seqs - 1, 0))
+        counts = torch.zeros(num_seqs, dtype=torch.long, device=dev)
+        counts.index_add_(0, ids, torch.ones_like(ids))  # [B]
+        starts = torch.cumsum(counts, 0) - counts  # [B]
+        col = torch.arange(n, device=dev) - starts[ids]  # [N]
+        self._index = (ids, col)
+        self._counts = counts
+        facts = torch.stack([seq.min(), seq.max(), counts.max()]).long() if n else counts[:0]
+        self._facts_host = torch.empty(
+            facts.shape, dtype=torch.long, pin_memory=facts.is_cuda and torch.cuda.is_available()
+        )
+        self._facts_host.copy_(facts, non_blocking=True)
+        self._facts_ready = torch.cuda.Event() if facts.is_cuda else None
+        if self._facts_ready is not None:
+            self._facts_ready.record()
+        self._shape_v: tuple[int, int] | None = None
+        self._inputs: dict[str, Tensor | None] = {}
+        for name, x in (
+            ("old_logprobs", old_logprobs),
+            ("sampling_logprobs", sampling_logprobs),
+            ("ref_logprobs", ref_logprobs),
+        ):
+            if x is not None and x.shape != (n,) and (x.dim() != 2 or x.shape[0] != num_seqs):
+                raise ValueError(
+                    f"{name} has shape {tuple(x.shape)}: pass [B, L] = [{num_seqs}, L] "
+                    f"(regrouped as train_step.regroup does) or flat [N] = [{n}]"
+                )
+            self._inputs[name] = x
+        self._grids: dict[str, Tensor | None] = {}
         if isinstance(num_items_in_batch, Tensor):  # a float: no host sync in every call
             num_items_in_batch = float(num_items_in_batch)
         if num_items_in_batch is not None and not num_items_in_batch > 0:
@@ -125,8 +156,8 @@ class GRPOTokenLoss:
         # Gradients independent of the values (see the module docstring): the fused loss
         # differentiates once for all chunks. With μ > 1 (ratio != 1), the KL term or the IS
         # weight (exp(old - sampling) with old = logp) they depend on logp.
-        no_is = self.sampling is None or cfg.tis_cap is None
-        self.constant_grads = self.old is None and cfg.beta == 0.0 and no_is
+        no_is = sampling_logprobs is None or cfg.tis_cap is None
+        self.constant_grads = old_logprobs is None and cfg.beta == 0.0 and no_is
         # Whether the loss differentiates the entropy (else it is a metric): without it the
         # Triton engine stores the logits tiles so that no second pass over them is needed.
         self.entropy_grad = cfg.entropy_coef != 0.0
@@ -158,21 +189,72 @@ class GRPOTokenLoss:
             num_micro_batches=num_micro_batches,
         )
 
+    @property
+    def _shape(self) -> tuple[int, int]:
+        """[B, L]: the rollouts and the longest one's tokens (checks the rollout ids first)."""
+        if self._shape_v is None:
+            if self._facts_ready is not None:
+                self._facts_ready.synchronize()  # recorded at construction: long done
+            num_seqs = self.advantages.shape[0]
+            if self.num_tokens:
+                lo, hi, longest = self._facts_host.tolist()
+                if lo < 0 or hi >= num_seqs:
+                    raise ValueError(
+                        f"seq holds rollout ids outside [0, len(advantages) = {num_seqs}): "
+                        f"min {lo}, max {hi}"
+                    )
+                self._shape_v = (num_seqs, longest)
+            else:
+                self._shape_v = (num_seqs, 1)
+        return self._shape_v
+
+    @property
+    def mask(self) -> Tensor:
+        """[B, L] 1 at every loss token."""
+        if "mask" not in self._grids:
+            self._grids["mask"] = self.regroup(
+                torch.ones(self.num_tokens, device=self.advantages.device)
+            )
+        return self._grids["mask"]  # type: ignore[return-value]
+
+    @property
+    def old(self) -> Tensor | None:
+        return self._grid("old_logprobs")
+
+    @property
+    def sampling(self) -> Tensor | None:
+        return self._grid("sampling_logprobs")
+
+    @property
+    def ref(self) -> Tensor | None:
+        return self._grid("ref_logprobs")
+
     def regroup(self, flat: Tensor) -> Tensor:
         """Flat `[N]` -> `[B, L]`, right-padded with zeros (as `train_step.regroup`)."""
         return flat.new_zeros(self._shape).index_put(self._index, flat)
 
-    def _grid(self, x: Tensor | None, name: str) -> Tensor | None:
+    def _grid(self, name: str) -> Tensor | None:
+        """A per-token input as [B, L] (regrouped once if it came flat)."""
+        if name not in self._grids:
+            x = self._inputs[name]
+            if x is not None and x.shape == (self.num_tokens,) and x.shape != self._shape:
+                x = self.regroup(x)
+            elif x is not None and x.shape != self._shape:
+                raise ValueError(
+                    f"{name} has shape {tuple(x.shape)}: pass [B, L] = {self._shape} (regrouped "
+                    f"as train_step.regroup does) or flat [N] = [{self.num_tokens}]"
+                )
+            self._grids[name] = x
+        return self._grids[name]
+
+    def _flat(self, name: str, dtype: torch.dtype) -> Tensor | None:
+        """A per-token input as flat [N] (gathered from [B, L] if it came so)."""
+        x = self._inputs[name]
         if x is None:
             return None
-        if x.shape == (self.num_tokens,) and x.shape != self._shape:
-            return self.regroup(x)
-        if x.shape != self._shape:
-            raise ValueError(
-                f"{name} has shape {tuple(x.shape)}: pass [B, L] = {self._shape} (regrouped "
-                f"as train_step.regroup does) or flat [N] = [{self.num_tokens}]"
-            )
-        return x
+        if x.shape != (self.num_tokens,):
+            x = self._grid(name)[self._index]  # type: ignore[index]
+        return x.to(dtype)
 
     def token_grads(
         self, logp: Tensor, entropy: Tensor, s: int, e: int
@@ -209,12 +291,12 @@ class GRPOTokenLoss:
         ∂loss/∂entropy (None without an entropy bonus)."""
         seq, _ = self._index
         n = self.num_tokens
-        num_seqs = self._shape[0]
+        num_seqs = self._shape[0]  # checks the rollout ids (a host read, no wait by now)
         micro = self.num_micro_batches
         ones = torch.ones(n, dtype=dtype, device=seq.device)
         kind = self.cfg.loss_type
         if kind == "grpo":  # mean over each sequence's tokens, then over sequences
-            lengths = torch.bincount(seq, minlength=num_seqs).to(dtype).clamp(min=1.0)
+            lengths = self._counts.to(dtype).clamp(min=1.0)
             w = ones / (lengths[seq] * num_seqs * micro)
         elif kind == "dr_grpo":
             w = ones / (num_seqs * self.cfg.max_completion_length * micro)
@@ -222,15 +304,12 @@ class GRPOTokenLoss:
             w = ones * (self.dp_world_size / float(self.num_items_in_batch))
         else:  # bnpo, or dapo without num_items_in_batch
             w = ones / (max(n, 1) * micro)
-
-        def flat(x: Tensor | None) -> Tensor | None:
-            return None if x is None else x[self._index].to(dtype)
-
-        samp = flat(self.sampling) if self.cfg.tis_cap is not None else None
-        ref = flat(self.ref) if self.cfg.beta != 0.0 else None
+        samp = self._flat("sampling_logprobs", dtype) if self.cfg.tis_cap is not None else None
+        ref = self._flat("ref_logprobs", dtype) if self.cfg.beta != 0.0 else None
         coef = self.cfg.entropy_coef
         g_ent = -coef * w if coef != 0.0 else None
-        return self.advantages.to(dtype)[seq], w, flat(self.old), ref, samp, g_ent
+        old = self._flat("old_logprobs", dtype)
+        return self.advantages.to(dtype)[seq], w, old, ref, samp, g_ent
 
     def __call__(self, logp: Tensor, entropy: Tensor) -> Tensor:
         lp = self.regroup(logp)  # [B, L]
@@ -351,6 +430,7 @@ class FusedLinearLoss(torch.autograd.Function):
         const = (need_h or need_w) and getattr(token_loss, "constant_grads", False)
         if const:  # once, at any values (zeros)
             g_lp_all, g_ent_all = _token_grads(token_loss, logp, ent, 0, n)
+        loss = None
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             chunks.stats(s, e, logp[s:e], ent[s:e])
@@ -365,6 +445,9 @@ class FusedLinearLoss(torch.autograd.Function):
                 g_lp, g_ent = graphed(s, e)
             else:
                 g_lp, g_ent = _token_grads(token_loss, logp, ent, s, e)
+            if e == n:  # every token filled: the exact loss and metrics, queued before the
+                with torch.no_grad():  # last chunk's two products (the host runs ahead)
+                    loss = token_loss(logp, ent)
             if g_lp is None and g_ent is None:
                 continue
             # [C, V] ∂loss/∂logits in the matmul dtype, times `scale` (a power of two, fp16
@@ -377,8 +460,9 @@ class FusedLinearLoss(torch.autograd.Function):
             del g
         if grad_w is not None and dw_empty:
             grad_w.zero_()
-        with torch.no_grad():
-            loss = token_loss(logp, ent)  # exact value and metrics: every token filled now
+        if loss is None:  # no gradients were asked for
+            with torch.no_grad():
+                loss = token_loss(logp, ent)  # exact value and metrics: every token filled now
         del graphed  # frees the graph's memory pool
         ctx.grads = (grad_h, grad_w)
         ctx.weight_dtype = weight.dtype

@@ -283,8 +283,18 @@ def test_token_loss_regroups_like_train_step_and_checks_shapes():
     assert torch.equal(tl2.old, ex["old"] * tl.mask)
     with pytest.raises(ValueError, match="ref_logprobs has shape"):
         GRPOTokenLoss(LossConfig(), seq, ex["advantages"], ref_logprobs=torch.zeros(3, 3))
-    with pytest.raises(ValueError, match="rollout ids"):
-        GRPOTokenLoss(LossConfig(), seq, ex["advantages"][:2])
+    # What needs the host (no sync at construction) is checked on first use: the fused loss's
+    # forward raises before it returns anything.
+    h, w, t, _, _ = make(torch.float64)
+    bad_len = GRPOTokenLoss(
+        LossConfig(beta=0.1), seq, ex["advantages"], ref_logprobs=ex["old"][:, :-1]
+    )
+    with pytest.raises(ValueError, match=r"ref_logprobs has shape .*: pass \[B, L\]"):
+        fused_grpo_loss(h, w, t, bad_len)
+    with pytest.raises(ValueError, match="rollout ids outside"):
+        fused_grpo_loss(h, w, t, GRPOTokenLoss(LossConfig(), seq, ex["advantages"][:2]))
+    with pytest.raises(ValueError, match="no rollouts"):
+        GRPOTokenLoss(LossConfig(), seq, ex["advantages"][:0])
 
 
 def test_bf16_gradients_and_fp32_weight_grad_accumulation():
