@@ -262,7 +262,8 @@ class GRPOTokenLoss:
         """∂loss/∂logp and ∂loss/∂entropy of tokens `[s, e)` in closed form: what autograd
         through `__call__` gives (`_token_grads`), from `logp[s:e]` and per-token constants
         prepared once, in ~15 elementwise ops on the chunk instead of ~180 kernels over all N
-        tokens. The derivative follows `grpo_loss` term by term, with PyTorch's conventions
+        tokens (on CUDA in fp32 one Triton launch, `triton_fused.grpo_token_grads`: the fused
+        loss runs this once a chunk, between its forward kernel and the products). The derivative follows `grpo_loss` term by term, with PyTorch's conventions
         where it is not smooth: `torch.min` splits the gradient evenly on a tie (the ratio
         inside the clip range, or a zero advantage) and `clamp` passes it at the bounds."""
         dtype = torch.promote_types(logp.dtype, torch.float32)  # grpo_loss's
@@ -270,8 +271,14 @@ class GRPOTokenLoss:
             self._consts = self._grad_consts(dtype)
         adv, w, old, ref, samp, g_ent = (x if x is None else x[s:e] for x in self._consts)
         lp = logp[s:e].to(dtype)
-        old = lp if old is None else old  # μ = 1: logp.detach(), as `__call__` passes
         cfg = self.cfg
+        if lp.is_cuda and dtype == torch.float32 and lp.is_contiguous() and triton_importable():
+            from learner.kernels.triton_fused import grpo_token_grads
+
+            clip = (1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+            g = grpo_token_grads(lp, adv, w, old, ref, samp, clip, cfg.beta, cfg.tis_cap)
+            return g, g_ent
+        old = lp if old is None else old  # μ = 1: logp.detach(), as `__call__` passes
         ratio = torch.exp(lp - old)
         lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
         u = ratio * adv  # the unclipped surrogate; the clipped one is clamp(ratio) * adv

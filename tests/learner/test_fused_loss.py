@@ -475,6 +475,38 @@ def run_triton_checks(device, n_lens, hd, v, chunk_sizes, fwd_rows, temperature=
         ref = grads_of(functools.partial(reference_loss, *args), h, w)
         for i, name in ((0, "loss"), (4, "grad_hidden"), (5, "grad_weight")):
             out.append((f"grpo_loss {name} {dtype}", rel(ours[i], ref[i]), 1e-2))
+    return out + _token_grads_kernel_checks(device)
+
+
+def _token_grads_kernel_checks(device):
+    """`grpo_token_grads` (one launch, CUDA's path of `GRPOTokenLoss.token_grads`) against the
+    PyTorch closed form, fp32, for every loss term, with ratios on both clip sides, exactly 1
+    (min's tie) and a zero advantage."""
+    from learner.kernels.triton_fused import grpo_token_grads
+
+    _, _, _, seq, ex = make(torch.float64)
+    n = seq.numel()
+    g = torch.Generator().manual_seed(3)
+    flat_old = ex["old"][seq, torch.cat([torch.arange(k) for k in LENS])]
+    lp = flat_old + 0.4 * torch.randn(n, generator=g, dtype=torch.float64)
+    lp[::4] = flat_old[::4]
+    adv = ex["advantages"].clone()
+    adv[1] = 0.0
+    out = []
+    for variant, (kw, names) in VARIANTS.items():
+        for mu1 in (False, True):
+            cfg = LossConfig(loss_type="dapo", **kw)
+            tl = GRPOTokenLoss(
+                cfg, seq.to(device), adv.float().to(device),
+                old_logprobs=None if mu1 else ex["old"].float().to(device),
+                **{f"{k}_logprobs": ex[k].float().to(device) for k in names},
+            )  # fmt: skip
+            x = lp.float().to(device)
+            want, _ = tl.token_grads(x, x, 0, n)  # on CPU: the PyTorch closed form
+            a, w_, old, ref, samp, _ = tl._consts
+            clip = (1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+            got = grpo_token_grads(x, a, w_, old, ref, samp, clip, cfg.beta, cfg.tis_cap)
+            out.append((f"grpo_token_grads {variant} mu1={mu1}", rel(got, want), 1e-6))
     return out
 
 
