@@ -26,7 +26,9 @@ Accuracy (`fused`, `ours` and the TRL variants, at each head's largest token cou
 float64 (`token_logprobs(impl="torch")` on float64 copies of the same bf16 inputs); the bar
 is a relative error <= 1e-2 for the gradients.
 
-Time: median of CUDA-event-timed fwd+bwd iterations after warm-up. Memory: peak
+Time: median of CUDA-event-timed fwd+bwd iterations after warm-up, back to back (so the H100
+runs at its 700 W power cap, ~1.4-1.6 GHz instead of 1.98; `--cooldown S` idles the GPU S
+seconds before each timed call instead, and reads nearer its boost clock). Memory: peak
 `torch.cuda.max_memory_allocated()` during one fwd+bwd minus the memory allocated just before
 it (inputs allocated, .grad None), so the gradients themselves (grad_hidden, grad_weight) are
 counted in every variant. The floor is 6·N·H·V FLOPs (forward logits, grad_hidden,
@@ -41,6 +43,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -184,6 +187,9 @@ VARIANTS = {
 }  # fmt: skip
 
 
+COOLDOWN = {"s": 0.0}  # --cooldown
+
+
 def measure(fn, inputs, iters):
     h, w = inputs[0], inputs[1]
     h.grad = w.grad = None
@@ -198,6 +204,8 @@ def measure(fn, inputs, iters):
     times = []
     for _ in range(iters):
         h.grad = w.grad = None
+        if COOLDOWN["s"]:  # an idle GPU first: clocks back from the power cap
+            time.sleep(COOLDOWN["s"])
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn(*inputs)
@@ -483,8 +491,16 @@ def main():
     )
     p.add_argument("--profile", action="store_true", help="profile one fused fwd+bwd and exit")
     p.add_argument("--no-accuracy", action="store_true", help="skip the float64 comparison")
+    p.add_argument(
+        "--cooldown",
+        type=float,
+        default=0.0,
+        help="seconds of idle GPU before each timed call (default 0: back to back, the H100 at"
+        " its 700 W power cap, clocks ~1.4-1.6 GHz instead of 1.98)",
+    )
     args = p.parse_args()
     FUSED_CHUNK["size"] = args.fused_chunk
+    COOLDOWN["s"] = args.cooldown
     if "liger" in args.variants and importlib.util.find_spec("liger_kernel") is None:
         print(
             "liger-kernel is not installed: skipping the liger variant (pip install liger-kernel)"
@@ -544,7 +560,8 @@ def main():
             torch.cuda.empty_cache()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "matmul_tflops": tflops}
-    meta |= {"torch": torch.__version__, "temperature": TEMP, "results": results}
+    meta |= {"torch": torch.__version__, "temperature": TEMP, "cooldown_s": args.cooldown}
+    meta |= {"results": results}
     _print_tile_configs()
     chunks = {head: args.fused_chunk or auto_chunk_size(HEADS[head][0]) for head in args.heads}
     meta |= {"fused_chunk": chunks, "accuracy": acc}

@@ -75,7 +75,7 @@ def _piece(z2, c0, r, tgt, hit, V, row0, desc, FAST: tl.constexpr):
 def _probe_kernel(
     h_ptr, w_ptr, tgt_ptr, r_ptr, pt_ptr, s_ptr, t_ptr, N, V, H, P_STRIDE, PART_STRIDE,
     v_per_split, inv_t2, MODE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, WS: tl.constexpr = False, FLAT: tl.constexpr = True,
 ):  # fmt: skip
     h_desc = tl.make_tensor_descriptor(h_ptr, [N, H], [H, 1], [BLOCK_N, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, [V, H], [H, 1], [BLOCK_V, BLOCK_K])
@@ -91,7 +91,7 @@ def _probe_kernel(
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
-    for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=True):
+    for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=FLAT, warp_specialize=WS):
         z2 = _logits_tile(h_desc, w_desc, row0, v0, H, inv_t2, False, BLOCK_N, BLOCK_V, BLOCK_K)
         if MODE == 4:
             s += tl.sum(z2, 1)
@@ -179,7 +179,9 @@ CONFIGS = [  # (BLOCK_N, BLOCK_V, BLOCK_K, warps, stages)
 DETAIL = {(128, 128, 64, 8, 4), (128, 256, 64, 8, 3)}  # the configs probed in every mode
 
 
-def probe(hd: int, rows: int, vocab: int, modes: list[str], configs: list) -> list[dict]:
+def probe(
+    hd: int, rows: int, vocab: int, modes: list[str], configs: list, extra: dict
+) -> list[dict]:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     h = torch.randn(rows, hd, device=dev, dtype=torch.bfloat16, generator=g)
@@ -206,9 +208,15 @@ def probe(hd: int, rows: int, vocab: int, modes: list[str], configs: list) -> li
             grid = (triton.cdiv(rows, bn), splits)
             args = (h, w, tgt, r, buf, parts[0], parts[1], rows, vocab, hd, buf.shape[1],
                     rows, vps, inv_t2)  # fmt: skip
-            kw = dict(MODE=MODES[mode], BLOCK_V=bv, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+            kw = dict(**extra, MODE=MODES[mode], BLOCK_V=bv, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                       num_stages=stages)  # fmt: skip
-            row = {"H": hd, "rows": rows, "mode": mode, "config": [bn, bv, bk, warps, stages]}
+            row = {
+                "H": hd,
+                "rows": rows,
+                "mode": mode,
+                "config": [bn, bv, bk, warps, stages],
+                **extra,
+            }
             try:
                 parts.zero_()
                 buf.zero_()
@@ -241,6 +249,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("bench/results/probe_forward.json"))
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--ws", action="store_true", help="tl.range(warp_specialize=True)")
+    p.add_argument("--no-flatten", action="store_true", help="tl.range(flatten=False)")
     p.add_argument("--configs", nargs="+", help="BLOCK_N,BLOCK_V,BLOCK_K,warps,stages each")
     p.add_argument("--shapes", nargs="+", default=["1024:1536", "4096:2048"], help="H:rows")
     args = p.parse_args()
@@ -252,7 +262,8 @@ def main() -> None:
         configs = CONFIGS
         if args.configs:
             configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
-        results += probe(hd, rows, 151_936, args.modes, configs)
+        extra = {"WS": args.ws, "FLAT": not args.no_flatten}
+        results += probe(hd, rows, 151_936, args.modes, configs, extra)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
 
