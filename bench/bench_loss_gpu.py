@@ -107,7 +107,7 @@ def run_fused(h, w, ids, old, ref, adv, mask):
     from learner.loss import LossConfig
 
     b, t, hd = h.shape
-    seq = torch.arange(b, device=h.device).repeat_interleave(t)  # [N] rollout of each token
+    seq = torch.arange(b * t, device=h.device) // t  # [N] rollout of each token (no host sync)
     token_loss = GRPOTokenLoss(LossConfig(beta=0.04), seq, adv, old_logprobs=old, ref_logprobs=ref)
     loss, _, _ = fused_grpo_loss(
         h.view(-1, hd), w, ids.view(-1), token_loss, temperature=TEMP,
@@ -343,7 +343,7 @@ def breakdown_fused(hd, b, t, chunk):
     h, w, ids, old, ref, adv, _ = make_inputs(b, t, hd)
     n = b * t
     h2, w2, ids2 = h.detach().view(-1, hd), w.detach(), ids.view(-1)
-    seq = torch.arange(b, device="cuda").repeat_interleave(t)
+    seq = torch.arange(b * t, device="cuda") // t
     token_loss = GRPOTokenLoss(LossConfig(beta=0.04), seq, adv, old_logprobs=old, ref_logprobs=ref)
     chunks = TritonChunks(h2, w2, ids2, TEMP, chunk, token_loss.entropy_grad)
     print(f"anchored tiles: {chunks.anchored}")
