@@ -10,7 +10,7 @@ epilogue removed, for every tile config, against cuBLAS's plain GEMM of the same
     halves    the full epilogue in two column halves (lower register pressure)
     mmaonly   the GEMM with a row sum of each tile (the loop's own ceiling)
     cond      full, the target compare only in tiles that hold a row's target
-    halvescond / quarters   cond in two / four column pieces
+    halvescond  cond in two column halves
     halvesfast  halvescond with a flush-to-zero ex2.approx
 
     python3 bench/probe_forward.py --out $OUT/probe_forward.json
@@ -40,7 +40,6 @@ MODES = {
     "cond": 5,
     "halvescond": 6,
     "halvesfast": 7,
-    "quarters": 8,
 }
 
 
@@ -81,7 +80,6 @@ def _probe_kernel(
     w_desc = tl.make_tensor_descriptor(w_ptr, [V, H], [H, 1], [BLOCK_V, BLOCK_K])
     pt_desc = tl.make_tensor_descriptor(pt_ptr, [N, V], [P_STRIDE, 1], [BLOCK_N, BLOCK_V])
     half_desc = tl.make_tensor_descriptor(pt_ptr, [N, V], [P_STRIDE, 1], [BLOCK_N, BLOCK_V // 2])
-    quarter_desc = tl.make_tensor_descriptor(pt_ptr, [N, V], [P_STRIDE, 1], [BLOCK_N, BLOCK_V // 4])
     row0 = tl.program_id(0) * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     v_start = tl.program_id(1) * v_per_split
@@ -103,31 +101,12 @@ def _probe_kernel(
                 t += dt
             else:
                 lo, hi = tl.split(tl.permute(tl.reshape(z2, [BLOCK_N, 2, BLOCK_V // 2]), [0, 2, 1]))
-                if MODE != 8:
-                    ds, dt = _piece(lo, v0, r, tgt, hit, V, row0, half_desc, MODE == 7)
-                    s += ds
-                    t += dt
-                    ds, dt = _piece(
-                        hi, v0 + BLOCK_V // 2, r, tgt, hit, V, row0, half_desc, MODE == 7
-                    )
-                    s += ds
-                    t += dt
-                else:
-                    q = BLOCK_V // 4
-                    a, b = tl.split(tl.permute(tl.reshape(lo, [BLOCK_N, 2, q]), [0, 2, 1]))
-                    ds, dt = _piece(a, v0, r, tgt, hit, V, row0, quarter_desc, False)
-                    s += ds
-                    t += dt
-                    ds, dt = _piece(b, v0 + q, r, tgt, hit, V, row0, quarter_desc, False)
-                    s += ds
-                    t += dt
-                    a, b = tl.split(tl.permute(tl.reshape(hi, [BLOCK_N, 2, q]), [0, 2, 1]))
-                    ds, dt = _piece(a, v0 + 2 * q, r, tgt, hit, V, row0, quarter_desc, False)
-                    s += ds
-                    t += dt
-                    ds, dt = _piece(b, v0 + 3 * q, r, tgt, hit, V, row0, quarter_desc, False)
-                    s += ds
-                    t += dt
+                ds, dt = _piece(lo, v0, r, tgt, hit, V, row0, half_desc, MODE == 7)
+                s += ds
+                t += dt
+                ds, dt = _piece(hi, v0 + BLOCK_V // 2, r, tgt, hit, V, row0, half_desc, MODE == 7)
+                s += ds
+                t += dt
         elif MODE == 3:
             both = tl.permute(tl.reshape(z2, [BLOCK_N, 2, BLOCK_V // 2]), [0, 2, 1])
             lo, hi = tl.split(both)
