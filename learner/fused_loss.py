@@ -112,7 +112,7 @@ class GRPOTokenLoss:
         # No host sync here (the fused loss's first kernels can start at once): the counts by a
         # scatter-add over ids clamped into [0, B), and the facts that need the host (the ids'
         # range, the longest rollout L of the [B, L] layout) copied back asynchronously and
-        # read on first need (`_facts`), long after the copy has landed.
+        # read on first need (`_shape`), long after the copy has landed.
         ids = seq.long().clamp(0, max(num_seqs - 1, 0))
         counts = torch.zeros(num_seqs, dtype=torch.long, device=dev)
         counts.index_add_(0, ids, torch.ones_like(ids))  # [B]
@@ -120,6 +120,7 @@ class GRPOTokenLoss:
         col = torch.arange(n, device=dev) - starts[ids]  # [N]
         self._index = (ids, col)
         self._counts = counts
+        self._device = dev
         facts = torch.stack([seq.min(), seq.max(), counts.max()]).long() if n else counts[:0]
         self._facts_host = torch.empty(
             facts.shape, dtype=torch.long, pin_memory=facts.is_cuda and torch.cuda.is_available()
@@ -212,9 +213,7 @@ class GRPOTokenLoss:
     def mask(self) -> Tensor:
         """[B, L] 1 at every loss token."""
         if "mask" not in self._grids:
-            self._grids["mask"] = self.regroup(
-                torch.ones(self.num_tokens, device=self.advantages.device)
-            )
+            self._grids["mask"] = self.regroup(torch.ones(self.num_tokens, device=self._device))
         return self._grids["mask"]  # type: ignore[return-value]
 
     @property
@@ -263,8 +262,9 @@ class GRPOTokenLoss:
         through `__call__` gives (`_token_grads`), from `logp[s:e]` and per-token constants
         prepared once, in ~15 elementwise ops on the chunk instead of ~180 kernels over all N
         tokens (on CUDA in fp32 one Triton launch, `triton_fused.grpo_token_grads`: the fused
-        loss runs this once a chunk, between its forward kernel and the products). The derivative follows `grpo_loss` term by term, with PyTorch's conventions
-        where it is not smooth: `torch.min` splits the gradient evenly on a tie (the ratio
+        loss runs this once a chunk, between its forward kernel and the products). The
+        derivative follows `grpo_loss` term by term, with PyTorch's conventions where it is
+        not smooth: `torch.min` splits the gradient evenly on a tie (the ratio
         inside the clip range, or a zero advantage) and `clamp` passes it at the bounds."""
         dtype = torch.promote_types(logp.dtype, torch.float32)  # grpo_loss's
         if self._consts is None or self._consts[1].dtype != dtype:
