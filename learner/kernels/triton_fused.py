@@ -543,7 +543,9 @@ class TritonChunks:
                 tx[:, off:], rows, v, hd, buf.shape[1], sx.shape[1], self.v_per_split, inv_t2,
             )  # fmt: skip
         total, bad = self.total[:nb], self.bad[:nb]
-        block = 16 if _INTERPRET else 256
+        # 64 rows a program: 24 programs for the 0.6B head's 1536-row chunk, 7.8 µs a launch on
+        # an H100 (11.7 µs with 256 rows, 6 programs; `bench_loss_gpu.py --profile`)
+        block = 16 if _INTERPRET else 64
         _anchored_merge_kernel[(triton.cdiv(nb, block),)](
             sx, tx, tgt, buf, logp, ent, total, bad, nb, self.splits, sx.shape[1], buf.shape[1],
             BLOCK=block, num_warps=4,
