@@ -122,9 +122,7 @@ class GRPOTokenLoss:
         self._counts = counts
         self._device = dev
         facts = torch.stack([seq.min(), seq.max(), counts.max()]).long() if n else counts[:0]
-        self._facts_host = torch.empty(
-            facts.shape, dtype=torch.long, pin_memory=facts.is_cuda and torch.cuda.is_available()
-        )
+        self._facts_host = torch.empty(facts.shape, dtype=torch.long, pin_memory=facts.is_cuda)
         self._facts_host.copy_(facts, non_blocking=True)
         self._facts_ready = torch.cuda.Event() if facts.is_cuda else None
         if self._facts_ready is not None:
@@ -236,7 +234,7 @@ class GRPOTokenLoss:
         """A per-token input as [B, L] (regrouped once if it came flat)."""
         if name not in self._grids:
             x = self._inputs[name]
-            if x is not None and x.shape == (self.num_tokens,) and x.shape != self._shape:
+            if x is not None and x.shape == (self.num_tokens,):  # flat [N]
                 x = self.regroup(x)
             elif x is not None and x.shape != self._shape:
                 raise ValueError(
@@ -272,15 +270,14 @@ class GRPOTokenLoss:
         adv, w, old, ref, samp, g_ent = (x if x is None else x[s:e] for x in self._consts)
         lp = logp[s:e].to(dtype)
         cfg = self.cfg
+        lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
         if lp.is_cuda and dtype == torch.float32 and lp.is_contiguous() and triton_importable():
             from learner.kernels.triton_fused import grpo_token_grads
 
-            clip = (1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-            g = grpo_token_grads(lp, adv, w, old, ref, samp, clip, cfg.beta, cfg.tis_cap)
+            g = grpo_token_grads(lp, adv, w, old, ref, samp, (lo, hi), cfg.beta, cfg.tis_cap)
             return g, g_ent
         old = lp if old is None else old  # μ = 1: logp.detach(), as `__call__` passes
         ratio = torch.exp(lp - old)
-        lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
         u = ratio * adv  # the unclipped surrogate; the clipped one is clamp(ratio) * adv
         v = torch.clamp(ratio, lo, hi) * adv
         g_clip = torch.where((ratio >= lo) & (ratio <= hi), 1.0, 0.0)  # clamp's gradient

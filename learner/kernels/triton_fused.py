@@ -70,18 +70,18 @@ ANCHORED = os.environ.get("GRPO_FUSED_ANCHORED", "1") != "0"
 
 @triton.jit
 def _tile_program(
-    h_ptr, w_ptr, pt_ptr, N, V, H, P_STRIDE, v_per_split,
+    h_ptr, w_ptr, N, V, H, v_per_split,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """What a forward-tile program (grid: token blocks x vocab splits) works on: the hidden,
-    weight and stored-tile descriptors, its first row and rows, its vocab range."""
+    """What a forward-tile program (grid: token blocks x vocab splits) works on: the hidden
+    and weight descriptors, its first row and rows, its vocab range (each kernel makes its own
+    store descriptor: its stored block differs)."""
     h_desc = tl.make_tensor_descriptor(h_ptr, [N, H], [H, 1], [BLOCK_N, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, [V, H], [H, 1], [BLOCK_V, BLOCK_K])
-    pt_desc = tl.make_tensor_descriptor(pt_ptr, [N, V], [P_STRIDE, 1], [BLOCK_N, BLOCK_V])
     row0 = tl.program_id(0) * BLOCK_N
     v_start = tl.program_id(1) * v_per_split
     v_end = tl.minimum(V, v_start + v_per_split)
-    return h_desc, w_desc, pt_desc, row0, row0 + tl.arange(0, BLOCK_N), v_start, v_end
+    return h_desc, w_desc, row0, row0 + tl.arange(0, BLOCK_N), v_start, v_end
 
 
 _TILE_CONFIGS = _configs(
@@ -126,9 +126,10 @@ def _softmax_tiles_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    h_desc, w_desc, pt_desc, row0, rows, v_start, v_end = _tile_program(
-        h_ptr, w_ptr, pt_ptr, N, V, H, P_STRIDE, v_per_split, BLOCK_N, BLOCK_V, BLOCK_K
+    h_desc, w_desc, row0, rows, v_start, v_end = _tile_program(
+        h_ptr, w_ptr, N, V, H, v_per_split, BLOCK_N, BLOCK_V, BLOCK_K
     )
+    pt_desc = tl.make_tensor_descriptor(pt_ptr, [N, V], [P_STRIDE, 1], [BLOCK_N, BLOCK_V])
     row_ok = rows < N
     m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
@@ -276,8 +277,8 @@ def _anchored_tiles_kernel(
     2^(z2 - R) for z2 - R < 128: a target logit more than 88·T nats below the row's largest
     (a target probability below 2^-128) overflows, which the merge detects and
     `_anchor_fallback_kernel` redoes for that row."""
-    h_desc, w_desc, _, row0, rows, v_start, v_end = _tile_program(
-        h_ptr, w_ptr, pt_ptr, N, V, H, P_STRIDE, v_per_split, BLOCK_N, BLOCK_V, BLOCK_K
+    h_desc, w_desc, row0, rows, v_start, v_end = _tile_program(
+        h_ptr, w_ptr, N, V, H, v_per_split, BLOCK_N, BLOCK_V, BLOCK_K
     )
     pt_desc = tl.make_tensor_descriptor(pt_ptr, [N, V], [P_STRIDE, 1], [BLOCK_N, PIECE_V])
     row_ok = rows < N
