@@ -22,6 +22,11 @@ Variants, all computing the same DAPO loss (beta 0.04 with reference log-probs, 
          in the forward, `--fused-chunk` tokens' logits at a time, 2 bytes an entry;
          default `auto_chunk_size`: 1536 tokens on the 0.6B head, 4096 on the 8B one).
 
+- gemm-floor: no loss, only fused's three bf16 cuBLAS products a chunk (logits, then G W and
+         G^T h with the logits as G): what the same chunking costs with nothing but matmuls.
+- gemm-floor-whole: the same three products over all tokens at once (N x V logits): the
+         6·N·H·V floor as cuBLAS runs it on this GPU, power cap included.
+
 Accuracy (`fused`, `ours` and the TRL variants, at each head's largest token count): loss and gradients against
 float64 (`token_logprobs(impl="torch")` on float64 copies of the same bf16 inputs); the bar
 is a relative error <= 1e-2 for the gradients.
@@ -181,9 +186,38 @@ def run_trl_chunked(h, w, ids, old, ref, adv, mask):
     return _loss_backward(lp.view(b, t), ent.view(b, t), old, ref, adv, mask)
 
 
+def _gemm_floor(h, w, chunk):
+    """Only the three bf16 cuBLAS products of a loss through the head, `chunk` tokens of
+    logits at a time (all of them: None), with no loss math: logits = h W^T, then the
+    gradients G W and G^T h with the logits standing in for G. Sets the .grad of h and w
+    (meaningless values) like a variant; returns a zero loss."""
+    hd = h.shape[-1]
+    hf, wd = h.detach().view(-1, hd), w.detach()
+    n = hf.shape[0]
+    c = n if chunk is None else chunk
+    buf = torch.empty(min(c, n), wd.shape[0], dtype=wd.dtype, device=wd.device)
+    gh, gw = torch.empty_like(hf), torch.empty_like(wd)
+    for s in range(0, n, c):
+        e = min(s + c, n)
+        z = torch.mm(hf[s:e], wd.T, out=buf[: e - s])  # [C, V]
+        torch.mm(z, wd, out=gh[s:e])  # [C, H]
+        torch.addmm(gw, z.T, hf[s:e], beta=0.0 if s == 0 else 1.0, out=gw)  # [V, H]
+    h.grad, w.grad = gh.view_as(h), gw
+    return hf.new_zeros(())
+
+
+def run_gemm_floor(h, w, ids, old, ref, adv, mask):
+    return _gemm_floor(h, w, FUSED_CHUNK["size"] or auto_chunk_size(h.shape[-1]))
+
+
+def run_gemm_floor_whole(h, w, ids, old, ref, adv, mask):
+    return _gemm_floor(h, w, None)
+
+
 VARIANTS = {
     "full": run_full, "full-trl": run_full_trl, "trl-chunked": run_trl_chunked,
     "liger": run_liger, "ours": run_ours, "fused": run_fused,
+    "gemm-floor": run_gemm_floor, "gemm-floor-whole": run_gemm_floor_whole,
 }  # fmt: skip
 
 

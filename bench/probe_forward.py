@@ -180,8 +180,10 @@ def probe(
     out.append({"H": hd, "rows": rows, "mode": "cublas", "ms": ms, "tflops": flops / ms / 1e9})
     print(f"H={hd} rows={rows} splits={splits}: cuBLAS bf16 mm {ms:.3f} ms "
           f"({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)  # fmt: skip
-    for bn, bv, bk, warps, stages in configs:
-        detail = (bn, bv, bk, warps, stages) in DETAIL or configs is not CONFIGS
+    for cfg in configs:
+        bn, bv, bk, warps, stages = cfg[:5]
+        maxnreg = cfg[5] if len(cfg) > 5 else None  # 128: two 8-warp programs an SM
+        detail = tuple(cfg) in DETAIL or configs is not CONFIGS
         ref = None  # the full epilogue's outputs: every storing mode must give the same
         for mode in [m for m in modes if detail or m in ("full", "mmaonly")]:
             grid = (triton.cdiv(rows, bn), splits)
@@ -189,11 +191,13 @@ def probe(
                     rows, vps, inv_t2)  # fmt: skip
             kw = dict(**extra, MODE=MODES[mode], BLOCK_V=bv, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                       num_stages=stages)  # fmt: skip
+            if maxnreg:
+                kw["maxnreg"] = maxnreg
             row = {
                 "H": hd,
                 "rows": rows,
                 "mode": mode,
-                "config": [bn, bv, bk, warps, stages],
+                "config": list(cfg),
                 **extra,
             }
             try:
@@ -211,12 +215,14 @@ def probe(
                     lambda grid=grid, args=args, kw=kw: _probe_kernel[grid](*args, **kw), rep=50
                 )
                 row.update(ms=ms, tflops=flops / ms / 1e9, regs=k.n_regs, spills=k.n_spills)
+                row["smem_kb"] = k.metadata.shared / 1024
             except Exception as exc:  # out of shared memory, say
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
             out.append(row)
             if "ms" in row:
                 print(f"  {row['config']!s:24s} {mode:9s} {row['ms']:.3f} ms "
                       f"{row['tflops']:5.0f} TFLOP/s  regs {row['regs']} spills {row['spills']} "
+                      f"smem {row['smem_kb']:.0f} KB "
                       f"{row.get('parts_rel_err', '')} {row.get('buf_equal', '')}",
                       flush=True)  # fmt: skip
             else:
@@ -230,7 +236,9 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--ws", action="store_true", help="tl.range(warp_specialize=True)")
     p.add_argument("--no-flatten", action="store_true", help="tl.range(flatten=False)")
-    p.add_argument("--configs", nargs="+", help="BLOCK_N,BLOCK_V,BLOCK_K,warps,stages each")
+    p.add_argument(
+        "--configs", nargs="+", help="BLOCK_N,BLOCK_V,BLOCK_K,warps,stages[,maxnreg] each"
+    )
     p.add_argument("--shapes", nargs="+", default=["1024:1536", "4096:2048"], help="H:rows")
     args = p.parse_args()
     _set_allocator()

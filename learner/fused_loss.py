@@ -56,6 +56,7 @@ from learner.batch import TrainBatch
 from learner.logprobs import (
     _check_inputs,
     _scaled_logits,
+    check_target_range,
     compute_dtype,
     fp16_grad_scale,
     logits_grad,
@@ -362,7 +363,12 @@ def fused_grpo_loss(
     """
     if chunk_size is None:
         chunk_size = auto_chunk_size(weight.shape[-1])
-    _check_inputs(hidden, weight, targets, temperature, chunk_size)
+    # On CUDA the targets' range is checked in the forward without a host sync (it would hold
+    # the host until the GPU has run everything queued before this loss, the model's forward
+    # say, and then leave the GPU idle while the host launches the loss's first kernels).
+    _check_inputs(
+        hidden, weight, targets, temperature, chunk_size, target_range=not targets.is_cuda
+    )
     if impl == "auto":
         impl = "triton" if _triton_usable(hidden, weight) else "torch"
     if impl not in ("torch", "triton"):
@@ -414,6 +420,9 @@ class FusedLinearLoss(torch.autograd.Function):
             and not torch.cuda.is_current_stream_capturing()
         )
         cdtype = compute_dtype(hidden.dtype)
+        in_range = _TargetRange(targets, weight.shape[0]) if targets.is_cuda and n else None
+        if in_range is not None:  # the kernels read clamped targets: no out-of-bounds access
+            targets = in_range.clamped
         graphed = _GraphedTokenGrads.for_call(token_loss, n, chunk, hidden) if cuda_graph else None
         if graphed is not None:  # [N] each, where the graph reads them
             logp, ent = graphed.logp.zero_(), graphed.ent.zero_()
@@ -438,6 +447,9 @@ class FusedLinearLoss(torch.autograd.Function):
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             chunks.stats(s, e, logp[s:e], ent[s:e])
+            if in_range is not None:  # the first chunk is queued: the range has long arrived
+                in_range.check()
+                in_range = None
             if not (need_h or need_w):
                 continue
             if const:
@@ -488,6 +500,27 @@ class FusedLinearLoss(torch.autograd.Function):
         if grad_w is not None:
             grad_w = grad_w.to(ctx.weight_dtype)
         return grad_h, grad_w, None, None, None
+
+
+class _TargetRange:
+    """The targets' range on CUDA without a host sync: min and max copied to the host
+    asynchronously, read by `check` (a ValueError, as `_check_inputs` gives) once the first
+    chunk's kernels are queued; until then the kernels read `clamped`, the targets clamped
+    into [0, V)."""
+
+    def __init__(self, targets: Tensor, vocab: int) -> None:
+        self.vocab = vocab
+        self.clamped = targets.clamp(0, vocab - 1)
+        lo_hi = torch.stack(torch.aminmax(targets)).long()
+        self.host = torch.empty(2, dtype=torch.long, pin_memory=True)
+        self.host.copy_(lo_hi, non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def check(self) -> None:
+        self.ready.synchronize()
+        lo, hi = self.host.tolist()
+        check_target_range(lo, hi, self.vocab)
 
 
 def _scale_by(x: Tensor, s: Tensor) -> None:

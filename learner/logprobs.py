@@ -69,8 +69,16 @@ def token_logprobs(
 
 
 def _check_inputs(
-    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_size: int
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    temperature: float,
+    chunk_size: int,
+    *,
+    target_range: bool = True,
 ) -> None:
+    """Shapes, dtypes and values; `target_range` False leaves the targets' range (a host
+    sync on CUDA) to the caller (`check_target_range`)."""
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(
             f"hidden must be [N, H] and weight [V, H]; got {tuple(hidden.shape)} and "
@@ -85,18 +93,22 @@ def _check_inputs(
             f"targets must be an integer tensor of shape [{hidden.shape[0]}], got "
             f"{tuple(targets.shape)} {targets.dtype}"
         )
-    if targets.numel():
-        lo, hi = torch.aminmax(targets)
-        lo, hi = int(lo), int(hi)  # one host sync for both
-        if lo < 0 or hi >= weight.shape[0]:
-            raise ValueError(
-                f"targets must lie in [0, {weight.shape[0]}); got min {lo}, max {hi} "
-                "(replace ignore-index padding such as -100 by 0 and mask it)"
-            )
+    if target_range and targets.numel():
+        lo, hi = torch.stack(torch.aminmax(targets)).tolist()  # one host sync for both
+        check_target_range(lo, hi, weight.shape[0])
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def check_target_range(lo: int, hi: int, vocab: int) -> None:
+    """ValueError unless the targets' min `lo` and max `hi` lie in `[0, vocab)`."""
+    if lo < 0 or hi >= vocab:
+        raise ValueError(
+            f"targets must lie in [0, {vocab}); got min {lo}, max {hi} "
+            "(replace ignore-index padding such as -100 by 0 and mask it)"
+        )
 
 
 def _triton_usable(hidden: Tensor) -> bool:

@@ -575,6 +575,39 @@ def test_triton_path_on_gpu():
     assert_all(run_triton_checks("cuda", [700, 0, 900, 400], 520, 50_001, [512, 2000], 768))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_targets_checked_on_gpu_without_a_host_sync(impl):
+    """Out-of-range targets still get the ValueError on CUDA, from the forward (the kernels
+    read clamped targets meanwhile, so nothing reads out of bounds and the GPU stays usable),
+    and a whole fwd+bwd with the GRPO token loss makes no host sync PyTorch can see."""
+    lens = [300, 0, 500, 200]
+    h, w, t, seq, ex = make(torch.float32, lens=lens, hd=64, v=3000, w_std=2.8 / 8)
+    dev = torch.device("cuda")
+    h = h.detach().to(dev, torch.bfloat16).requires_grad_()
+    w = w.detach().to(dev, torch.bfloat16).requires_grad_()
+    t, seq = t.to(dev), seq.to(dev)
+    ex = {k: x.to(dev) for k, x in ex.items()}
+    cfg = LossConfig(beta=0.04)
+    args = (h, w, t, seq, ex, cfg, ("ref",), True, 0.9)
+    for bad in (t + 3000, t - 3000):
+        with pytest.raises(ValueError, match="targets must lie in \\[0, 3000\\); got min"):
+            fused(h, w, bad, *args[3:], chunk_size=256, impl=impl)
+    torch.cuda.synchronize()  # a device-side fault would surface here
+    want = grads_of(functools.partial(reference_loss, *args), h, w)
+    h.grad = w.grad = None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, _, _, _ = fused(*args, chunk_size=256, impl=impl)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert rel(loss, want[0]) < 1e-3
+    assert rel(h.grad, want[4]) < 1e-2
+    assert rel(w.grad, want[5]) < 1e-2
+
+
 class _HostSync:
     """A token loss that reads its value on the host: it cannot be captured in a CUDA graph."""
 
