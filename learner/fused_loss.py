@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -79,10 +80,13 @@ class GRPOTokenLoss:
     `metrics` holds the metrics of the last call. A plain class, not a dataclass: DDP's
     forward rebuilds dataclass arguments field by field.
 
-    Construction does not wait for the GPU: what needs the host (rollout ids within
-    `advantages`, the [B, L] layout's L, which a [B, L] input must match) is checked on first
-    use, from a copy started here — the ValueError then comes from the fused loss's forward
-    (before it returns anything).
+    Construction launches nothing on the GPU (so the fused loss's first kernels start at
+    once): the token index is built on first use (`token_grads`, once the fused loss's first
+    forward kernel is queued), and what needs the host (rollout ids within `advantages`, the
+    [B, L] layout's L, which a [B, L] input must match) is checked from a copy started then,
+    when the loss value is computed (`__call__`, after the last chunk's forward) — the
+    ValueError comes from the fused loss's forward, before it returns anything. Until then
+    the gathers read clamped indices: nothing reads out of bounds.
     """
 
     def __init__(
@@ -109,25 +113,11 @@ class GRPOTokenLoss:
         self.num_tokens = n
         self.cfg = cfg
         self.advantages = advantages
-        dev = seq.device
-        # No host sync here (the fused loss's first kernels can start at once): the counts by a
-        # scatter-add over ids clamped into [0, B), and the facts that need the host (the ids'
-        # range, the longest rollout L of the [B, L] layout) copied back asynchronously and
-        # read on first need (`_shape`), long after the copy has landed.
-        ids = seq.long().clamp(0, max(num_seqs - 1, 0))
-        counts = torch.zeros(num_seqs, dtype=torch.long, device=dev)
-        counts.index_add_(0, ids, torch.ones_like(ids))  # [B]
-        starts = torch.cumsum(counts, 0) - counts  # [B]
-        col = torch.arange(n, device=dev) - starts[ids]  # [N]
-        self._index = (ids, col)
-        self._counts = counts
-        self._device = dev
-        facts = torch.stack([seq.min(), seq.max(), counts.max()]).long() if n else counts[:0]
-        self._facts_host = torch.empty(facts.shape, dtype=torch.long, pin_memory=facts.is_cuda)
-        self._facts_host.copy_(facts, non_blocking=True)
-        self._facts_ready = torch.cuda.Event() if facts.is_cuda else None
-        if self._facts_ready is not None:
-            self._facts_ready.record()
+        self._seq = seq
+        self._device = seq.device
+        self._prep: tuple[Tensor, Tensor, Tensor] | None = None  # `_prepared`
+        self._facts_host: Tensor | None = None
+        self._facts_ready: torch.cuda.Event | None = None
         self._shape_v: tuple[int, int] | None = None
         self._inputs: dict[str, Tensor | None] = {}
         for name, x in (
@@ -189,14 +179,42 @@ class GRPOTokenLoss:
             num_micro_batches=num_micro_batches,
         )
 
+    def _prepared(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(rollout id, position in its rollout) of every token and the tokens per rollout,
+        built on first use without a host sync: the counts by a scatter-add over ids clamped
+        into [0, B); the facts that need the host (the ids' range, the longest rollout L)
+        copied back asynchronously, read by `_shape`."""
+        if self._prep is None:
+            seq, n, num_seqs = self._seq, self.num_tokens, self.advantages.shape[0]
+            ids = seq.long().clamp(0, max(num_seqs - 1, 0))
+            counts = torch.zeros(num_seqs, dtype=torch.long, device=self._device)
+            counts.index_add_(0, ids, torch.ones_like(ids))  # [B]
+            starts = torch.cumsum(counts, 0) - counts  # [B]
+            col = torch.arange(n, device=self._device) - starts[ids]  # [N]
+            self._prep = (ids, col, counts)
+            facts = torch.stack([*torch.aminmax(seq), counts.max()]).long() if n else counts[:0]
+            self._facts_host = torch.empty(facts.shape, dtype=torch.long, pin_memory=seq.is_cuda)
+            self._facts_host.copy_(facts, non_blocking=True)
+            if seq.is_cuda:
+                self._facts_ready = torch.cuda.Event()
+                self._facts_ready.record()
+        return self._prep
+
+    @property
+    def _index(self) -> tuple[Tensor, Tensor]:
+        ids, col, _ = self._prepared()
+        return ids, col
+
     @property
     def _shape(self) -> tuple[int, int]:
         """[B, L]: the rollouts and the longest one's tokens (checks the rollout ids first)."""
         if self._shape_v is None:
+            self._prepared()
             if self._facts_ready is not None:
-                self._facts_ready.synchronize()  # recorded at construction: long done
+                self._facts_ready.synchronize()  # long done when first asked for (`__call__`)
             num_seqs = self.advantages.shape[0]
             if self.num_tokens:
+                assert self._facts_host is not None
                 lo, hi, longest = self._facts_host.tolist()
                 if lo < 0 or hi >= num_seqs:
                     raise ValueError(
@@ -246,12 +264,15 @@ class GRPOTokenLoss:
         return self._grids[name]
 
     def _flat(self, name: str, dtype: torch.dtype) -> Tensor | None:
-        """A per-token input as flat [N] (gathered from [B, L] if it came so)."""
+        """A per-token input as flat [N] (gathered from [B, L] if it came so). No host sync:
+        the gather clamps positions into the input's L, whose match with the batch's is
+        checked by `__call__` (`_grid`)."""
         x = self._inputs[name]
         if x is None:
             return None
-        if x.shape != (self.num_tokens,):
-            x = self._grid(name)[self._index]  # type: ignore[index]
+        if x.shape != (self.num_tokens,):  # [B, L]: B checked at construction
+            ids, col = self._index
+            x = x[ids, col.clamp(max=max(x.shape[1] - 1, 0))]
         return x.to(dtype)
 
     def token_grads(
@@ -294,14 +315,14 @@ class GRPOTokenLoss:
         """Flat [N] per-token constants of `token_grads`: advantage, the reduction's weight
         ∂loss/∂per_token, old / reference / sampling log-probs (None where unused), and
         ∂loss/∂entropy (None without an entropy bonus)."""
-        seq, _ = self._index
+        seq, _, counts = self._prepared()
         n = self.num_tokens
-        num_seqs = self._shape[0]  # checks the rollout ids (a host read, no wait by now)
+        num_seqs = self.advantages.shape[0]
         micro = self.num_micro_batches
         ones = torch.ones(n, dtype=dtype, device=seq.device)
         kind = self.cfg.loss_type
         if kind == "grpo":  # mean over each sequence's tokens, then over sequences
-            lengths = self._counts.to(dtype).clamp(min=1.0)
+            lengths = counts.to(dtype).clamp(min=1.0)
             w = ones / (lengths[seq] * num_seqs * micro)
         elif kind == "dr_grpo":
             w = ones / (num_seqs * self.cfg.max_completion_length * micro)
@@ -427,8 +448,8 @@ class FusedLinearLoss(torch.autograd.Function):
         if graphed is not None:  # [N] each, where the graph reads them
             logp, ent = graphed.logp.zero_(), graphed.ent.zero_()
         else:
-            logp = hidden.new_zeros(n, dtype=cdtype)  # [N]
-            ent = hidden.new_zeros(n, dtype=cdtype)  # [N]
+            logp = hidden.new_empty(n, dtype=cdtype)  # [N], every chunk's `stats` fills it
+            ent = hidden.new_empty(n, dtype=cdtype)  # [N]
         if impl == "triton":
             from learner.kernels.triton_fused import TritonChunks
 
@@ -436,20 +457,20 @@ class FusedLinearLoss(torch.autograd.Function):
             chunks = TritonChunks(hidden, weight, targets, temperature, chunk, ent_grad)
         else:
             chunks = TorchChunks(hidden, weight, targets, temperature)
-        grad_h = torch.zeros_like(hidden) if need_h else None  # [N, H]
+        grad_h = torch.empty_like(hidden) if need_h else None  # [N, H], every chunk's rows set
         dw_dtype = torch.float32 if fp32_dw and weight.dtype != cdtype else weight.dtype
         grad_w = torch.empty(weight.shape, dtype=dw_dtype, device=weight.device) if need_w else None
         dw_empty = True  # grad_w holds no chunk yet: the first product writes it (no memset)
         const = (need_h or need_w) and getattr(token_loss, "constant_grads", False)
-        if const:  # once, at any values (zeros)
-            g_lp_all, g_ent_all = _token_grads(token_loss, logp, ent, 0, n)
+        if const:  # once, at any values (zeros); the closed form needs no host sync
+            zeros = logp.new_zeros(n)
+            g_lp_all, g_ent_all = (closed or partial(_token_grads, token_loss))(zeros, zeros, 0, n)
         loss = None
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             chunks.stats(s, e, logp[s:e], ent[s:e])
-            if in_range is not None:  # the first chunk is queued: the range has long arrived
-                in_range.check()
-                in_range = None
+            if in_range is not None and s == 0:  # after the first launches: off their path
+                in_range.start()
             if not (need_h or need_w):
                 continue
             if const:
@@ -465,6 +486,8 @@ class FusedLinearLoss(torch.autograd.Function):
                 with torch.no_grad():  # last chunk's two products (the host runs ahead)
                     loss = token_loss(logp, ent)
             if g_lp is None and g_ent is None:
+                if grad_h is not None:
+                    grad_h[s:e].zero_()
                 continue
             # [C, V] ∂loss/∂logits in the matmul dtype, times `scale` (a power of two, fp16
             # only), or such that ∂loss/∂logits = diag(scale) @ g (scale [C], anchored tiles)
@@ -480,6 +503,8 @@ class FusedLinearLoss(torch.autograd.Function):
             with torch.no_grad():
                 loss = token_loss(logp, ent)  # exact value and metrics: every token filled now
         del graphed  # frees the graph's memory pool
+        if in_range is not None:  # its copy has long landed: no wait
+            in_range.check()
         ctx.grads = (grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         ctx.mark_non_differentiable(logp, ent)
@@ -503,21 +528,27 @@ class FusedLinearLoss(torch.autograd.Function):
 
 
 class _TargetRange:
-    """The targets' range on CUDA without a host sync: min and max copied to the host
-    asynchronously, read by `check` (a ValueError, as `_check_inputs` gives) once the first
-    chunk's kernels are queued; until then the kernels read `clamped`, the targets clamped
-    into [0, V)."""
+    """The targets' range on CUDA without a host sync. The kernels read `clamped`, the
+    targets clamped into [0, V) (nothing reads out of bounds); `start`, called once the first
+    chunk's kernels are queued, copies min and max to the host asynchronously; `check`, at
+    the end of the forward, reads them (a ValueError, as `_check_inputs` gives)."""
 
     def __init__(self, targets: Tensor, vocab: int) -> None:
-        self.vocab = vocab
+        self.targets, self.vocab = targets, vocab
         self.clamped = targets.clamp(0, vocab - 1)
-        lo_hi = torch.stack(torch.aminmax(targets)).long()
+        self.ready: torch.cuda.Event | None = None
+
+    def start(self) -> None:
+        lo_hi = torch.stack(torch.aminmax(self.targets)).long()
         self.host = torch.empty(2, dtype=torch.long, pin_memory=True)
         self.host.copy_(lo_hi, non_blocking=True)
         self.ready = torch.cuda.Event()
         self.ready.record()
 
     def check(self) -> None:
+        if self.ready is None:
+            self.start()
+        assert self.ready is not None
         self.ready.synchronize()
         lo, hi = self.host.tolist()
         check_target_range(lo, hi, self.vocab)
