@@ -40,6 +40,7 @@ The buffer is C × V 2-byte values, the chunk's only large allocation; nothing N
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -426,6 +427,16 @@ def row_scale(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.
 
 
 @triton.jit
+def _anchored_scales_kernel(g_ptr, total_ptr, out_ptr, N, coef, BLOCK: tl.constexpr):
+    """out = (coef · g) / total in fp32, the roundings of `(g · inv_t)` then `-glp / total`."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tot = tl.load(total_ptr + offs, mask=ok, other=1.0)
+    tl.store(out_ptr + offs, (g * coef) / tot, mask=ok)
+
+
+@triton.jit
 def _scale_kernel(x_ptr, s_ptr, N, BLOCK: tl.constexpr):
     """x *= s (a device scalar); nothing is read or written where s == 1."""
     s = tl.load(s_ptr)
@@ -443,6 +454,30 @@ def scale_(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     block = 4096
     _scale_kernel[(triton.cdiv(x.numel(), block),)](x, s, x.numel(), BLOCK=block, num_warps=8)
     return x
+
+
+@functools.lru_cache(maxsize=256)
+def split_plan(rows: int, v: int, sms: int) -> tuple[int, int]:
+    """(splits, vocab columns a split, a multiple of 256) for a forward launch over `rows`
+    tokens: programs of 128 tokens x one split, one an SM at a time (the kernel's shared
+    memory), so the launch takes ~`ceil(programs / SMs)` waves as long as its longest
+    program (`columns a split`). The plan minimises that product over splits of at least 2048
+    columns and at most ~4 programs an SM; ties go to the most splits (room to balance). For
+    the Qwen3-0.6B head's 1536-token chunk on 132 SMs: 33 splits, 396 programs in 3 full waves
+    (the former ~4 waves' rule gave 43 splits, 516 programs: 4 waves, 3.7 % longer); its
+    512-token last chunk: 66 splits, 2 full waves."""
+    n_tiles = triton.cdiv(rows, 128)
+    best: tuple[int, int, int] | None = None  # (cost, -splits, columns a split)
+    for want in range(1, max(1, triton.cdiv(v, 2048)) + 1):
+        per = triton.cdiv(triton.cdiv(v, want), 256) * 256
+        splits = triton.cdiv(v, per)
+        programs = n_tiles * splits
+        if programs > max(4 * sms, n_tiles):
+            break
+        cand = (triton.cdiv(programs, sms) * per, -splits, per)
+        best = cand if best is None or cand < best else best
+    assert best is not None
+    return -best[1], best[2]
 
 
 class TritonChunks:
@@ -470,14 +505,12 @@ class TritonChunks:
         n_tiles_v = triton.cdiv(v, TILE_V)
         # Row stride a multiple of 8 entries (16 bytes) for cuBLAS and the bulk copies.
         self.buf = torch.empty(c, n_tiles_v * TILE_V, dtype=torch.int16, device=hidden.device)
-        # Vocab splits: enough programs to fill the GPU ~4 times at 128 tokens a program.
-        n_tiles = triton.cdiv(self.fwd_rows, 128)
-        splits = max(
-            1, min(triton.cdiv(4 * _num_sms(hidden.device), n_tiles), triton.cdiv(v, 2048))
-        )
-        self.v_per_split = triton.cdiv(triton.cdiv(v, splits), 256) * 256  # any vocab tile's
-        self.splits = triton.cdiv(v, self.v_per_split)
-        self.parts = torch.empty(3, self.splits, c, dtype=torch.float32, device=hidden.device)
+        # Vocab splits of each forward launch (`split_plan`): a full chunk's, and the last
+        # chunk's where it is shorter (its launches are planned on their own rows).
+        sms = _num_sms(hidden.device)
+        self._plans = {rows: split_plan(rows, v, sms) for rows in {self.fwd_rows, n % c or c}}
+        max_splits = max(splits for splits, _ in self._plans.values())
+        self.parts = torch.empty(3, max_splits, c, dtype=torch.float32, device=hidden.device)
         self.anchors: torch.Tensor | None = None  # [N] anchored tiles: each token's R
         self._state: tuple | None = None
         # Anchored tiles (bf16, no entropy gradient): ∂loss/∂logits is a row scaling of the
@@ -494,6 +527,11 @@ class TritonChunks:
         else:  # the reference (running max) each tile was stored against; target logits
             self.ref = torch.empty(n_tiles_v, c, dtype=torch.float32, device=dev)
             self.tz = torch.empty(c, dtype=torch.float32, device=dev)
+
+    def _plan(self, s: int, e: int) -> tuple[int, int]:
+        """(splits, vocab columns a split) of chunk `[s, e)`'s forward launches."""
+        rows = min(self.fwd_rows, e - s)
+        return self._plans[rows] if rows in self._plans else self._plans[self.fwd_rows]
 
     def _sub_chunks(self, s: int, e: int):
         """The forward launches of rows `[s, e)`: (offset in the chunk, global start, end)."""
@@ -531,24 +569,25 @@ class TritonChunks:
                 BLOCK_K=16 if _INTERPRET else 128, num_warps=4,
             )  # fmt: skip
         r = self.anchors[s:e]  # [nb] the anchors
+        splits, v_per_split = self._plan(s, e)
         _, sx, tx = self.parts.unbind(0)  # [S, C] each
         buf = self.buf  # int16: bf16 bits
         for off, r0, r1 in self._sub_chunks(s, e):
             rows = r1 - r0
 
             def grid(meta, rows=rows):
-                return (triton.cdiv(rows, meta["BLOCK_N"]), self.splits)
+                return (triton.cdiv(rows, meta["BLOCK_N"]), splits)
 
             _anchored_tiles_kernel[grid](
                 self.h[r0:r1], self.w, self.tgt[r0:r1], r[off:], buf[off:], sx[:, off:],
-                tx[:, off:], rows, v, hd, buf.shape[1], sx.shape[1], self.v_per_split, inv_t2,
+                tx[:, off:], rows, v, hd, buf.shape[1], sx.shape[1], v_per_split, inv_t2,
             )  # fmt: skip
         total, bad = self.total[:nb], self.bad[:nb]
         # 64 rows a program: 24 programs for the 0.6B head's 1536-row chunk, 7.8 µs a launch on
         # an H100 (11.7 µs with 256 rows, 6 programs; `bench_loss_gpu.py --profile`)
         block = 16 if _INTERPRET else 64
         _anchored_merge_kernel[(triton.cdiv(nb, block),)](
-            sx, tx, tgt, buf, logp, ent, total, bad, nb, self.splits, sx.shape[1], buf.shape[1],
+            sx, tx, tgt, buf, logp, ent, total, bad, nb, splits, sx.shape[1], buf.shape[1],
             BLOCK=block, num_warps=4,
         )  # fmt: skip
         _anchor_fallback_kernel[(nb,)](
@@ -568,14 +607,25 @@ class TritonChunks:
                 "fused_grpo_loss: the token loss differentiates the entropy, but the chunk "
                 "engine was built without the entropy gradient (token_loss.entropy_grad)"
             )
-        glp = g_lp.float() * self.inv_t if g_lp is not None else torch.zeros_like(total)
         # ∂loss/∂z_j = glp (1[j = target] - p_j) = -(glp / total) · (stored_j - total·1[target])
-        return self.buf.view(torch.bfloat16)[: e - s, : self.w.shape[0]], -glp / total
+        # with glp = g_lp / T: the row scales in one launch
+        nb = e - s
+        scale = torch.empty_like(total)
+        if g_lp is None:
+            scale.zero_()
+        else:
+            assert g_lp.shape == (nb,) and g_lp.is_contiguous()
+            block = 1024
+            _anchored_scales_kernel[(triton.cdiv(nb, block),)](
+                g_lp, total, scale, nb, -self.inv_t, BLOCK=block, num_warps=4
+            )
+        return self.buf.view(torch.bfloat16)[:nb, : self.w.shape[0]], scale
 
     def _tile_stats(self, s: int, e: int, logp: torch.Tensor, ent: torch.Tensor) -> None:
 
         nb = e - s
         v, hd = self.w.shape
+        splits, v_per_split = self._plan(s, e)
         m, sm, t = self.parts.unbind(0)  # [S, C] each
 
         pt = self.buf.view(torch.float16)
@@ -583,15 +633,15 @@ class TritonChunks:
             rows = r1 - r0
 
             def grid(meta, rows=rows):
-                return (triton.cdiv(rows, meta["BLOCK_N"]), self.splits)
+                return (triton.cdiv(rows, meta["BLOCK_N"]), splits)
 
             _softmax_tiles_kernel[grid](
                 self.h[r0:r1], self.w, self.tgt[r0:r1], pt[off:], self.ref[:, off:],
                 m[:, off:], sm[:, off:], t[:, off:], self.tz[off:], rows, v, hd, pt.shape[1],
-                self.ref.shape[1], m.shape[1], self.v_per_split, LOG2E * self.inv_t, IEEE=False,
+                self.ref.shape[1], m.shape[1], v_per_split, LOG2E * self.inv_t, IEEE=False,
                 BLOCK_V=TILE_V,
             )  # fmt: skip
-        m, sm, t = m[:, :nb], sm[:, :nb], t[:, :nb]  # [S, nb], base 2
+        m, sm, t = m[:splits, :nb], sm[:splits, :nb], t[:splits, :nb]  # [S, nb], base 2
         big = m.max(dim=0).values  # [nb]
         scale = torch.exp2(m - big)  # [S, nb]
         total = (sm * scale).sum(0)
