@@ -3,17 +3,22 @@
     python bench/loss_gpu_regimes.py regimes fused full-trl   # median ms four ways, both heads
     python bench/loss_gpu_regimes.py clocks 0.6b fused        # per-call ms + nvidia-smi samples
     python bench/loss_gpu_regimes.py prologue                 # fused: GPU idle before its work
+    python bench/loss_gpu_regimes.py ab learner.fused_loss.FLAG      # a module-level flag on / off
 
 `regimes`: back to back (as bench_loss_gpu.py times), after 0.3 s of idle GPU, behind an 8 ms
 `torch.cuda._sleep` queued first (the host's set-up hidden, as behind a model's forward), both.
 `clocks`: 20 calls back to back while nvidia-smi samples SM clock, power and the clock event
 reasons every 25 ms (0x4: software power cap). `prologue`: CUDA events around
 `FusedLinearLoss.forward` and after the chunk engine's set-up: how long the GPU waits for the
-host at the start of a call.
+host at the start of a call. `ab MODULE.FLAG`: the fused loss with a module-level boolean
+True and False in turn (4 rounds of 3 calls each way, back to back and after 0.3 s idle), so
+that both see the same machine and the same power cap; its "back to back" calls follow idle
+ones, so they read lower than bench_loss_gpu.py's steady state (only the difference counts).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import statistics
 import subprocess
@@ -136,6 +141,35 @@ def prologue():
         torch.cuda.empty_cache()
 
 
+def ab(flag: str, heads: list[str]):
+    mod_name, attr = flag.rsplit(".", 1)
+    mod = importlib.import_module(mod_name)
+    if not isinstance(getattr(mod, attr), bool):
+        raise SystemExit(f"{flag} is not a boolean flag")
+    keep = getattr(mod, attr)
+    try:
+        for head in heads:
+            hd, b, t = SHAPES[head]
+            inputs = B.make_inputs(b, t, hd)
+            res = {(v, c): [] for v in (True, False) for c in (0.0, 0.3)}
+            for _ in range(4):
+                for value in (True, False):
+                    setattr(mod, attr, value)
+                    _timed(B.run_fused, inputs)
+                    for cool in (0.0, 0.3):
+                        res[value, cool] += [
+                            _timed(B.run_fused, inputs, cool=cool) for _ in range(3)
+                        ]
+            for value in (True, False):
+                print(f"{head} {flag}={value}: back to back "
+                      f"{statistics.median(res[value, 0.0]):.2f} ms, 0.3 s idle first "
+                      f"{statistics.median(res[value, 0.3]):.2f} ms", flush=True)  # fmt: skip
+            del inputs
+            torch.cuda.empty_cache()
+    finally:
+        setattr(mod, attr, keep)
+
+
 def main():
     what, args = sys.argv[1], sys.argv[2:]
     if what == "regimes":
@@ -144,6 +178,8 @@ def main():
         clocks(args[0], args[1:] or ["fused", "full-trl"])
     elif what == "prologue":
         prologue()
+    elif what == "ab":
+        ab(args[0], args[1:] or list(SHAPES))
     else:
         raise SystemExit(__doc__)
 
