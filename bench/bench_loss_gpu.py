@@ -22,12 +22,16 @@ Variants, all computing the same DAPO loss (beta 0.04 with reference log-probs, 
          in the forward, `--fused-chunk` tokens' logits at a time, 2 bytes an entry;
          default `auto_chunk_size`: 1536 tokens on the 0.6B head, 4096 on the 8B one).
 
+- fused-ent, ours-ent: fused and ours with an entropy bonus (`entropy_coef` 0.01, so the
+         entropy is differentiated: fused then runs its softmax tiles, fp16 then bf16 G in
+         place, instead of the anchored ones).
+
 - gemm-floor: no loss, only fused's three bf16 cuBLAS products a chunk (logits, then G W and
          G^T h with the logits as G): what the same chunking costs with nothing but matmuls.
 - gemm-floor-whole: the same three products over all tokens at once (N x V logits): the
          6·N·H·V floor as cuBLAS runs it on this GPU, power cap included.
 
-Accuracy (`fused`, `ours` and the TRL variants, at each head's largest token count): loss and gradients against
+Accuracy (`fused`, `ours`, their `-ent` forms and the TRL variants, at each head's largest token count): loss and gradients against
 float64 (`token_logprobs(impl="torch")` on float64 copies of the same bf16 inputs); the bar
 is a relative error <= 1e-2 for the gradients.
 
@@ -60,6 +64,7 @@ from learner.fused_loss import auto_chunk_size
 HEADS = {"qwen3-0.6b": (1024, 2048, [2, 4, 8, 16]), "qwen3-8b": (4096, 4096, [1, 2, 4, 8])}
 VOCAB = 151_936
 TEMP = 0.9
+ENT_COEF = 0.01  # the -ent variants' entropy bonus
 
 
 def make_inputs(b, t, hd, seed=0):
@@ -74,12 +79,14 @@ def make_inputs(b, t, hd, seed=0):
     return h.requires_grad_(), w.requires_grad_(), ids, old, ref, adv, mask
 
 
-def _loss_backward(logp, ent, old, ref, adv, mask):
-    """The benchmark's DAPO loss of [B, T] log-probs (entropy: a metric), backward, detached."""
+def _loss_backward(logp, ent, old, ref, adv, mask, entropy_coef=0.0):
+    """The benchmark's DAPO loss of [B, T] log-probs, backward, detached. The entropy is a
+    metric, or with `entropy_coef` a bonus (differentiated)."""
     from learner.loss import LossConfig, LossInputs, grpo_loss
 
-    inputs = LossInputs(logp, old, adv, mask, ref_logprobs=ref, entropy=ent.detach())
-    loss, _ = grpo_loss(inputs, LossConfig(beta=0.04))
+    ent = ent if entropy_coef else ent.detach()
+    inputs = LossInputs(logp, old, adv, mask, ref_logprobs=ref, entropy=ent)
+    loss, _ = grpo_loss(inputs, LossConfig(beta=0.04, entropy_coef=entropy_coef))
     loss.backward()
     return loss.detach()
 
@@ -96,30 +103,39 @@ def run_full(h, w, ids, old, ref, adv, mask):  # each run_* returns its loss, de
     return _loss_backward(logp, ent.view(logp.shape), old, ref, adv, mask)
 
 
-def run_ours(h, w, ids, old, ref, adv, mask):
+def run_ours(h, w, ids, old, ref, adv, mask, entropy_coef=0.0):
     from learner.logprobs import token_logprobs
 
     b, t, hd = h.shape
     lp, ent = token_logprobs(h.view(-1, hd), w, ids.view(-1), temperature=TEMP, impl="triton")
-    return _loss_backward(lp.view(b, t), ent.view(b, t), old, ref, adv, mask)
+    return _loss_backward(lp.view(b, t), ent.view(b, t), old, ref, adv, mask, entropy_coef)
+
+
+def run_ours_ent(*inputs):
+    return run_ours(*inputs, entropy_coef=ENT_COEF)
 
 
 FUSED_CHUNK: dict[str, int | None] = {"size": None}  # --fused-chunk; None: auto_chunk_size
 
 
-def run_fused(h, w, ids, old, ref, adv, mask):
+def run_fused(h, w, ids, old, ref, adv, mask, entropy_coef=0.0):
     from learner.fused_loss import GRPOTokenLoss, fused_grpo_loss
     from learner.loss import LossConfig
 
     b, t, hd = h.shape
     seq = torch.arange(b * t, device=h.device) // t  # [N] rollout of each token (no host sync)
-    token_loss = GRPOTokenLoss(LossConfig(beta=0.04), seq, adv, old_logprobs=old, ref_logprobs=ref)
+    cfg = LossConfig(beta=0.04, entropy_coef=entropy_coef)
+    token_loss = GRPOTokenLoss(cfg, seq, adv, old_logprobs=old, ref_logprobs=ref)
     loss, _, _ = fused_grpo_loss(
         h.view(-1, hd), w, ids.view(-1), token_loss, temperature=TEMP,
         chunk_size=FUSED_CHUNK["size"], impl="triton",
     )  # fmt: skip
     loss.backward()
     return loss.detach()
+
+
+def run_fused_ent(*inputs):
+    return run_fused(*inputs, entropy_coef=ENT_COEF)
 
 
 def _fused_at(spec):
@@ -217,6 +233,7 @@ def run_gemm_floor_whole(h, w, ids, old, ref, adv, mask):
 VARIANTS = {
     "full": run_full, "full-trl": run_full_trl, "trl-chunked": run_trl_chunked,
     "liger": run_liger, "ours": run_ours, "fused": run_fused,
+    "ours-ent": run_ours_ent, "fused-ent": run_fused_ent,
     "gemm-floor": run_gemm_floor, "gemm-floor-whole": run_gemm_floor_whole,
 }  # fmt: skip
 
@@ -259,18 +276,21 @@ def accuracy(hd, b, t, variants):
     h64 = h.detach().double().requires_grad_()
     w64 = w.detach().double().requires_grad_()
     lp, ent = token_logprobs(h64.view(-1, hd), w64, ids.view(-1), temperature=TEMP, impl="torch")
-    ins = LossInputs(lp.view(b, t), old, adv, mask, ref_logprobs=ref, entropy=ent.view(b, t))
-    want, _ = grpo_loss(ins, LossConfig(beta=0.04))
-    want.backward()
-    want = want.detach()
+    refs = {}  # the float64 loss and gradients, without and with the entropy bonus
+    for coef in {ENT_COEF if name.endswith("-ent") else 0.0 for name in variants}:
+        ins = LossInputs(lp.view(b, t), old, adv, mask, ref_logprobs=ref, entropy=ent.view(b, t))
+        want, _ = grpo_loss(ins, LossConfig(beta=0.04, entropy_coef=coef))
+        gh, gw = torch.autograd.grad(want, (h64, w64), retain_graph=True)
+        refs[coef] = (want.detach(), gh, gw)
     rows = []
     for name in variants:
         h.grad = w.grad = None
         got = VARIANTS[name](*inputs)
+        want, h64_grad, w64_grad = refs[ENT_COEF if name.endswith("-ent") else 0.0]
         errs = {
             "loss": _rel(got, want),
-            "grad_hidden": _rel(h.grad, h64.grad),
-            "grad_weight": _rel(w.grad, w64.grad),
+            "grad_hidden": _rel(h.grad, h64_grad),
+            "grad_weight": _rel(w.grad, w64_grad),
         }
         rows.append({"variant": name, "hidden": hd, "tokens": b * t, **errs})
         ok = errs["grad_hidden"] <= 1e-2 and errs["grad_weight"] <= 1e-2
@@ -358,8 +378,9 @@ def breakdown(hd, b, t):
     return rows
 
 
-def breakdown_fused(hd, b, t, chunk):
-    """Time each stage of one chunk of fused (and the whole fwd+bwd) at one shape."""
+def breakdown_fused(hd, b, t, chunk, entropy_coef=0.0):
+    """Time each stage of one chunk of fused (and the whole fwd+bwd) at one shape; with
+    `entropy_coef` (fused-ent), of its softmax-tiles path."""
     from learner.fused_loss import (
         GRPOTokenLoss,
         _GraphedTokenGrads,
@@ -378,7 +399,8 @@ def breakdown_fused(hd, b, t, chunk):
     n = b * t
     h2, w2, ids2 = h.detach().view(-1, hd), w.detach(), ids.view(-1)
     seq = torch.arange(b * t, device="cuda") // t
-    token_loss = GRPOTokenLoss(LossConfig(beta=0.04), seq, adv, old_logprobs=old, ref_logprobs=ref)
+    cfg = LossConfig(beta=0.04, entropy_coef=entropy_coef)
+    token_loss = GRPOTokenLoss(cfg, seq, adv, old_logprobs=old, ref_logprobs=ref)
     chunks = TritonChunks(h2, w2, ids2, TEMP, chunk, token_loss.entropy_grad)
     print(f"anchored tiles: {chunks.anchored}")
     c = min(chunk, n)
@@ -432,7 +454,8 @@ def breakdown_fused(hd, b, t, chunk):
         rate = f"({flop / ms / 1e9:4.0f} TFLOP/s)" if product else ""
         print(f"  (alt) {name:<30}{ms:8.3f} ms  x{nchunks} = {ms * nchunks:7.1f} ms {rate}")
     h.grad = w.grad = None
-    print(f"  whole fwd+bwd (median): {measure(run_fused, make_inputs(b, t, hd), 5)[0]:.1f} ms")
+    whole = run_fused_ent if entropy_coef else run_fused
+    print(f"  whole fwd+bwd (median): {measure(whole, make_inputs(b, t, hd), 5)[0]:.1f} ms")
     kernel = _anchored_tiles_kernel if chunks.anchored else _softmax_tiles_kernel
     print(f"  {kernel.fn.__name__} config: {getattr(kernel, 'best_config', None)}")
     return rows
@@ -553,6 +576,9 @@ def main():
             hd, t, bs = HEADS[head]
             if "fused" in args.variants:
                 breakdown_fused(hd, bs[-1], t, args.fused_chunk or auto_chunk_size(hd))
+            if "fused-ent" in args.variants:
+                chunk = args.fused_chunk or auto_chunk_size(hd)
+                breakdown_fused(hd, bs[-1], t, chunk, entropy_coef=ENT_COEF)
             if "ours" in args.variants:
                 breakdown(hd, bs[-1], t)
         return
@@ -585,7 +611,8 @@ def main():
                     f"  (floor {floor_ms:.1f} ms)",
                     flush=True,
                 )
-    checked = [v for v in ("ours", "fused", "full-trl", "trl-chunked") if v in args.variants]
+    checked = ("ours", "fused", "ours-ent", "fused-ent", "full-trl", "trl-chunked")
+    checked = [v for v in checked if v in args.variants]
     acc = []
     if checked and not args.no_accuracy:
         for head in args.heads:
