@@ -3,7 +3,7 @@
     python bench/loss_gpu_regimes.py regimes fused full-trl   # median ms four ways, both heads
     python bench/loss_gpu_regimes.py clocks 0.6b fused        # per-call ms + nvidia-smi samples
     python bench/loss_gpu_regimes.py prologue                 # fused: GPU idle before its work
-    python bench/loss_gpu_regimes.py ab learner.fused_loss.FLAG      # a module-level flag on / off
+    python bench/loss_gpu_regimes.py ab MODULE.FLAG [HEAD] [VARIANT]  # a module flag on / off
 
 `regimes`: back to back (as bench_loss_gpu.py times), after 0.3 s of idle GPU, behind an 8 ms
 `torch.cuda._sleep` queued first (the host's set-up hidden, as behind a model's forward), both.
@@ -141,12 +141,13 @@ def prologue():
         torch.cuda.empty_cache()
 
 
-def ab(flag: str, heads: list[str]):
+def ab(flag: str, heads: list[str], variant: str = "fused"):
     mod_name, attr = flag.rsplit(".", 1)
     mod = importlib.import_module(mod_name)
     if not isinstance(getattr(mod, attr), bool):
         raise SystemExit(f"{flag} is not a boolean flag")
     keep = getattr(mod, attr)
+    fn = B.VARIANTS[variant]
     try:
         for head in heads:
             hd, b, t = SHAPES[head]
@@ -155,13 +156,11 @@ def ab(flag: str, heads: list[str]):
             for _ in range(4):
                 for value in (True, False):
                     setattr(mod, attr, value)
-                    _timed(B.run_fused, inputs)
+                    _timed(fn, inputs)
                     for cool in (0.0, 0.3):
-                        res[value, cool] += [
-                            _timed(B.run_fused, inputs, cool=cool) for _ in range(3)
-                        ]
+                        res[value, cool] += [_timed(fn, inputs, cool=cool) for _ in range(3)]
             for value in (True, False):
-                print(f"{head} {flag}={value}: back to back "
+                print(f"{head} {variant} {flag}={value}: back to back "
                       f"{statistics.median(res[value, 0.0]):.2f} ms, 0.3 s idle first "
                       f"{statistics.median(res[value, 0.3]):.2f} ms", flush=True)  # fmt: skip
             del inputs
@@ -179,7 +178,9 @@ def main():
     elif what == "prologue":
         prologue()
     elif what == "ab":
-        ab(args[0], args[1:] or list(SHAPES))
+        heads = [a for a in args[1:] if a in SHAPES] or list(SHAPES)
+        variants = [a for a in args[1:] if a in B.VARIANTS] or ["fused"]
+        ab(args[0], heads, variants[0])
     else:
         raise SystemExit(__doc__)
 

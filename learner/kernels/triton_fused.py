@@ -67,6 +67,9 @@ FWD_ROWS = int(os.environ.get("GRPO_FUSED_FWD_ROWS", "2048"))
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Anchored tiles where they apply (bf16, no entropy gradient); 0: always the tile-max path.
 ANCHORED = os.environ.get("GRPO_FUSED_ANCHORED", "1") != "0"
+# Anchored tiles also when the token loss differentiates the entropy (then with one in-place
+# pass, `_anchored_ent_grad_kernel`); False: the softmax tiles' path for it.
+ANCHORED_ENTROPY = True
 
 
 @triton.jit
@@ -402,6 +405,56 @@ def _anchor_fallback_kernel(
 
 
 @triton.jit
+def _anchored_ent_grad_kernel(
+    buf_ptr,  # [N, STRIDE] int16: anchored bf16 tiles 2^(z2 - R) in, ∂loss/∂logits bf16 out
+    total_ptr,  # [N] the row's Σ 2^(z2 - R)
+    logp_ptr,  # [N] the target's log-prob
+    ent_ptr,  # [N] entropy
+    glp_ptr,  # [N] ∂loss/∂logp
+    gent_ptr,  # [N] ∂loss/∂entropy
+    tgt_ptr,  # [N]
+    N,
+    V,
+    STRIDE,
+    inv_t,  # 1 / T
+    HAS_LP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """∂loss/∂logits of anchored tiles with the entropy differentiated, in place (bf16):
+    p_j = stored_j / total, log p_j = log2(stored_j / total)·ln 2 (the stored value's bf16
+    rounding is 2^-9 relative: an absolute 2^-9 in log p_j, below the bf16 rounding of the
+    result wherever the entropy's gradient is not far larger than the log-prob's), and
+    G_j = -p_j (glp + gent (log p_j + H)) / T off the target; the target's entry (overwritten
+    by the merge) from the row's log-prob: G_t = (glp (1 - p_t) - gent p_t (log p_t + H)) / T."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < N
+    ok = row_ok[:, None] & (cols < V)[None, :]
+    offs = rows[:, None].to(tl.int64) * STRIDE + cols[None, :]
+    q = tl.load(buf_ptr + offs, mask=ok, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    total = tl.load(total_ptr + rows, mask=row_ok, other=1.0)
+    ent = tl.load(ent_ptr + rows, mask=row_ok, other=0.0)
+    gent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0) * inv_t
+    if HAS_LP:
+        glp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0) * inv_t
+    else:
+        glp = tl.zeros([BLOCK_M], tl.float32)
+    inv_total = 1.0 / total
+    p = q * inv_total[:, None]
+    # stored 0 (underflow): p = 0 times a finite log (0 · log 0 would be NaN). The clamp is a
+    # normal number: at 1e-38 (subnormal) this pass ran 2.5x slower on an H100.
+    logp = (tl.log2(tl.maximum(q, 1e-30)) - tl.log2(total)[:, None]) * 0.6931471805599453
+    g = -p * (glp[:, None] + gent[:, None] * (logp + ent[:, None]))
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    lp_t = tl.load(logp_ptr + rows, mask=row_ok, other=0.0)
+    p_t = tl.exp(lp_t)
+    g_t = glp * (1.0 - p_t) - gent * p_t * (lp_t + ent)
+    g = tl.where(cols[None, :] == tgt[:, None], g_t[:, None], g)
+    tl.store(buf_ptr + offs, g.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=ok)
+
+
+@triton.jit
 def _row_scale_kernel(x_ptr, s_ptr, out_ptr, H, X_STRIDE, OUT_STRIDE, BLOCK: tl.constexpr):
     """out[r] = x[r] · s[r] (fp32 product, one rounding to out's dtype)."""
     row = tl.program_id(0)
@@ -513,9 +566,12 @@ class TritonChunks:
         self.parts = torch.empty(3, max_splits, c, dtype=torch.float32, device=hidden.device)
         self.anchors: torch.Tensor | None = None  # [N] anchored tiles: each token's R
         self._state: tuple | None = None
-        # Anchored tiles (bf16, no entropy gradient): ∂loss/∂logits is a row scaling of the
-        # stored tiles, applied in the gradient products: no pass over the chunk's logits.
-        self.anchored = ANCHORED and not entropy_grad and self.w.dtype == torch.bfloat16
+        # Anchored tiles (bf16): without the entropy gradient ∂loss/∂logits is a row scaling of
+        # the stored tiles, applied in the gradient products (no pass over the chunk's
+        # logits); with it, one in-place pass turns them into ∂loss/∂logits.
+        self.anchored = (
+            ANCHORED and self.w.dtype == torch.bfloat16 and (ANCHORED_ENTROPY or not entropy_grad)
+        )
         dev = hidden.device
         if self.anchored:
             self.total = torch.empty(c, dtype=torch.float32, device=dev)
@@ -594,22 +650,27 @@ class TritonChunks:
             h, self.w, tgt, bad, r, buf, logp, ent, total, v, hd, buf.shape[1], inv_t2,
             BLOCK_V=16 if _INTERPRET else 128, BLOCK_K=16 if _INTERPRET else 64,
         )  # fmt: skip
-        self._state = (s, e, total)
+        self._state = (s, e, total, logp, ent)
 
     def _anchored_grad(
         self, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | float]:
         assert self._state is not None
-        s, e, total = self._state
+        s, e, total, logp, ent = self._state
         self._state = None
-        if g_ent is not None:
-            raise RuntimeError(
-                "fused_grpo_loss: the token loss differentiates the entropy, but the chunk "
-                "engine was built without the entropy gradient (token_loss.entropy_grad)"
-            )
+        nb = e - s
+        v = self.w.shape[0]
+        if g_ent is not None:  # the entropy differentiated: one pass, ∂loss/∂logits itself
+            assert g_ent.shape == (nb,) and g_ent.is_contiguous()
+            block_m = 16  # as `_logits_grad_kernel`
+            _anchored_ent_grad_kernel[(triton.cdiv(nb, block_m), triton.cdiv(v, TILE_V))](
+                self.buf, total, logp, ent, g_lp if g_lp is not None else g_ent, g_ent,
+                self.tgt[s:e], nb, v, self.buf.shape[1], self.inv_t, HAS_LP=g_lp is not None,
+                BLOCK_M=block_m, BLOCK_V=TILE_V, num_warps=4,
+            )  # fmt: skip
+            return self.buf.view(torch.bfloat16)[:nb, :v], 1.0
         # ∂loss/∂z_j = glp (1[j = target] - p_j) = -(glp / total) · (stored_j - total·1[target])
         # with glp = g_lp / T: the row scales in one launch
-        nb = e - s
         scale = torch.empty_like(total)
         if g_lp is None:
             scale.zero_()

@@ -466,7 +466,8 @@ def run_triton_checks(device, n_lens, hd, v, chunk_sizes, fwd_rows, temperature=
                 finite = all(bool(torch.isfinite(x).all()) for x in (*ours[1:3], *ours[4:]))
                 out.append((f"finite {tag}", float(not finite), 0.5))
         if dtype == torch.bfloat16:  # anchored tiles: a target 2^-128 below its row's max
-            out += _overflow_checks(h, w, t, cl, temperature, chunk_sizes[0])
+            for ent_term in (None, ce):
+                out += _overflow_checks(h, w, t, cl, ent_term, temperature, chunk_sizes[0])
         out += _scale_kernel_checks(device, dtype)
         cfg = LossConfig(loss_type="grpo", beta=0.1, tis_cap=1.5, entropy_coef=0.3)
         args = (h, w, t, seq, ex, cfg, ("ref", "sampling"), True, temperature)
@@ -530,16 +531,17 @@ def _scale_kernel_checks(device, dtype):
     return out
 
 
-def _overflow_checks(h, w, t, cl, temperature, chunk_size):
+def _overflow_checks(h, w, t, cl, ce, temperature, chunk_size):
     """Two tokens whose target is the least likely token by ~90·T nats and more: their
-    anchored tiles (2^(z - z_target) in bf16) overflow, and the fallback redoes those rows."""
+    anchored tiles (2^(z - z_target) in bf16) overflow, and the fallback redoes those rows
+    (with an entropy term `ce` too: then the in-place pass reads the fallback's tiles)."""
     h = h.detach().clone()
     t = t.clone()
     for k in (0, h.shape[0] - 1):
         h[k] *= 40.0
         t[k] = int((h[k].double() @ w.detach().double().T).argmin())
     h.requires_grad_()
-    token_loss = separable(cl, None)
+    token_loss = separable(cl, ce)
     ref = grads_of(functools.partial(run_full, h, w, t, token_loss, temperature), h, w)
     run = functools.partial(
         run_fused, h, w, t, token_loss, temperature=temperature, chunk_size=chunk_size,
@@ -547,6 +549,7 @@ def _overflow_checks(h, w, t, cl, temperature, chunk_size):
     )  # fmt: skip
     ours = grads_of(run, h, w)
     tag = f"overflowing anchor (target logp {float(ref[1][0]):.0f}, {float(ref[1][-1]):.0f})"
+    tag += " with entropy term" if ce is not None else ""
     out = [
         (f"{name} {tag}", rel(ours[i], ref[i]), 1e-4) for i, name in ((1, "logp"), (2, "entropy"))
     ]
