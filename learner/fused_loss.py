@@ -14,12 +14,13 @@ incoming (scalar) grad_output.
     G_tj   = (g_logp_t (1[j = t] - p_j) - g_ent_t p_j (log p_j + entropy_t)) / T
 
 Memory: one chunk's logits (`chunk_size` × V; 2 bytes an entry on the Triton path, which
-stores fp16 softmax tiles and overwrites them in place with bf16 G, or — bf16 weights, no
-entropy gradient — bf16 tiles anchored at the target logit whose row scaling is G, applied
-inside the two products; see `learner.kernels.triton_fused`) plus the two gradients,
+stores — bf16 weights — tiles anchored at the target logit, whose row scaling is G (applied
+inside the two products) or, with the entropy differentiated, which one pass overwrites with
+G; fp16 weights: softmax tiles overwritten in place with G; see
+`learner.kernels.triton_fused`) plus the two gradients,
 which exist from the forward on (dW is [V, H] in the weight's dtype, the same tensor the
-4-product path allocates in its backward); with anchored tiles also `chunk_size` × H fp32 rows
-(grad_hidden's product before its row scaling).
+4-product path allocates in its backward); with anchored tiles and no entropy gradient also
+`chunk_size` × H fp32 rows (grad_hidden's product before its row scaling).
 
 Accuracy of dW: it is summed over ceil(N / chunk_size) chunks. Each chunk's product
 accumulates in fp32 inside cuBLAS, but the running sum lives in the weight's dtype: one bf16
@@ -39,8 +40,9 @@ loss whose gradient does not depend on the values at all sets `constant_grads = 
 differentiated once instead of once per chunk (`GRPOTokenLoss` with μ = 1, no KL and no IS
 weight: the ratio exp(logp - logp.detach()) is 1 whatever logp is, and the entropy bonus is
 linear). A token loss may also say `entropy_grad = False` (it never differentiates the entropy;
-`GRPOTokenLoss` without an entropy bonus), which lets the Triton engine use its anchored tiles;
-without the attribute it is assumed True.
+`GRPOTokenLoss` without an entropy bonus), which lets the Triton engine apply G as a row
+scaling of its anchored tiles, with no pass over them; without the attribute it is assumed
+True.
 """
 
 from __future__ import annotations
