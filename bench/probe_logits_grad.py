@@ -1,10 +1,11 @@
-"""The fused loss's in-place ∂loss/∂logits pass (softmax tiles: the entropy-bonus path), per
-block shape, against a plain copy of the same bytes (CUDA only).
+"""The fused loss's in-place ∂loss/∂logits passes (the entropy-bonus path), per block shape,
+against a plain copy of the same bytes (CUDA only).
 
-`fused_grpo_loss` differentiating the entropy stores fp16 softmax tiles in its forward kernel
-and rewrites them as bf16 ∂loss/∂logits in one elementwise pass over the chunk's C × V values
-(`triton_fused._logits_grad_kernel`): 4 bytes an entry, bound by memory bandwidth. This times
-that pass at the Qwen3-0.6B and Qwen3-8B heads' chunk sizes:
+`fused_grpo_loss` differentiating the entropy rewrites its forward kernel's tiles as bf16
+∂loss/∂logits in one elementwise pass over the chunk's C × V values: fp16 softmax tiles
+(`triton_fused._logits_grad_kernel`, fp16 weights) or bf16 anchored ones
+(`_anchored_ent_grad_kernel`, bf16 weights), 4 bytes an entry, bound by memory bandwidth.
+This times both at the Qwen3-0.6B and Qwen3-8B heads' chunk sizes:
 
     python3 bench/probe_logits_grad.py --out $OUT/probe_logits_grad.json
 """
@@ -21,7 +22,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.kernels.triton_fused import TILE_V, _logits_grad_kernel
+from learner.kernels.triton_fused import TILE_V, _anchored_ent_grad_kernel, _logits_grad_kernel
 
 VOCAB = 151936
 CHUNKS = {"qwen3-0.6b": 1536, "qwen3-8b": 4096}
@@ -66,6 +67,24 @@ def probe_head(head: str, c: int, dev: torch.device) -> list[dict]:
                "warps": warps, "ms": ms_k, "gbps": nbytes / ms_k / 1e6}  # fmt: skip
         out.append(row)
         print(f"  BLOCK_M={block_m:<4} warps={warps}: {ms_k:.3f} ms ({row['gbps']:.0f} GB/s)")
+    # the anchored pass as the loss launches it, on bf16 values 2^(z - R) (restored each time:
+    # its own output holds negative values, whose log is another code path)
+    q = (torch.rand(c, stride, device=dev, generator=g) ** 8).to(torch.bfloat16).view(torch.int16)
+    total = torch.rand(c, device=dev, generator=g) * 100 + 1
+    logp = -5 * torch.rand(c, device=dev, generator=g)
+    grid = (triton.cdiv(c, 16), n_tiles)
+
+    def anchored():
+        buf.copy_(q)
+        _anchored_ent_grad_kernel[grid](
+            buf, total, logp, ent, glp, gent, tgt, c, VOCAB, stride, 1.0, HAS_LP=True,
+            BLOCK_M=16, BLOCK_V=TILE_V, num_warps=4,
+        )  # fmt: skip
+
+    ms_a = triton.testing.do_bench(anchored, rep=50) - ms  # less the restoring copy
+    out.append({"head": head, "rows": c, "what": "anchored_ent_grad", "BLOCK_M": 16, "warps": 4,
+                "ms": ms_a, "gbps": nbytes / ms_a / 1e6})  # fmt: skip
+    print(f"  anchored pass (BLOCK_M=16 warps=4): {ms_a:.3f} ms ({nbytes / ms_a / 1e6:.0f} GB/s)")
     return out
 
 
