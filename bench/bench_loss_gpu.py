@@ -23,8 +23,8 @@ Variants, all computing the same DAPO loss (beta 0.04 with reference log-probs, 
          default `auto_chunk_size`: 1536 tokens on the 0.6B head, 4096 on the 8B one).
 
 - fused-ent, ours-ent: fused and ours with an entropy bonus (`entropy_coef` 0.01, so the
-         entropy is differentiated: fused then runs its softmax tiles, fp16 then bf16 G in
-         place, instead of the anchored ones).
+         entropy is differentiated: fused's anchored tiles then take one in-place pass that
+         turns them into G, instead of a row scaling inside the products).
 
 - gemm-floor: no loss, only fused's three bf16 cuBLAS products a chunk (logits, then G W and
          G^T h with the logits as G): what the same chunking costs with nothing but matmuls.
@@ -47,6 +47,7 @@ grad_weight) at the measured bf16 matmul rate.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -111,8 +112,7 @@ def run_ours(h, w, ids, old, ref, adv, mask, entropy_coef=0.0):
     return _loss_backward(lp.view(b, t), ent.view(b, t), old, ref, adv, mask, entropy_coef)
 
 
-def run_ours_ent(*inputs):
-    return run_ours(*inputs, entropy_coef=ENT_COEF)
+run_ours_ent = functools.partial(run_ours, entropy_coef=ENT_COEF)
 
 
 FUSED_CHUNK: dict[str, int | None] = {"size": None}  # --fused-chunk; None: auto_chunk_size
@@ -134,8 +134,12 @@ def run_fused(h, w, ids, old, ref, adv, mask, entropy_coef=0.0):
     return loss.detach()
 
 
-def run_fused_ent(*inputs):
-    return run_fused(*inputs, entropy_coef=ENT_COEF)
+run_fused_ent = functools.partial(run_fused, entropy_coef=ENT_COEF)
+
+
+def _entropy_coef(variant: str) -> float:
+    """The entropy bonus a variant's loss has (the -ent ones: ENT_COEF)."""
+    return ENT_COEF if variant.endswith("-ent") else 0.0
 
 
 def _fused_at(spec):
@@ -277,7 +281,7 @@ def accuracy(hd, b, t, variants):
     w64 = w.detach().double().requires_grad_()
     lp, ent = token_logprobs(h64.view(-1, hd), w64, ids.view(-1), temperature=TEMP, impl="torch")
     refs = {}  # the float64 loss and gradients, without and with the entropy bonus
-    for coef in {ENT_COEF if name.endswith("-ent") else 0.0 for name in variants}:
+    for coef in {_entropy_coef(name) for name in variants}:
         ins = LossInputs(lp.view(b, t), old, adv, mask, ref_logprobs=ref, entropy=ent.view(b, t))
         want, _ = grpo_loss(ins, LossConfig(beta=0.04, entropy_coef=coef))
         gh, gw = torch.autograd.grad(want, (h64, w64), retain_graph=True)
@@ -286,7 +290,7 @@ def accuracy(hd, b, t, variants):
     for name in variants:
         h.grad = w.grad = None
         got = VARIANTS[name](*inputs)
-        want, h64_grad, w64_grad = refs[ENT_COEF if name.endswith("-ent") else 0.0]
+        want, h64_grad, w64_grad = refs[_entropy_coef(name)]
         errs = {
             "loss": _rel(got, want),
             "grad_hidden": _rel(h.grad, h64_grad),
@@ -380,7 +384,7 @@ def breakdown(hd, b, t):
 
 def breakdown_fused(hd, b, t, chunk, entropy_coef=0.0):
     """Time each stage of one chunk of fused (and the whole fwd+bwd) at one shape; with
-    `entropy_coef` (fused-ent), of its softmax-tiles path."""
+    `entropy_coef`, of fused-ent."""
     from learner.fused_loss import (
         GRPOTokenLoss,
         _GraphedTokenGrads,
