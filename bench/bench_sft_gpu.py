@@ -1,0 +1,283 @@
+"""SFT on one GPU: our chunked-NLL step against TRL 1.16's SFTTrainer and a full-logits step.
+
+    python3 bench/bench_sft_gpu.py --out-dir $OUT                       # Qwen3-4B shape, 16k
+    python3 bench/bench_sft_gpu.py --model qwen3-8b --seq 16384 --out-dir $OUT   # an H200
+
+TRL v1.4 announced its chunked NLL with "Qwen3-4B, 1×H100 80GB, 16k seq: OOM → 63.8 GB" (and
+Qwen3-14B on 8×H100 FSDP2 58.9 → 38.9 GB); TRL 1.16's default SFT loss ("nll") is that path's
+successor, a fused LM head that projects only the target positions, in tiles. This runs the
+three ways of computing the SFT loss on the same random-weight model, the same sequence, the
+same optimizer, each in a fresh process so each peak is its own:
+
+- full: ``model(input_ids, labels=...)``: the Hugging Face loss (logits of every position,
+  upcast to float32, cross entropy), what SFT did before chunked losses.
+- trl:  TRL 1.16 ``SFTTrainer`` (``loss_type="nll"``, its fused LM head), the dataset given
+  pre-tokenized with ``labels`` (-100 on the prompt).
+- ours: ``learner.sft.NLLPolicy`` + ``sft_step``: the chunked NLL (Triton kernel on CUDA; only
+  target rows reach the head, the logits never exist whole).
+
+All: bf16 weights, ``torch.optim.AdamW`` (its states in bf16, the weights' dtype), gradient
+checkpointing (non-reentrant), SDPA attention, one sequence of ``--seq`` tokens a step whose
+last ``--target-fraction`` is the completion. The weights come from the same seed in every
+process and the data too, so step 1's loss must agree across variants (a check, printed).
+
+Reported per variant: peak ``max_memory_allocated`` over the whole run (weights, gradients,
+optimizer states and activations: the figure TRL's announcement gives), that peak minus the
+model state (weights + gradients + AdamW states = 8 bytes a parameter), the median step time
+after the first step, and step 1's loss. A variant that runs out of memory is reported as OOM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {},  # rollout_server.tiny.QWEN3_0_6B_SHAPE as is
+    "qwen3-4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                 "num_attention_heads": 32},
+    "qwen3-8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "tie_word_embeddings": False},
+    "qwen3-14b": {"hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 40,
+                  "num_attention_heads": 40, "tie_word_embeddings": False},
+}  # fmt: skip
+VARIANTS = ("full", "trl", "ours")
+LR = 1e-5
+DEVICE = "cuda"  # --device cpu: a quick check of the script itself on a small shape
+
+
+def _model(name: str):
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from rollout_server.tiny import QWEN3_0_6B_SHAPE, tiny_qwen3_config
+
+    config = tiny_qwen3_config(**{**QWEN3_0_6B_SHAPE, **SHAPES[name]})
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEVICE):
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model.train()
+    return model
+
+
+def _data(seq: int, vocab: int, target_fraction: float, steps: int):
+    """``steps`` rows of random token ids; the first ``1 - target_fraction`` is the prompt."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    prompt = seq - int(seq * target_fraction)
+    rows = [torch.randint(0, vocab, (seq,), generator=g).tolist() for _ in range(steps)]
+    return rows, prompt
+
+
+def _sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, times: list[float]) -> Any:
+
+    _sync()
+    t0 = time.perf_counter()
+    out = fn()
+    _sync()
+    times.append(time.perf_counter() - t0)
+    return out
+
+
+def run_full(model, rows, prompt) -> tuple[list[float], list[float]]:
+    import torch
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, times = [], []
+
+    def step(ids: list[int]) -> float:
+        x = torch.tensor([ids], device=DEVICE)
+        labels = x.clone()
+        labels[:, :prompt] = -100
+        loss = model(input_ids=x, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    for ids in rows:
+        losses.append(_timed(lambda ids=ids: step(ids), times))
+    return losses, times
+
+
+def run_ours(model, rows, prompt) -> tuple[list[float], list[float]]:
+    import torch
+
+    from learner.batch import Rollout, collate
+    from learner.runtime import make_accelerator
+    from learner.sft import NLLPolicy, sft_step
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    acc = make_accelerator()
+    policy = NLLPolicy(model)
+    opt = torch.optim.AdamW(policy.parameters(), lr=LR)
+    policy, opt = acc.prepare(policy, opt)
+    losses, times = [], []
+    for ids in rows:
+        c = len(ids) - prompt
+        r = Rollout(ids[:prompt], ids[prompt:], [0.0] * c, [1] * c)
+        m = _timed(lambda r=r: sft_step(acc, policy, opt, [collate([r], 0)], 1.0), times)
+        losses.append(m["loss"])
+    return losses, times
+
+
+def run_trl(model, rows, prompt) -> tuple[list[float], list[float]]:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from rollout_server.tiny import make_tiny_tokenizer
+
+    labels = [[-100] * prompt + ids[prompt:] for ids in rows]
+    data = Dataset.from_dict({"input_ids": rows, "labels": labels})
+    times: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            _sync()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            _sync()
+            times.append(time.perf_counter() - self.t0)
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = SFTConfig(
+            output_dir=out,
+            per_device_train_batch_size=1,
+            max_steps=len(rows),
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            optim="adamw_torch",
+            max_grad_norm=1.0,
+            bf16=DEVICE == "cuda",
+            use_cpu=DEVICE == "cpu",
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+            max_length=len(rows[0]),
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            dataloader_num_workers=0,
+            dataset_kwargs={"skip_prepare_dataset": True},  # given tokenized, with labels
+            seed=0,
+        )
+        trainer = SFTTrainer(
+            model=model,
+            args=cfg,
+            train_dataset=data,
+            processing_class=make_tiny_tokenizer(),
+            callbacks=[StepTimes()],
+        )
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, times
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    model = _model(args.model)
+    params = sum(p.numel() for p in model.parameters())
+    rows, prompt = _data(args.seq, model.config.vocab_size, args.target_fraction, args.steps)
+    runner = {"full": run_full, "trl": run_trl, "ours": run_ours}[args.worker]
+    result: dict[str, Any] = {"variant": args.worker, "params": params}
+    try:
+        losses, times = runner(model, rows, prompt)
+        result.update(losses=losses, step_s=times, median_step_s=statistics.median(times[1:]))
+    except torch.OutOfMemoryError as e:
+        result["oom"] = str(e).splitlines()[0]
+    peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+    state = params * 8  # bf16 weights + gradients + AdamW's two moments
+    result.update(peak_gb=peak / 1e9, peak_minus_state_gb=(peak - state) / 1e9)
+    print(json.dumps(result))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", choices=sorted(SHAPES), default="qwen3-4b")
+    p.add_argument("--seq", type=int, default=16384)
+    p.add_argument("--target-fraction", type=float, default=0.5)
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps (>= 2: step 1 warms up)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--out-dir", type=Path, default=None, help="write sft_gpu.json here")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if args.steps < 2:
+        p.error("--steps must be at least 2: the first step is a warm-up, not timed")
+    if args.worker:
+        worker(args)
+        return
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    if device is None:
+        sys.exit("bench_sft_gpu.py needs a CUDA GPU (the CPU figures: bench_sft_memory_cpu.py)")
+    shape = ["--model", args.model, "--seq", str(args.seq), "--steps", str(args.steps)]
+    shape += ["--target-fraction", str(args.target_fraction)]
+    rows = {}
+    for v in args.variants:
+        cmd = [sys.executable, __file__, "--worker", v, *shape]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+        if out.returncode or not lines:
+            rows[v] = {"variant": v, "error": out.stderr[-2000:]}
+            print(f"{v}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
+            continue
+        rows[v] = json.loads(lines[-1])
+    print(f"\nSFT step, {args.model} shape, 1 x {args.seq} tokens, bf16, AdamW, {device}")
+    print(f"{'variant':8} {'peak GB':>8} {'- state':>8} {'step s':>8} {'step-1 loss':>12}")
+    for v, r in rows.items():
+        if "error" in r or "oom" in r:
+            print(f"{v:8} {'OOM' if 'oom' in r else 'failed':>8}")
+            continue
+        print(
+            f"{v:8} {r['peak_gb']:8.2f} {r['peak_minus_state_gb']:8.2f} "
+            f"{r['median_step_s']:8.3f} {r['losses'][0]:12.4f}"
+        )
+    meta = {
+        "device": device,
+        "torch": torch.__version__,
+        "model": args.model,
+        "seq": args.seq,
+        "target_fraction": args.target_fraction,
+        "steps": args.steps,
+        "variants": rows,
+    }
+    if args.out_dir is not None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "sft_gpu.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
