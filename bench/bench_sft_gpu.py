@@ -16,15 +16,17 @@ same optimizer, each in a fresh process so each peak is its own:
 - ours: ``learner.sft.NLLPolicy`` + ``sft_step``: the chunked NLL (Triton kernel on CUDA; only
   target rows reach the head, the logits never exist whole).
 
-All: bf16 weights, ``torch.optim.AdamW`` (its states in bf16, the weights' dtype), gradient
-checkpointing (non-reentrant), SDPA attention, one sequence of ``--seq`` tokens a step whose
-last ``--target-fraction`` is the completion. The weights come from the same seed in every
-process and the data too, so step 1's loss must agree across variants (a check, printed).
+All: bf16 weights, fused AdamW (torch's one-kernel update, states in bf16, the weights' dtype;
+the learner's own optimizer on a GPU, ``optim="adamw_torch_fused"`` for TRL), gradient
+checkpointing (non-reentrant), SDPA attention, one sequence of ``--seq`` tokens a step whose last
+``--target-fraction`` is the completion. The weights come from the same seed in every process and
+the data too, so step 1's loss must agree across variants (a check, printed).
 
-Reported per variant: peak ``max_memory_allocated`` over the whole run (weights, gradients,
-optimizer states and activations: the figure TRL's announcement gives), that peak minus the
-model state (weights + gradients + AdamW states = 8 bytes a parameter), the median step time
-after the first step, and step 1's loss. A variant that runs out of memory is reported as OOM.
+Reported per variant: the peak ``max_memory_allocated`` of a training step (weights, gradients,
+optimizer states and activations: the figure TRL's announcement gives), that peak minus the model
+state (weights + gradients + AdamW states = 8 bytes a parameter), the peak of the forward and
+backward alone (read just before the optimizer step: where the loss path shows), the median step
+time after the first step, and step 1's loss. A variant that runs out of memory reads OOM.
 """
 
 from __future__ import annotations
@@ -94,22 +96,51 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn, times: list[float]) -> Any:
+class Meter:
+    """Per step: wall time, peak allocated over the step, and the peak reached before the
+    optimizer step (``before_step``, called from the optimizer's pre-step hook or TRL's
+    ``on_pre_optimizer_step``): the forward and backward alone."""
 
-    _sync()
-    t0 = time.perf_counter()
-    out = fn()
-    _sync()
-    times.append(time.perf_counter() - t0)
-    return out
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.step_peaks: list[int] = []
+        self.fwd_bwd_peaks: list[int] = []
+
+    def _peak(self) -> int:
+        import torch
+
+        return torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+
+    def begin(self) -> None:
+        import torch
+
+        _sync()
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.t0 = time.perf_counter()
+
+    def before_step(self, *_: Any) -> None:
+        self.fwd_bwd_peaks.append(self._peak())
+
+    def end(self) -> None:
+        _sync()
+        self.times.append(time.perf_counter() - self.t0)
+        self.step_peaks.append(self._peak())
+
+    def timed(self, fn) -> Any:
+        self.begin()
+        out = fn()
+        self.end()
+        return out
 
 
-def run_full(model, rows, prompt) -> tuple[list[float], list[float]]:
+def run_full(model, rows, prompt, meter: Meter) -> list[float]:
     import torch
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, times = [], []
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=DEVICE == "cuda")
+    opt.register_step_pre_hook(meter.before_step)
+    losses = []
 
     def step(ids: list[int]) -> float:
         x = torch.tensor([ids], device=DEVICE)
@@ -123,32 +154,36 @@ def run_full(model, rows, prompt) -> tuple[list[float], list[float]]:
         return float(loss)
 
     for ids in rows:
-        losses.append(_timed(lambda ids=ids: step(ids), times))
-    return losses, times
+        losses.append(meter.timed(lambda ids=ids: step(ids)))
+    return losses
 
 
-def run_ours(model, rows, prompt) -> tuple[list[float], list[float]]:
-    import torch
-
+def run_ours(model, rows, prompt, meter: Meter) -> list[float]:
     from learner.batch import Rollout, collate
-    from learner.runtime import make_accelerator
+    from learner.config import OptimConfig
+    from learner.runtime import make_accelerator, optimizer_and_schedule, use_fused_adamw
     from learner.sft import NLLPolicy, sft_step
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     acc = make_accelerator()
     policy = NLLPolicy(model)
-    opt = torch.optim.AdamW(policy.parameters(), lr=LR)
+    optim = OptimConfig(betas=(0.9, 0.999))  # transformers' defaults, as TRL runs
+    opt, _ = optimizer_and_schedule(
+        policy, optim, lr=LR, schedule="constant", warmup_steps=0, steps=len(rows),
+        fused=use_fused_adamw(acc),
+    )  # fmt: skip
+    opt.register_step_pre_hook(meter.before_step)
     policy, opt = acc.prepare(policy, opt)
-    losses, times = [], []
+    losses = []
     for ids in rows:
         c = len(ids) - prompt
         r = Rollout(ids[:prompt], ids[prompt:], [0.0] * c, [1] * c)
-        m = _timed(lambda r=r: sft_step(acc, policy, opt, [collate([r], 0)], 1.0), times)
+        m = meter.timed(lambda r=r: sft_step(acc, policy, opt, [collate([r], 0)], 1.0))
         losses.append(m["loss"])
-    return losses, times
+    return losses
 
 
-def run_trl(model, rows, prompt) -> tuple[list[float], list[float]]:
+def run_trl(model, rows, prompt, meter: Meter) -> list[float]:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -157,16 +192,16 @@ def run_trl(model, rows, prompt) -> tuple[list[float], list[float]]:
 
     labels = [[-100] * prompt + ids[prompt:] for ids in rows]
     data = Dataset.from_dict({"input_ids": rows, "labels": labels})
-    times: list[float] = []
 
-    class StepTimes(TrainerCallback):
+    class Measure(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            _sync()
-            self.t0 = time.perf_counter()
+            meter.begin()
+
+        def on_pre_optimizer_step(self, args, state, control, **kw):
+            meter.before_step()
 
         def on_step_end(self, args, state, control, **kw):
-            _sync()
-            times.append(time.perf_counter() - self.t0)
+            meter.end()
 
     with tempfile.TemporaryDirectory() as out:
         cfg = SFTConfig(
@@ -175,7 +210,7 @@ def run_trl(model, rows, prompt) -> tuple[list[float], list[float]]:
             max_steps=len(rows),
             learning_rate=LR,
             lr_scheduler_type="constant",
-            optim="adamw_torch",
+            optim="adamw_torch_fused" if DEVICE == "cuda" else "adamw_torch",
             max_grad_norm=1.0,
             bf16=DEVICE == "cuda",
             use_cpu=DEVICE == "cpu",
@@ -194,11 +229,10 @@ def run_trl(model, rows, prompt) -> tuple[list[float], list[float]]:
             args=cfg,
             train_dataset=data,
             processing_class=make_tiny_tokenizer(),
-            callbacks=[StepTimes()],
+            callbacks=[Measure()],
         )
         trainer.train()
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return losses, times
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -209,14 +243,25 @@ def worker(args: argparse.Namespace) -> None:
     rows, prompt = _data(args.seq, model.config.vocab_size, args.target_fraction, args.steps)
     runner = {"full": run_full, "trl": run_trl, "ours": run_ours}[args.worker]
     result: dict[str, Any] = {"variant": args.worker, "params": params}
+    meter = Meter()
     try:
-        losses, times = runner(model, rows, prompt)
-        result.update(losses=losses, step_s=times, median_step_s=statistics.median(times[1:]))
+        losses = runner(model, rows, prompt, meter)
     except torch.OutOfMemoryError as e:
         result["oom"] = str(e).splitlines()[0]
-    peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+        print(json.dumps(result))
+        return
     state = params * 8  # bf16 weights + gradients + AdamW's two moments
-    result.update(peak_gb=peak / 1e9, peak_minus_state_gb=(peak - state) / 1e9)
+    peak, fwd_bwd = max(meter.step_peaks), max(meter.fwd_bwd_peaks)
+    result.update(
+        losses=losses,
+        step_s=meter.times,
+        median_step_s=statistics.median(meter.times[1:]),
+        peak_gb=peak / 1e9,
+        peak_minus_state_gb=(peak - state) / 1e9,
+        fwd_bwd_peak_gb=fwd_bwd / 1e9,
+        step_peaks_gb=[b / 1e9 for b in meter.step_peaks],
+        fwd_bwd_peaks_gb=[b / 1e9 for b in meter.fwd_bwd_peaks],
+    )
     print(json.dumps(result))
 
 
@@ -242,7 +287,9 @@ def main() -> None:
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     if device is None:
-        sys.exit("bench_sft_gpu.py needs a CUDA GPU (the CPU figures: bench_sft_memory_cpu.py)")
+        sys.exit(
+            "bench_sft_gpu.py needs a CUDA GPU (the loss alone, on CPU too: bench_sft_loss.py)"
+        )
     shape = ["--model", args.model, "--seq", str(args.seq), "--steps", str(args.steps)]
     shape += ["--target-fraction", str(args.target_fraction)]
     rows = {}
@@ -256,14 +303,15 @@ def main() -> None:
             continue
         rows[v] = json.loads(lines[-1])
     print(f"\nSFT step, {args.model} shape, 1 x {args.seq} tokens, bf16, AdamW, {device}")
-    print(f"{'variant':8} {'peak GB':>8} {'- state':>8} {'step s':>8} {'step-1 loss':>12}")
+    head = f"{'variant':8} {'peak GB':>8} {'- state':>8} {'fwd+bwd':>8} {'step s':>8}"
+    print(f"{head} {'step-1 loss':>12}")
     for v, r in rows.items():
         if "error" in r or "oom" in r:
             print(f"{v:8} {'OOM' if 'oom' in r else 'failed':>8}")
             continue
         print(
             f"{v:8} {r['peak_gb']:8.2f} {r['peak_minus_state_gb']:8.2f} "
-            f"{r['median_step_s']:8.3f} {r['losses'][0]:12.4f}"
+            f"{r['fwd_bwd_peak_gb']:8.2f} {r['median_step_s']:8.3f} {r['losses'][0]:12.4f}"
         )
     meta = {
         "device": device,

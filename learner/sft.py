@@ -41,7 +41,12 @@ from learner.logprobs import chunked_nll
 from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
 from learner.policy import PolicyLogprobs, is_peft
-from learner.runtime import make_accelerator, optimizer_and_schedule, start_run
+from learner.runtime import (
+    make_accelerator,
+    optimizer_and_schedule,
+    start_run,
+    use_fused_adamw,
+)
 from learner.sft_data import load_sft_rows, tokenize_row
 from learner.train_step import reduce_metrics
 
@@ -217,7 +222,13 @@ def train_sft(
         build_models(no_ref, model_path)[0].model, chunk_size=cfg.grpo.logprob_chunk_size
     )
     optimizer, scheduler = optimizer_and_schedule(
-        policy, cfg.optim, lr=s.lr, schedule=s.schedule, warmup_steps=s.warmup_steps, steps=steps
+        policy,
+        cfg.optim,
+        lr=s.lr,
+        schedule=s.schedule,
+        warmup_steps=s.warmup_steps,
+        steps=steps,
+        fused=use_fused_adamw(accelerator),
     )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     stream = PromptStream(rows, seed=cfg.run.seed, shuffle=True)

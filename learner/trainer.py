@@ -41,7 +41,12 @@ from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
 from learner.perf import peak_tflops, profiled, train_flops_per_token
 from learner.rollouts import StepRollouts, collect, collect_episodes
-from learner.runtime import make_accelerator, optimizer_and_schedule, start_run
+from learner.runtime import (
+    make_accelerator,
+    optimizer_and_schedule,
+    start_run,
+    use_fused_adamw,
+)
 from learner.sync import WeightSyncer
 from learner.train_step import StepOptions, build_micro_batches, reduce_metrics, train_on
 from rewards.scoring import RewardRunner, RewardSpec
@@ -171,7 +176,13 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     policy, ref_policy = build_models(cfg, model_path)
     o = cfg.optim
     optimizer, scheduler = optimizer_and_schedule(
-        policy, o, lr=o.lr, schedule=o.schedule, warmup_steps=o.warmup_steps, steps=cfg.run.steps
+        policy,
+        o,
+        lr=o.lr,
+        schedule=o.schedule,
+        warmup_steps=o.warmup_steps,
+        steps=cfg.run.steps,
+        fused=use_fused_adamw(accelerator),
     )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     if ref_policy is not None:

@@ -237,6 +237,37 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
+def test_fused_adamw_takes_the_same_steps_as_the_default():
+    """The learner's optimizer on a GPU without DeepSpeed is torch's fused AdamW (no
+    parameter-sized temporaries). Here on CPU (where the learner keeps the default): the same
+    three updates as the multi-tensor default, weight decay included."""
+    from learner.config import OptimConfig
+    from learner.runtime import make_accelerator, optimizer_and_schedule, use_fused_adamw
+
+    assert not use_fused_adamw(make_accelerator())  # no GPU here
+    torch.manual_seed(0)
+    nets = [torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    opts = [
+        optimizer_and_schedule(
+            net, OptimConfig(weight_decay=0.1), lr=1e-2, schedule="constant", warmup_steps=0,
+            steps=3, fused=fused,
+        )[0]
+        for net, fused in zip(nets, (False, True), strict=True)
+    ]  # fmt: skip
+    assert opts[1].defaults["fused"] and not opts[0].defaults["fused"]
+    x = torch.randn(16, 8)
+    for _ in range(3):
+        for net, opt in zip(nets, opts, strict=True):
+            net(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b_ in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    assert not torch.equal(torch.nn.Linear(8, 4).weight, nets[0].weight)  # they did move
+
+
 def test_short_run_learns_and_writes_a_loadable_model(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

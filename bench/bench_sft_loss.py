@@ -1,14 +1,18 @@
 """Peak extra memory and time of the SFT loss (fwd+bwd): full-logits cross entropy vs chunked NLL.
 
-    python bench/bench_sft_memory_cpu.py --out bench/results/sft_memory_cpu.json
-    python bench/bench_sft_memory_cpu.py --device cuda --dtype bfloat16 --hidden 5120 \\
-        --batch 1 --seq 16384 --out bench/results/sft_memory_gpu.json    # Qwen3-14B head, 16k
+    python bench/bench_sft_loss.py --out bench/results/sft_memory_cpu.json
+    python bench/bench_sft_loss.py --device cuda --dtype bfloat16 --hidden 5120 \\
+        --batch 1 --seq 16384 --trl --out bench/results/sft_loss_gpu.json   # Qwen3-14B head, 16k
 
 Variants: ``full`` is what a Hugging Face model's ``loss`` does — the ``[tokens, vocab]`` logits
 of every token (prompt tokens too), upcast to float32, then ``cross_entropy(ignore_index=-100)``;
 ``chunked-C`` is ``learner.logprobs.chunked_nll`` with ``chunk_size=C`` (the torch path on CPU,
 the Triton kernel on CUDA), which sends only the target rows through the head and never holds
-more than one chunk's logits. Both produce the same loss and the same grad_hidden / grad_weight.
+more than one chunk's logits; ``trl`` (``--trl``, needs TRL 1.16) is TRL's SFT loss as its
+``SFTTrainer`` computes it (``loss_type="nll"``, the successor of v1.4's ``chunked_nll``): the
+target rows through ``trl.kernels.ChunkedLogProbFunction`` with the vocab chunk and the extra
+outputs (entropy, top-1) its fused LM head asks for. All produce the same loss and the same
+grad_hidden / grad_weight.
 
 Method: each variant runs in a fresh Python subprocess. On CPU the worker builds its inputs, runs
 a tiny warm-up at a short vocab (so torch's lazy CPU state is created and counted in the baseline,
@@ -42,6 +46,16 @@ def _loss_fn(variant: str):
             logits = h @ w.T  # [N, V], in the model's dtype, as an LM head
             labels = targets.masked_fill(mask == 0, -100)
             loss = F.cross_entropy(logits.float(), labels, ignore_index=-100)
+        elif variant == "trl":
+            from trl.kernels import ChunkedLogProbFunction
+            from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+            keep = mask.bool()  # as TRL's fused LM head: only the target rows reach the head
+            lp, *_ = ChunkedLogProbFunction.apply(
+                h[keep], w, None, targets[keep], 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0,
+                ("log_probs", "entropy", "is_top1"),
+            )  # fmt: skip
+            loss = -lp.sum() / keep.sum().clamp(min=1)
         else:
             chunk = int(variant.split("-")[1])
             loss = chunked_nll(h, w, targets, mask, chunk_size=chunk)
@@ -108,6 +122,12 @@ def worker(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--batch", type=int, default=2)
@@ -116,6 +136,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=151936, help="Qwen3's")
     p.add_argument("--target-fraction", type=float, default=0.5)
     p.add_argument("--chunk-sizes", default="1024,256", help="one chunked variant per size")
+    p.add_argument("--trl", action="store_true", help="also TRL 1.16's SFT loss (needs trl)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--repeats", type=int, default=2)
@@ -128,7 +149,8 @@ def main() -> None:
     shape = ["--batch", args.batch, "--seq", args.seq, "--hidden", args.hidden]
     shape += ["--vocab", args.vocab, "--target-fraction", args.target_fraction]
     shape += ["--device", args.device, "--dtype", args.dtype, "--repeats", args.repeats]
-    variants = ["full"] + [f"chunked-{c}" for c in args.chunk_sizes.split(",")]
+    variants = ["full"] + (["trl"] if args.trl else [])
+    variants += [f"chunked-{c}" for c in args.chunk_sizes.split(",")]
     rows = {}
     root = Path(__file__).resolve().parents[1]
     for variant in variants:
@@ -148,6 +170,7 @@ def main() -> None:
             "dtype": args.dtype,
             "device": args.device,
         },
+        "gpu": _gpu_name() if args.device == "cuda" else None,
         "method": "fresh subprocess per variant; peak extra memory over one fwd+bwd "
         + ("(max_memory_allocated)" if args.device == "cuda" else "(ru_maxrss delta)"),
         "variants": rows,
