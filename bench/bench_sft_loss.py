@@ -11,8 +11,10 @@ the Triton kernel on CUDA), which sends only the target rows through the head an
 more than one chunk's logits; ``trl`` (``--trl``, needs TRL 1.16) is TRL's SFT loss as its
 ``SFTTrainer`` computes it (``loss_type="nll"``, the successor of v1.4's ``chunked_nll``): the
 target rows through ``trl.kernels.ChunkedLogProbFunction`` with the vocab chunk and the extra
-outputs (entropy, top-1) its fused LM head asks for. All produce the same loss and the same
-grad_hidden / grad_weight.
+outputs (entropy, top-1) its fused LM head asks for; ``fused`` is ``chunked_nll(fused=True)``
+(``grpo.fused_loss``): the NLL fused with the LM head (3 N·H·V products instead of 4, both
+gradients in the forward, ``auto_chunk_size`` tokens' logits at a time). All produce the same
+loss and the same grad_hidden / grad_weight.
 
 Method: each variant runs in a fresh Python subprocess. On CPU the worker builds its inputs, runs
 a tiny warm-up at a short vocab (so torch's lazy CPU state is created and counted in the baseline,
@@ -56,6 +58,8 @@ def _loss_fn(variant: str):
                 ("log_probs", "entropy", "is_top1"),
             )  # fmt: skip
             loss = -lp.sum() / keep.sum().clamp(min=1)
+        elif variant == "fused":
+            loss = chunked_nll(h, w, targets, mask, fused=True)
         else:
             chunk = int(variant.split("-")[1])
             loss = chunked_nll(h, w, targets, mask, chunk_size=chunk)
@@ -150,7 +154,7 @@ def main() -> None:
     shape += ["--vocab", args.vocab, "--target-fraction", args.target_fraction]
     shape += ["--device", args.device, "--dtype", args.dtype, "--repeats", args.repeats]
     variants = ["full"] + (["trl"] if args.trl else [])
-    variants += [f"chunked-{c}" for c in args.chunk_sizes.split(",")]
+    variants += [f"chunked-{c}" for c in args.chunk_sizes.split(",")] + ["fused"]
     rows = {}
     root = Path(__file__).resolve().parents[1]
     for variant in variants:

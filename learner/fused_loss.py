@@ -357,6 +357,28 @@ class GRPOTokenLoss:
         return loss
 
 
+class NLLTokenLoss:
+    """The mean negative log-likelihood of `n` tokens as a `TokenLoss` (the SFT loss).
+
+    ∂loss/∂logp_t = -1/n for every token whatever the values (`constant_grads`: differentiated
+    once a call) and the entropy is never differentiated (`entropy_grad = False`: the Triton
+    engine applies G as a row scaling of its anchored tiles)."""
+
+    constant_grads = True
+    entropy_grad = False
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"NLLTokenLoss needs at least one token, got n={n}")
+        self.n = n
+
+    def token_grads(self, logp: Tensor, entropy: Tensor, s: int, e: int) -> tuple[Tensor, None]:
+        return torch.full((e - s,), -1.0 / self.n, dtype=logp.dtype, device=logp.device), None
+
+    def __call__(self, logp: Tensor, entropy: Tensor) -> Tensor:
+        return -logp.sum() / self.n
+
+
 def fused_grpo_loss(
     hidden: Tensor,
     weight: Tensor,

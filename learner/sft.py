@@ -58,8 +58,18 @@ class NLLPolicy(PolicyLogprobs):
     targets at ``loss_mask`` (fp32). Subclassing ``PolicyLogprobs`` keeps its ZeRO-3 external
     registration of the head weight."""
 
-    def __init__(self, model: nn.Module, *, chunk_size: int = 1024):
-        super().__init__(model, temperature=1.0, chunk_size=chunk_size)
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        chunk_size: int = 1024,
+        fused: bool = False,
+        fused_chunk_size: int | None = None,
+    ):
+        super().__init__(
+            model, temperature=1.0, chunk_size=chunk_size, fused_chunk_size=fused_chunk_size
+        )
+        self.fused = fused  # grpo.fused_loss: the NLL fused with the LM head (3 products)
 
     def forward(  # type: ignore[override]
         self,
@@ -76,6 +86,8 @@ class NLLPolicy(PolicyLogprobs):
             input_ids[:, 1:],
             loss_mask,
             chunk_size=self.chunk_size,
+            fused=self.fused,
+            fused_chunk_size=self.fused_chunk_size,
         )
 
 
@@ -218,8 +230,12 @@ def train_sft(
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     no_ref = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"beta": 0.0})})
+    g = cfg.grpo  # the chunked-loss settings are the GRPO stage's
     policy = NLLPolicy(
-        build_models(no_ref, model_path)[0].model, chunk_size=cfg.grpo.logprob_chunk_size
+        build_models(no_ref, model_path)[0].model,
+        chunk_size=g.logprob_chunk_size,
+        fused=g.fused_loss,
+        fused_chunk_size=g.fused_chunk_size,
     )
     optimizer, scheduler = optimizer_and_schedule(
         policy,

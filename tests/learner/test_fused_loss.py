@@ -476,7 +476,38 @@ def run_triton_checks(device, n_lens, hd, v, chunk_sizes, fwd_rows, temperature=
         ref = grads_of(functools.partial(reference_loss, *args), h, w)
         for i, name in ((0, "loss"), (4, "grad_hidden"), (5, "grad_weight")):
             out.append((f"grpo_loss {name} {dtype}", rel(ours[i], ref[i]), 1e-2))
-    return out + _token_grads_kernel_checks(device)
+    return out + _token_grads_kernel_checks(device) + _nll_checks(device, chunk_sizes[0])
+
+
+def _nll_checks(device, chunk_size):
+    """The SFT loss on the fused Triton path (`chunked_nll(fused=True)`: `NLLTokenLoss`,
+    constant per-token gradients, anchored tiles row-scaled) against float64 cross entropy over
+    the masked tokens, bf16."""
+    import torch.nn.functional as F
+
+    from learner.logprobs import chunked_nll
+
+    h, w, t, _, _ = make(torch.bfloat16, seed=5)
+    h, w = h.detach().to(device).requires_grad_(), w.detach().to(device).requires_grad_()
+    t = t.to(device)
+    mask = (torch.arange(t.numel()) % 3 != 1).to(device)  # two tokens in three are targets
+
+    def loss_and_grads(run):
+        h.grad = w.grad = None
+        loss = run()
+        loss.backward()
+        return loss.detach(), h.grad.clone(), w.grad.clone()
+
+    want = loss_and_grads(lambda: F.cross_entropy((h.double() @ w.double().T)[mask], t[mask]))
+    got = loss_and_grads(
+        lambda: chunked_nll(h, w, t, mask, fused=True, fused_chunk_size=chunk_size, impl="triton")
+    )
+    names = ("loss", "grad_hidden", "grad_weight")
+    tols = (1e-4, 1e-2, 1e-2)
+    return [
+        (f"nll {name}, fused triton", rel(a, b), tol)
+        for name, a, b, tol in zip(names, got, want, tols, strict=True)
+    ]
 
 
 def _token_grads_kernel_checks(device):

@@ -172,14 +172,18 @@ def _tiny_model(seed: int, tie: bool = True):
     return Qwen3ForCausalLM(tiny_qwen3_config(265, tie_word_embeddings=tie)).double()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["logprobs", "fused"])
 @pytest.mark.parametrize("tie", [True, False])
-def test_chunked_loss_equals_full_logits_cross_entropy_float64(tok, tie):
+def test_chunked_loss_equals_full_logits_cross_entropy_float64(tok, tie, fused):
+    """Both chunked paths (``grpo.fused_loss`` off: log-probs, logits recomputed in the
+    backward; on: the NLL fused with the head, gradients in the forward), chunks of 3 tokens."""
     from learner.sft import NLLPolicy
 
     batch = collate(_rollouts(tok), EOT)  # right-padded rows of different lengths
     model = _tiny_model(0, tie)
     ref_model = copy.deepcopy(model)
-    nll = NLLPolicy(model, chunk_size=3)(batch.input_ids, batch.attention_mask, batch.loss_mask)
+    policy = NLLPolicy(model, chunk_size=3, fused=fused, fused_chunk_size=3)
+    nll = policy(batch.input_ids, batch.attention_mask, batch.loss_mask)
     nll.backward()
 
     logits = ref_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
