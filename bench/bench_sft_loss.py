@@ -184,7 +184,7 @@ def main() -> None:
     print(
         f"{n} tokens ({targets} targets), H={args.hidden}, V={args.vocab}, {args.dtype} on {args.device}"
     )
-    print(f"{'variant':<15}{'peak extra MB':>15}{'vs full':>10}{'median ms':>12}{'loss':>10}")
+    print(f"{'variant':<15}{'peak extra MiB':>15}{'vs full':>10}{'median ms':>12}{'loss':>10}")
     for name, r in rows.items():
         ms = f"{r['median_s'] * 1e3:.1f}" if r["median_s"] is not None else "-"
         ratio = r["peak_extra_mb"] / full
