@@ -1,9 +1,11 @@
-"""One GRPO learner step on fixed rollouts under ``accelerate launch`` (ZeRO-3 on GPU).
+"""One GRPO (or SFT) learner step on fixed rollouts under ``accelerate launch`` (ZeRO-3 on GPU).
 
 Run by tests/gpu/test_zero3_step.py with 1 and 2 processes: the loss and the global gradient
-norm must agree (each rank trains on its share of the same rollouts; the DAPO normaliser is
-global, so the sharding must not change the numbers). `--fused`: the loss fused with the LM
-head (`grpo.fused_loss`), whose weight ZeRO-3 gathers for it. Prints one JSON line on rank 0.
+norm must agree (each rank trains on its share of the same rollouts; the DAPO normaliser and
+SFT's mean over every target are global, so the sharding must not change the numbers).
+`--fused`: the loss fused with the LM head (`grpo.fused_loss`), whose weight ZeRO-3 gathers for
+it. `--sft`: one SFT step (`learner.sft.sft_step`, the chunked NLL) on the same sequences, the
+completions as targets. Prints one JSON line on rank 0.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 
 import torch
 
-from learner.batch import Rollout
+from learner.batch import Rollout, collate, micro_batches
 from learner.config import load_config
 from learner.loss import LossConfig
 from learner.model_setup import build_models
@@ -39,25 +41,36 @@ def rollouts(n: int, vocab: int, seed: int = 0) -> list[Rollout]:
     return out
 
 
-def main(model_dir: str, fused: bool = False) -> None:
+def main(model_dir: str, fused: bool = False, sft: bool = False) -> None:
     acc = make_accelerator()
     cfg = load_config(
         None,
         [f'data.path="{model_dir}"', 'rewards=[{name="length"}]', 'model.dtype="bfloat16"'],
     )
     policy, _ = build_models(cfg, model_dir)
+    if sft:
+        from learner.sft import NLLPolicy
+
+        policy = NLLPolicy(policy.model, fused=fused)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6)
     policy, opt = acc.prepare(policy, opt)
     vocab = 256  # ids every tokenizer/model of the suite has
     mine = rollouts(16, vocab)[acc.process_index :: acc.num_processes]
-    opts = StepOptions(micro_batch_size=4, fused_loss=fused)
-    batches = build_micro_batches(mine, opts, pad_id=0)
-    m = train_on(acc, policy, None, opt, LossConfig(loss_type="dapo"), batches, opts)
+    if sft:
+        from learner.sft import sft_step
+
+        batches = [collate(mb, 0) for mb in micro_batches(mine, 4)]
+        m = sft_step(acc, policy, opt, batches, max_grad_norm=1.0)
+    else:
+        opts = StepOptions(micro_batch_size=4, fused_loss=fused)
+        batches = build_micro_batches(mine, opts, pad_id=0)
+        m = train_on(acc, policy, None, opt, LossConfig(loss_type="dapo"), batches, opts)
     m = reduce_metrics(acc, {"loss": m["loss"], "grad_norm": m["grad_norm"]})
     if acc.is_main_process:
-        print(json.dumps({"world": acc.num_processes, "fused": fused, **m}), flush=True)
+        out = {"world": acc.num_processes, "fused": fused, "sft": sft, **m}
+        print(json.dumps(out), flush=True)
     acc.end_training()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], fused="--fused" in sys.argv[2:])
+    main(sys.argv[1], fused="--fused" in sys.argv[2:], sft="--sft" in sys.argv[2:])
