@@ -13,10 +13,11 @@ same optimizer, each in a fresh process so each peak is its own:
   upcast to float32, cross entropy), what SFT did before chunked losses.
 - trl:  TRL 1.16 ``SFTTrainer`` (``loss_type="nll"``, its fused LM head), the dataset given
   pre-tokenized with ``labels`` (-100 on the prompt).
-- ours: ``learner.sft.NLLPolicy`` + ``sft_step``: the chunked NLL (Triton kernel on CUDA; only
+- ours: ``learner.sft.NLLPolicy`` + ``sft_step`` with ``sft.fused_loss = false``: the chunked NLL
+  through ``token_logprobs`` (Triton kernels on CUDA, the logits recomputed in the backward; only
   target rows reach the head, the logits never exist whole).
-- ours-fused: the same with ``grpo.fused_loss`` (the NLL fused with the head: 3 N·H·V products
-  instead of 4, a chunk's bf16 logits in memory).
+- ours-fused: the same with ``sft.fused_loss = true`` (the learner's default): the NLL fused
+  with the head, 3 N·H·V products instead of 4, one chunk's bf16 logits in memory.
 
 All: bf16 weights, fused AdamW (torch's one-kernel update, states in bf16, the weights' dtype;
 the learner's own optimizer on a GPU, ``optim="adamw_torch_fused"`` for TRL), gradient

@@ -281,7 +281,7 @@ def chunked_nll(
 
     hidden `[..., H]`, targets and mask `[...]` (same leading shape). Only rows with mask != 0
     go through the LM head, so prompt tokens cost nothing; their targets may be anything
-    (e.g. -100). `fused` (`grpo.fused_loss`): the loss fused with the LM head
+    (e.g. -100). `fused` (`sft.fused_loss`): the loss fused with the LM head
     (`learner.fused_loss`, 3 N·H·V products instead of 4, both gradients in the forward,
     `fused_chunk_size` tokens' logits at a time) instead of `token_logprobs` (`chunk_size`
     tokens a chunk, the logits recomputed in the backward, less memory).

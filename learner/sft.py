@@ -69,7 +69,7 @@ class NLLPolicy(PolicyLogprobs):
         super().__init__(
             model, temperature=1.0, chunk_size=chunk_size, fused_chunk_size=fused_chunk_size
         )
-        self.fused = fused  # grpo.fused_loss: the NLL fused with the LM head (3 products)
+        self.fused = fused  # sft.fused_loss: the NLL fused with the LM head (3 products)
 
     def forward(  # type: ignore[override]
         self,
@@ -230,12 +230,11 @@ def train_sft(
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     no_ref = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"beta": 0.0})})
-    g = cfg.grpo  # the chunked-loss settings are the GRPO stage's
     policy = NLLPolicy(
         build_models(no_ref, model_path)[0].model,
-        chunk_size=g.logprob_chunk_size,
-        fused=g.fused_loss,
-        fused_chunk_size=g.fused_chunk_size,
+        chunk_size=cfg.grpo.logprob_chunk_size,
+        fused=s.fused_loss,
+        fused_chunk_size=cfg.grpo.fused_chunk_size,
     )
     optimizer, scheduler = optimizer_and_schedule(
         policy,

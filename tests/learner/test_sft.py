@@ -175,7 +175,7 @@ def _tiny_model(seed: int, tie: bool = True):
 @pytest.mark.parametrize("fused", [False, True], ids=["logprobs", "fused"])
 @pytest.mark.parametrize("tie", [True, False])
 def test_chunked_loss_equals_full_logits_cross_entropy_float64(tok, tie, fused):
-    """Both chunked paths (``grpo.fused_loss`` off: log-probs, logits recomputed in the
+    """Both chunked paths (``sft.fused_loss`` off: log-probs, logits recomputed in the
     backward; on: the NLL fused with the head, gradients in the forward), chunks of 3 tokens."""
     from learner.sft import NLLPolicy
 
