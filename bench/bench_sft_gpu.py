@@ -48,14 +48,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rollout_server.tiny import QWEN3_0_6B_SHAPE, QWEN3_4B_SHAPE  # noqa: E402 (light: no torch)
+
 SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": {},  # rollout_server.tiny.QWEN3_0_6B_SHAPE as is
-    "qwen3-4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
-                 "num_attention_heads": 32},
-    "qwen3-8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-                 "num_attention_heads": 32, "tie_word_embeddings": False},
-    "qwen3-14b": {"hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 40,
-                  "num_attention_heads": 40, "tie_word_embeddings": False},
+    "qwen3-0.6b": QWEN3_0_6B_SHAPE,
+    "qwen3-4b": QWEN3_4B_SHAPE,
+    "qwen3-8b": {**QWEN3_0_6B_SHAPE, "hidden_size": 4096, "intermediate_size": 12288,
+                 "num_hidden_layers": 36, "num_attention_heads": 32, "tie_word_embeddings": False},
+    "qwen3-14b": {**QWEN3_0_6B_SHAPE, "hidden_size": 5120, "intermediate_size": 17408,
+                  "num_hidden_layers": 40, "num_attention_heads": 40, "tie_word_embeddings": False},
 }  # fmt: skip
 VARIANTS = ("full", "trl", "ours", "ours-fused")
 LR = 1e-5
@@ -66,9 +67,9 @@ def _model(name: str):
     import torch
     from transformers import Qwen3ForCausalLM
 
-    from rollout_server.tiny import QWEN3_0_6B_SHAPE, tiny_qwen3_config
+    from rollout_server.tiny import tiny_qwen3_config
 
-    config = tiny_qwen3_config(**{**QWEN3_0_6B_SHAPE, **SHAPES[name]})
+    config = tiny_qwen3_config(**SHAPES[name])
     config._attn_implementation = "sdpa"
     config.use_cache = False
     torch.manual_seed(0)

@@ -12,9 +12,9 @@ more than one chunk's logits; ``trl`` (``--trl``, needs TRL 1.16) is TRL's SFT l
 ``SFTTrainer`` computes it (``loss_type="nll"``, the successor of v1.4's ``chunked_nll``): the
 target rows through ``trl.kernels.ChunkedLogProbFunction`` with the vocab chunk and the extra
 outputs (entropy, top-1) its fused LM head asks for; ``fused`` is ``chunked_nll(fused=True)``
-(``sft.fused_loss``, the learner's default): the NLL fused with the LM head (3 N·H·V products instead of 4, both
-gradients in the forward, ``auto_chunk_size`` tokens' logits at a time). All produce the same
-loss and the same grad_hidden / grad_weight.
+(``sft.fused_loss``, the learner's default): the NLL fused with the LM head (3 N·H·V products
+instead of 4, both gradients in the forward, ``auto_chunk_size`` tokens' logits at a time). All
+produce the same loss and the same grad_hidden / grad_weight.
 
 Method: each variant runs in a fresh Python subprocess. On CPU the worker builds its inputs, runs
 a tiny warm-up at a short vocab (so torch's lazy CPU state is created and counted in the baseline,

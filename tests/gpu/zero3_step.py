@@ -3,9 +3,9 @@
 Run by tests/gpu/test_zero3_step.py with 1 and 2 processes: the loss and the global gradient
 norm must agree (each rank trains on its share of the same rollouts; the DAPO normaliser and
 SFT's mean over every target are global, so the sharding must not change the numbers).
-`--fused`: the loss fused with the LM head (`grpo.fused_loss`), whose weight ZeRO-3 gathers for
-it. `--sft`: one SFT step (`learner.sft.sft_step`, the chunked NLL) on the same sequences, the
-completions as targets. Prints one JSON line on rank 0.
+`--fused`: the loss fused with the LM head (`grpo.fused_loss`, or `sft.fused_loss` with `--sft`),
+whose weight ZeRO-3 gathers for it. `--sft`: one SFT step (`learner.sft.sft_step`, the chunked
+NLL) on the same sequences, the completions as targets. Prints one JSON line on rank 0.
 """
 
 from __future__ import annotations
