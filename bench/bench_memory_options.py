@@ -51,7 +51,17 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-OPTIONS = ("gradient_checkpointing", "activation_offloading", "lora", "packing", "fused_loss")
+MEMORY_OPTIONS = (
+    "gradient_checkpointing",
+    "activation_offloading",
+    "lora",
+    "packing",
+    "fused_loss",
+)
+# Options for speed alone (``model.compile``): checked for time against the same configuration
+# without them, not for memory.
+SPEED_OPTIONS = ("compile",)
+OPTIONS = MEMORY_OPTIONS + SPEED_OPTIONS
 BASELINE: dict[str, Any] = {k: False for k in OPTIONS} | {
     "pad_to_multiple_of": 1,
     "lora_adapter_dtype": "float32",
@@ -70,12 +80,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "lora_quantization": "nf4",
         "lora_adapter_dtype": "model",
     },
-    "all_on": {k: True for k in OPTIONS},
+    "all_on": {k: True for k in MEMORY_OPTIONS},
+    "checkpointing_compile": {"gradient_checkpointing": True, "compile": True},
 }
 DEFAULT_CONFIGS = (
     "baseline", "all_on", "gradient_checkpointing", "lora", "lora_adapter_model", "qlora",
     "qlora_adapter_model", "fused_loss", "packing", "activation_offloading",
 )  # fmt: skip
+# model.compile against eager, with and without gradient checkpointing: `--configs` these.
+COMPILE_CONFIGS = ("baseline", "compile", "gradient_checkpointing", "checkpointing_compile")
 LORA_RANK = 16
 RESULT_PREFIX = "RESULT "
 
@@ -117,6 +130,7 @@ def learner_config_dict(
             if options["lora"]
             else None,
             "attn_implementation": attn_implementation,
+            "compile": options["compile"],
         },
         "data": {"path": "unused: synthetic rollouts"},
         "rewards": [{"name": "length"}],
@@ -148,13 +162,16 @@ def packing_budget(lengths: list[tuple[int, int]], micro_batch_size: int) -> int
 
 
 def checks(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For every configuration but the baseline: is its peak below the baseline's? And where
-    gradient checkpointing is on: did the decoder layers really run again in the backward?"""
+    """For every configuration but the baseline: is its peak below the baseline's (a speed
+    option: is its step faster than the same configuration without it)? And where gradient
+    checkpointing is on: did the decoder layers really run again in the backward?"""
     base = next((r for r in results if r["name"] == "baseline" and r["status"] == "ok"), None)
     out = []
     for r in results:
         ok_run = r["status"] == "ok"
-        if r["name"] != "baseline":
+        if any(r["options"][k] for k in SPEED_OPTIONS):
+            out.append(_speed_check(r, results))
+        elif r["name"] != "baseline":
             peak = r.get("peak_bytes") if ok_run else None
             bound = base["peak_bytes"] if base else None
             out.append(
@@ -186,8 +203,22 @@ def checks(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # Options that trade memory or time for nothing else: the step must compute the same gradients.
 PURE_TRADES = ("gradient_checkpointing", "activation_offloading", "packing", "fused_loss",
-               "pad_to_multiple_of")  # fmt: skip
+               "pad_to_multiple_of", "compile")  # fmt: skip
 GRAD_NORM_RTOL = 0.05
+
+
+def _speed_check(r: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
+    """A speed option's configuration against the one of this run that differs only by it."""
+    without = r["options"] | {k: False for k in SPEED_OPTIONS}
+    ref = next((x for x in results if x["options"] == without), None)
+    step = r["step_s"]["median"] if r["status"] == "ok" else None
+    ref_step = ref["step_s"]["median"] if ref is not None and ref["status"] == "ok" else None
+    return {
+        "check": f"{r['name']} is faster than {ref['name'] if ref else 'the same without it'}",
+        "step_s": step,
+        "reference_step_s": ref_step,
+        "ok": None if step is None or ref_step is None else step < ref_step,
+    }
 
 
 def _numerics_checks(r: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:

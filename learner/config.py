@@ -53,6 +53,12 @@ class ModelConfig(_Section):
     attn_implementation: str | None = Field(
         None, description="e.g. 'flash_attention_2', 'sdpa'; None = transformers' default"
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer in place (one graph shared by all layers, "
+        "dynamic shapes): fuses the norms, activations and rotary embeddings; the first step "
+        "pays the compilation; not under DeepSpeed",
+    )
 
 
 class DataConfig(_Section):

@@ -108,8 +108,9 @@ class ActivationOffload:
     """Saved-tensor hooks that park activations in (pinned) CPU memory during the forward and
     bring them back for the backward. The copies out run on a side CUDA stream, so the forward
     goes on while activations drain; the copies back run on the consuming stream, as in
-    ``torch.autograd.graph.save_on_cpu``. Small tensors (< ``min_bytes``) and the tensors of
-    ``keep`` (the model's parameters) stay where they are. On CPU the hooks still copy into the
+    ``torch.autograd.graph.save_on_cpu``. Small tensors (< ``min_bytes``), tensors that are not
+    floating point (indices, masks, and the RNG states a compiled checkpointed layer saves) and
+    the tensors of ``keep`` (the model's parameters) stay where they are. On CPU the hooks still copy into the
     arena (so tests exercise the same path).
 
     The forward makes activations faster than PCIe drains them. A GPU tensor is kept until its
@@ -152,7 +153,13 @@ class ActivationOffload:
 
     def _pack(self, t: torch.Tensor) -> Any:
         nbytes = t.numel() * t.element_size()
-        if nbytes < self.min_bytes or t.untyped_storage().data_ptr() in self._keep:
+        # Not floating point: indices, masks, RNG states. torch.set_rng_state reads an arena
+        # view from its storage's start (a segfault or "Invalid mt19937 state", torch 2.13).
+        if (
+            nbytes < self.min_bytes
+            or not t.is_floating_point()
+            or t.untyped_storage().data_ptr() in self._keep
+        ):
             return t
         if t.is_cuda and self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())

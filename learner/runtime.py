@@ -46,6 +46,25 @@ def use_fused_adamw(acc: Accelerator) -> bool:
     return acc.device.type == "cuda" and acc.state.deepspeed_plugin is None
 
 
+def check_model_options(acc: Accelerator, model: Any) -> None:
+    """Refuse ``[model]`` options that this launch cannot run, naming the fix (``model``: the
+    config's ``ModelConfig``)."""
+    if acc.state.deepspeed_plugin is None:
+        return
+    lora = model.lora
+    if lora is not None and lora.quantization != "none":
+        raise ValueError(
+            f"model.lora.quantization={lora.quantization!r} (QLoRA) does not run under DeepSpeed: "
+            'launch without a DeepSpeed config (one GPU or DDP), or set it to "none"'
+        )
+    if model.compile:
+        raise ValueError(
+            "model.compile does not run under DeepSpeed (its per-layer parameter hooks break "
+            "the compiled graphs): launch without a DeepSpeed config (one GPU or DDP), or set "
+            "model.compile = false"
+        )
+
+
 def start_run(
     acc: Accelerator, run_dir: Path, cfg: BaseModel, seed: int, batch: int, what: str
 ) -> None:

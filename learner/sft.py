@@ -42,6 +42,7 @@ from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
 from learner.policy import PolicyLogprobs, is_peft
 from learner.runtime import (
+    check_model_options,
     make_accelerator,
     optimizer_and_schedule,
     start_run,
@@ -221,6 +222,7 @@ def train_sft(
     out = Path(out_dir if out_dir is not None else cfg.run.run_dir)
     world = accelerator.num_processes
     start_run(accelerator, out, cfg, cfg.run.seed, s.batch_size, "sft.batch_size")
+    check_model_options(accelerator, cfg.model)
     if model_path is None:
         from learner.trainer import _model_path
 

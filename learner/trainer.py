@@ -42,6 +42,7 @@ from learner.model_setup import build_models
 from learner.perf import peak_tflops, profiled, train_flops_per_token
 from learner.rollouts import StepRollouts, collect, collect_episodes
 from learner.runtime import (
+    check_model_options,
     make_accelerator,
     optimizer_and_schedule,
     start_run,
@@ -160,12 +161,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             "grpo.beta > 0 under ZeRO-3 needs model.lora (the reference is the adapter-less "
             "model); a frozen full copy is not supported with ZeRO-3 — or set grpo.beta = 0"
         )
-    lora = cfg.model.lora
-    if ds is not None and lora is not None and lora.quantization != "none":
-        raise ValueError(
-            f"model.lora.quantization={lora.quantization!r} (QLoRA) does not run under DeepSpeed: "
-            'launch without a DeepSpeed config (one GPU or DDP), or set it to "none"'
-        )
+    check_model_options(accelerator, cfg.model)
     model_path = _model_path(cfg, run_dir, accelerator)
     if cfg.sft is not None:  # warm start: SFT first, GRPO starts from its weights (learner/sft.py)
         from learner.sft import warm_start

@@ -61,7 +61,7 @@ def test_each_configuration_turns_on_exactly_its_option():
     base = mem.config_options("baseline")
     assert base == {
         "gradient_checkpointing": False, "activation_offloading": False, "lora": False,
-        "packing": False, "fused_loss": False, "pad_to_multiple_of": 1,
+        "packing": False, "fused_loss": False, "compile": False, "pad_to_multiple_of": 1,
         "lora_adapter_dtype": "float32", "lora_quantization": "none",
     }  # fmt: skip
     for opt in mem.OPTIONS:
@@ -73,11 +73,15 @@ def test_each_configuration_turns_on_exactly_its_option():
     ):
         differs = {k for k, v in mem.config_options(name).items() if v != base[k]}
         assert differs == {"lora", extra}  # LoRA variants: LoRA on, one LoRA setting changed
-    assert all(mem.config_options("all_on")[k] for k in mem.OPTIONS)
+    assert all(mem.config_options("all_on")[k] for k in mem.MEMORY_OPTIONS)
+    assert not mem.config_options("all_on")["compile"]
+    differs = {k for k, v in mem.config_options("checkpointing_compile").items() if v != base[k]}
+    assert differs == {"gradient_checkpointing", "compile"}
     differs = {k for k, v in mem.config_options("qlora_adapter_model").items() if v != base[k]}
     assert differs == {"lora", "lora_quantization", "lora_adapter_dtype"}
     assert set(mem.DEFAULT_CONFIGS) == {
-        "baseline", *mem.OPTIONS, "lora_adapter_model", "qlora", "qlora_adapter_model", "all_on"
+        "baseline", *mem.MEMORY_OPTIONS, "lora_adapter_model", "qlora", "qlora_adapter_model",
+        "all_on",
     }  # fmt: skip
     assert mem.DEFAULT_CONFIGS[0] == "baseline"  # the others are compared with it
     with pytest.raises(mem.BenchError, match="unknown configuration 'nope'"):
@@ -157,6 +161,25 @@ def test_checks_flag_an_option_that_lowers_allocated_but_not_reserved_memory():
     assert got["activation_offloading lowers peak reserved memory"] is False
     assert got["gradient_checkpointing lowers peak reserved memory"] is True
     assert "packing lowers peak reserved memory" not in got
+
+
+def test_checks_time_a_speed_option_against_the_same_configuration_without_it():
+    def row(name, peak, s):
+        return _row(name, peak, step_s={"median": s}, loss=1.0, grad_norm=2.0)
+
+    rows = [
+        row("baseline", 100, 2.0),
+        row("compile", 90, 1.5),
+        row("gradient_checkpointing", 40, 3.0),
+        row("checkpointing_compile", 45, 3.1),
+    ]
+    got = {c["check"]: c["ok"] for c in mem.checks(rows)}
+    assert got["compile is faster than baseline"] is True
+    assert got["checkpointing_compile is faster than gradient_checkpointing"] is False
+    assert got["checkpointing_compile: gradient norm as baseline's"] is True  # a pure trade
+    assert not any(k.startswith(("compile lowers", "checkpointing_compile lowers")) for k in got)
+    alone = {c["check"]: c["ok"] for c in mem.checks(rows[1:2])}
+    assert alone["compile is faster than the same without it"] is None  # nothing to compare
 
 
 def test_checks_flag_a_memory_option_that_changes_the_gradients():

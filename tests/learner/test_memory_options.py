@@ -7,6 +7,8 @@ adapters and its reference is the base model).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -343,3 +345,54 @@ def test_build_models_leaves_the_policy_in_train_mode(tiny_model_dir):
     assert cfg.model.gradient_checkpointing
     assert all(m.training for m in policy.modules())
     assert policy.model.is_gradient_checkpointing
+
+
+@pytest.mark.slow
+def test_compiled_layers_give_the_same_loss_and_gradients(tiny_model_dir):
+    """``model.compile``: every decoder layer of the policy and of the KL reference compiled in
+    place, under gradient checkpointing and activation offloading, on two batches of different
+    lengths (one dynamic-shape graph): the eager path's loss, gradients and reference log-probs."""
+    over = ['data.path="x.jsonl"', 'rewards=[{name="length"}]', "grpo.beta=0.1"]
+    eager, eager_ref = build_models(load_config(None, over), str(tiny_model_dir))
+    comp, comp_ref = build_models(
+        load_config(None, [*over, "model.compile=true"]), str(tiny_model_dir)
+    )
+    assert comp_ref is not None and eager_ref is not None
+    layers = comp.model.model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert all(layer._compiled_call_impl is not None for layer in comp_ref.model.model.layers)
+    assert eager.model.model.layers[0]._compiled_call_impl is None
+    assert comp.state_dict().keys() == eager.state_dict().keys()  # syncs, checkpoints: same names
+
+    offload = ActivationOffload(min_bytes=0)
+
+    def offloaded(policy, batch):
+        with offload():
+            return _loss(policy, batch)
+
+    for seed in (3, 4):
+        batch = collate(random_rollouts(seed=seed), pad_id=0)
+        want = _grads(eager, partial(_loss, eager, batch))
+        _assert_same(want, _grads(comp, partial(_loss, comp, batch)))
+        _assert_same(want, _grads(comp, partial(offloaded, comp, batch)))
+        with torch.no_grad():
+            torch.testing.assert_close(
+                _forward(comp_ref, batch)[0],
+                _forward(eager_ref, batch)[0],
+                atol=1e-5,
+                rtol=1e-5,
+            )
+
+
+def test_compile_is_refused_under_deepspeed():
+    from types import SimpleNamespace
+
+    from learner.runtime import check_model_options
+
+    cfg = load_config(
+        None, ['data.path="x.jsonl"', 'rewards=[{name="length"}]', "model.compile=true"]
+    )
+    check_model_options(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None)), cfg.model)
+    under_ds = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=object()))
+    with pytest.raises(ValueError, match=r"model\.compile = false"):
+        check_model_options(under_ds, cfg.model)
