@@ -384,6 +384,31 @@ def test_compiled_layers_give_the_same_loss_and_gradients(tiny_model_dir):
             )
 
 
+@pytest.mark.slow
+def test_compiled_layers_under_lora_give_the_same_gradients(tiny_model_dir):
+    """``model.compile`` with PEFT LoRA: the base model's decoder layers are found through PEFT,
+    only the adapters train, and the reference (adapters disabled) matches eager too."""
+    over = ['data.path="x.jsonl"', 'rewards=[{name="length"}]', "model.lora.r=4", "grpo.beta=0.1"]
+    torch.manual_seed(0)
+    eager, _ = build_models(load_config(None, over), str(tiny_model_dir))
+    comp, _ = build_models(load_config(None, [*over, "model.compile=true"]), str(tiny_model_dir))
+    comp.load_state_dict(eager.state_dict())  # the same adapter initialisation
+    assert sum(m._compiled_call_impl is not None for m in comp.modules()) == len(
+        comp.model.get_base_model().model.layers
+    )
+    batch = collate(random_rollouts(seed=5), pad_id=0)
+    _assert_same(
+        _grads(eager, partial(_loss, eager, batch)), _grads(comp, partial(_loss, comp, batch))
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(
+            _forward(comp, batch, reference=True)[0],
+            _forward(eager, batch, reference=True)[0],
+            atol=1e-5,
+            rtol=1e-5,
+        )
+
+
 def test_compile_is_refused_under_deepspeed():
     from types import SimpleNamespace
 
