@@ -110,8 +110,8 @@ class ActivationOffload:
     goes on while activations drain; the copies back run on the consuming stream, as in
     ``torch.autograd.graph.save_on_cpu``. Small tensors (< ``min_bytes``), tensors that are not
     floating point (indices, masks, and the RNG states a compiled checkpointed layer saves) and
-    the tensors of ``keep`` (the model's parameters) stay where they are. On CPU the hooks still copy into the
-    arena (so tests exercise the same path).
+    the tensors of ``keep`` (the model's parameters) stay where they are. On CPU the hooks still
+    copy into the arena (so tests exercise the same path).
 
     The forward makes activations faster than PCIe drains them. A GPU tensor is kept until its
     copy out has finished, and at most ``max_in_flight_bytes`` of them are kept at once: past

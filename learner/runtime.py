@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from pydantic import BaseModel
+
+if TYPE_CHECKING:
+    from learner.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +49,8 @@ def use_fused_adamw(acc: Accelerator) -> bool:
     return acc.device.type == "cuda" and acc.state.deepspeed_plugin is None
 
 
-def check_model_options(acc: Accelerator, model: Any) -> None:
-    """Refuse ``[model]`` options that this launch cannot run, naming the fix (``model``: the
-    config's ``ModelConfig``)."""
+def check_model_options(acc: Accelerator, model: ModelConfig) -> None:
+    """Refuse ``[model]`` options that this launch cannot run, naming the fix."""
     if acc.state.deepspeed_plugin is None:
         return
     lora = model.lora
@@ -59,9 +61,9 @@ def check_model_options(acc: Accelerator, model: Any) -> None:
         )
     if model.compile:
         raise ValueError(
-            "model.compile does not run under DeepSpeed (its per-layer parameter hooks break "
-            "the compiled graphs): launch without a DeepSpeed config (one GPU or DDP), or set "
-            "model.compile = false"
+            "model.compile is not supported under DeepSpeed (ZeRO gathers each layer's "
+            "parameters through module hooks; compiled layers are untested there): launch "
+            "without a DeepSpeed config (one GPU or DDP), or set model.compile = false"
         )
 
 
