@@ -87,8 +87,6 @@ DEFAULT_CONFIGS = (
     "baseline", "all_on", "gradient_checkpointing", "lora", "lora_adapter_model", "qlora",
     "qlora_adapter_model", "fused_loss", "packing", "activation_offloading",
 )  # fmt: skip
-# model.compile against eager, with and without gradient checkpointing: `--configs` these.
-COMPILE_CONFIGS = ("baseline", "compile", "gradient_checkpointing", "checkpointing_compile")
 LORA_RANK = 16
 RESULT_PREFIX = "RESULT "
 
@@ -170,7 +168,8 @@ def checks(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in results:
         ok_run = r["status"] == "ok"
         if any(r["options"][k] for k in SPEED_OPTIONS):
-            out.append(_speed_check(r, results))
+            name = r["name"] + " is faster than {ref}"
+            out.append(_below_the_same_without(r, results, SPEED_OPTIONS, "step_s", name))
         elif r["name"] != "baseline":
             peak = r.get("peak_bytes") if ok_run else None
             bound = base["peak_bytes"] if base else None
@@ -190,7 +189,9 @@ def checks(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                      "ok": held < held_bound}
                 )  # fmt: skip
         if r["options"]["gradient_checkpointing"] and r["options"]["compile"]:
-            out.append(_compiled_recompute_check(r, results))
+            name = r["name"] + ": activations recomputed in the backward (peak below {ref}'s)"
+            off = ("gradient_checkpointing",)
+            out.append(_below_the_same_without(r, results, off, "peak_bytes", name))
         elif r["options"]["gradient_checkpointing"]:
             seen = r.get("recomputes_activations") if ok_run else None
             out.append(
@@ -209,33 +210,27 @@ PURE_TRADES = ("gradient_checkpointing", "activation_offloading", "packing", "fu
 GRAD_NORM_RTOL = 0.05
 
 
-def _compiled_recompute_check(r: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Checkpointed compiled layers recompute inside the compiled backward, unseen by the layer
-    probe: the peak must be below the same configuration's without checkpointing."""
-    without = r["options"] | {"gradient_checkpointing": False}
+def _below_the_same_without(
+    r: dict[str, Any], results: list[dict[str, Any]], off: tuple[str, ...], key: str, check: str
+) -> dict[str, Any]:
+    """Is ``r``'s ``key`` (``step_s``: its median) below that of the run of these ``results``
+    with the same options but ``off`` turned off? ``check`` names it, with ``{ref}`` for that run
+    (a speed option: faster; compiled checkpointed layers, whose recompute inside the compiled
+    backward the layer probe cannot see: a lower peak)."""
+    without = r["options"] | {k: False for k in off}
     ref = next((x for x in results if x["options"] == without and x["status"] == "ok"), None)
-    peak = r.get("peak_bytes") if r["status"] == "ok" else None
-    bound = ref["peak_bytes"] if ref is not None else None
-    return {
-        "check": f"{r['name']}: activations recomputed in the backward "
-        f"(peak below {ref['name'] if ref else 'the same without checkpointing'}'s)",
-        "peak_bytes": peak,
-        "no_checkpointing_peak_bytes": bound,
-        "ok": None if peak is None or bound is None else peak < bound,
-    }
 
+    def value(x: dict[str, Any] | None) -> float | None:
+        if x is None or x["status"] != "ok":
+            return None
+        return x[key]["median"] if key == "step_s" else x.get(key)
 
-def _speed_check(r: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
-    """A speed option's configuration against the one of this run that differs only by it."""
-    without = r["options"] | {k: False for k in SPEED_OPTIONS}
-    ref = next((x for x in results if x["options"] == without), None)
-    step = r["step_s"]["median"] if r["status"] == "ok" else None
-    ref_step = ref["step_s"]["median"] if ref is not None and ref["status"] == "ok" else None
+    mine, theirs = value(r), value(ref)
     return {
-        "check": f"{r['name']} is faster than {ref['name'] if ref else 'the same without it'}",
-        "step_s": step,
-        "reference_step_s": ref_step,
-        "ok": None if step is None or ref_step is None else step < ref_step,
+        "check": check.format(ref=ref["name"] if ref else "the same without it"),
+        key: mine,
+        f"reference_{key}": theirs,
+        "ok": None if mine is None or theirs is None else mine < theirs,
     }
 
 

@@ -1,10 +1,10 @@
 """What the rollout server's per-request options cost vLLM at the end-to-end GRPO batch size.
 
-    python bench/probe_vllm_sampling.py --model DIR --out probe.json [--engine-arg K=V ...]
+    python bench/probe_vllm_sampling.py --model DIR --out probe.json [--vllm-arg K=V ...]
 
 One offline ``vllm.LLM`` built from the server's own engine arguments
-(``rollout_server.engine.vllm_engine.engine_kwargs``, plus any ``--engine-arg``, e.g.
-``async_scheduling=true``), then the e2e workload (16 prompts × n=8 × 256 tokens, ignore_eos so
+(``rollout_server.engine.vllm_engine.engine_kwargs``, plus any ``--vllm-arg``, e.g.
+``async_scheduling=true``, read as ``rollout-server --vllm-arg`` reads it), then the e2e workload (16 prompts × n=8 × 256 tokens, ignore_eos so
 every run generates the same 32,768 tokens; random 40-token prompts) with the server's sampling
 parameters (``sampling_kwargs``: the sampled token's log-prob, detokenized text) and with each of
 those two switched off: ``detokenize=False`` (token ids only; the text would be decoded once at
@@ -34,18 +34,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def parse_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--engine-arg", action="append", default=[], metavar="K=V")
+    p.add_argument(
+        "--vllm-arg", action="append", default=[], metavar="K=V", help="as rollout-server's"
+    )
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -55,20 +50,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm import LLM, EngineArgs, SamplingParams
 
+    from rollout_server.cli import _key_value
     from rollout_server.engine.vllm_engine import engine_kwargs, sampling_kwargs, supported_kwargs
     from rollout_server.protocol import SamplingParams as OurParams
     from rollout_server.settings import ServerSettings
 
-    extra = {}
-    for item in args.engine_arg:
-        key, sep, value = item.partition("=")
-        if not sep:
-            p.error(f"--engine-arg {item!r}: write KEY=VALUE")
-        extra[key] = parse_value(value)
+    extra = dict(_key_value(item) for item in args.vllm_arg)
     settings = ServerSettings(
-        model=args.model, engine="vllm", gpu_memory_utilization=args.gpu_memory_utilization
+        model=args.model,
+        engine="vllm",
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        vllm_engine_args=extra,
     )
-    kwargs = engine_kwargs(settings) | extra
+    kwargs = engine_kwargs(settings)
     kwargs.pop("worker_extension_cls", None)  # no weight sync here
     unknown = sorted(set(extra) - set(supported_kwargs(EngineArgs, kwargs)))
     if unknown:
