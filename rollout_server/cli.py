@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--trust-remote-code", action="store_true")
     engine.add_argument(
+        "--gc-freeze",
+        action=argparse.BooleanOptionalAction,
+        help="keep the startup heap out of Python's garbage collector once ready (default on)",
+    )
+    engine.add_argument(
         "--vllm-arg",
         action="append",
         metavar="KEY=VALUE",

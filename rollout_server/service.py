@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 import uuid
@@ -74,6 +75,7 @@ class RolloutService:
         self.asleep: set[str] = set()  # "weights", "kv_cache"
         self.weights_discarded = False
         self.prepared: _Prepared | None = None
+        self._froze_heap = False
         self._group_timeout_s = 300.0  # the weight-sync group's (a prepared update's lifetime)
         metrics.waiting.set_function(lambda: self.gate.waiting)
         metrics.in_flight.set_function(lambda: self.gate.readers)
@@ -90,6 +92,13 @@ class RolloutService:
             if on_failure is not None:
                 on_failure(exc)
             return
+        if self.settings.gc_freeze:
+            # Model loading and vLLM's start leave millions of long-lived objects; full
+            # collections would walk them all while serving (vLLM's own server does the same).
+            gc.collect()
+            gc.freeze()
+            self._froze_heap = True
+            log.info("%d startup objects kept out of the garbage collector", gc.get_freeze_count())
         self.state = "ready"
         log.info("engine %s ready: %s", self.engine.name, self.settings.name)
 
@@ -98,6 +107,9 @@ class RolloutService:
             await self._drop_prepared("the server is shutting down")
             await self.engine.close()
         self.state = "closed"
+        if self._froze_heap:  # let what the engine held be collected
+            gc.unfreeze()
+            self._froze_heap = False
 
     def require_loaded(self) -> None:
         if self.state == "loading":

@@ -78,6 +78,12 @@ class ServerSettings(BaseModel):
         description="more vLLM AsyncEngineArgs, e.g. {'enforce_eager': True, "
         "'max_num_batched_tokens': 4096}; they override the ones derived above",
     )
+    gc_freeze: bool = Field(
+        True,
+        description="once the engine is ready, move everything allocated while starting out of "
+        "Python's garbage collector (gc.freeze, as vLLM's own server does): collections while "
+        "serving then walk only what serving allocates",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @model_validator(mode="after")

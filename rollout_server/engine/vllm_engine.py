@@ -8,7 +8,9 @@ Choices that matter for RL:
 
 - Log-probs are vLLM's ``processed_logprobs`` (after penalties, temperature, top-k/top-p), i.e.
   under the distribution the token was sampled from, which the learner's importance-sampling
-  correction needs. Only the sampled token's log-prob is requested (``logprobs=0``).
+  correction needs. Only the sampled token's log-prob is requested (``logprobs=0``), in vLLM's
+  flat form where it has one (``flat_logprobs``: no dict and object per token for the garbage
+  collector to walk).
 - ``weight_metadata`` describes the tensors a *learner* sends: the Hugging Face checkpoint names
   and full shapes (built on the meta device from the model's config). vLLM's own parameters are
   fused (``qkv_proj``) and sharded over tensor-parallel ranks, so they cannot validate an update;
@@ -99,9 +101,13 @@ def supported_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in names}
 
 
-def sampling_kwargs(params: SamplingParams, n: int) -> dict[str, Any]:
-    """vLLM ``SamplingParams`` keyword arguments for one request of ``n`` samples (pure)."""
-    return {
+def sampling_kwargs(params: SamplingParams, n: int, flat_logprobs: bool = False) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` keyword arguments for one request of ``n`` samples (pure).
+
+    ``flat_logprobs`` (vLLM >= 0.11, see ``supports_flat_logprobs``): vLLM keeps the log-probs
+    in a few flat lists instead of a dict and a ``Logprob`` object per token, which spares the
+    garbage collector; 25 % less time for the e2e batch in ``bench/probe_vllm_sampling.py``."""
+    kwargs = {
         "n": n,
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -116,6 +122,14 @@ def sampling_kwargs(params: SamplingParams, n: int) -> dict[str, Any]:
         "logprobs": 0,  # the sampled token's log-prob only
         "skip_special_tokens": True,
     }
+    if flat_logprobs:
+        kwargs["flat_logprobs"] = True
+    return kwargs
+
+
+def supports_flat_logprobs(sampling_params_cls: type) -> bool:
+    """Whether this vLLM's ``SamplingParams`` (a msgspec struct) has ``flat_logprobs``."""
+    return "flat_logprobs" in getattr(sampling_params_cls, "__struct_fields__", ())
 
 
 def to_sample(completion: Any) -> SampleOutput:
@@ -126,9 +140,29 @@ def to_sample(completion: Any) -> SampleOutput:
         raise EngineError(
             f"vLLM returned {len(positions)} log-prob positions for {len(token_ids)} tokens"
         )
-    logprobs = [float(pos[tok].logprob) for tok, pos in zip(token_ids, positions, strict=True)]
+    if hasattr(positions, "start_indices"):  # vLLM's FlatLogprobs: no dict per position
+        logprobs = _flat_sampled_logprobs(positions, token_ids)
+    else:
+        logprobs = [float(pos[t].logprob) for t, pos in zip(token_ids, positions, strict=True)]
     reason = _FINISH.get(str(completion.finish_reason), "abort")
     return SampleOutput(token_ids, logprobs, completion.text, reason)  # type: ignore[arg-type]
+
+
+def _flat_sampled_logprobs(flat: Any, token_ids: list[int]) -> list[float]:
+    """The sampled tokens' log-probs from a ``FlatLogprobs``: vLLM puts the sampled token first
+    in each position's range (``logprobs=0`` asks for no others)."""
+    ids, values = flat.token_ids, flat.logprobs
+    out = []
+    for pos, (tok, start, end) in enumerate(
+        zip(token_ids, flat.start_indices, flat.end_indices, strict=True)
+    ):
+        i = start if start < end and ids[start] == tok else None
+        if i is None:  # not first: look through the position's range
+            i = next((j for j in range(start, end) if ids[j] == tok), None)
+        if i is None:
+            raise EngineError(f"vLLM returned no log-prob for token {tok} at position {pos}")
+        out.append(float(values[i]))
+    return out
 
 
 def hf_weight_metadata(
@@ -273,7 +307,8 @@ class VLLMEngine(HFTokenizerMixin, Engine):
             raise EngineError("the vllm engine is asleep; POST /wake_up first")
         try:
             sp = VLLMSamplingParams(
-                **sampling_kwargs(params, n), output_kind=RequestOutputKind.FINAL_ONLY
+                **sampling_kwargs(params, n, supports_flat_logprobs(VLLMSamplingParams)),
+                output_kind=RequestOutputKind.FINAL_ONLY,
             )
         except (ValueError, TypeError) as exc:  # e.g. vLLM's temperature limit (<= 2)
             from rollout_server.errors import BadRequest

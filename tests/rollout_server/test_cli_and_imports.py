@@ -47,9 +47,11 @@ def test_help_is_instant_and_imports_no_torch():
 def test_flags_become_settings():
     args = build_parser().parse_args(
         ["--model", "m", "--max-n", "3", "--max-tokens", "9", "--port", "9001", "--api-key", "k",
-         "--no-enable-sleep-mode", "--dtype", "bfloat16"]
+         "--no-enable-sleep-mode", "--dtype", "bfloat16", "--no-gc-freeze"]
     )  # fmt: skip
     s = settings_from_args(args)
+    assert s.gc_freeze is False
+    assert settings_from_args(build_parser().parse_args(["--model", "m"])).gc_freeze is True
     assert (s.limits.max_n, s.limits.max_tokens, s.limits.max_batch_size) == (3, 9, 512)
     assert (s.port, s.api_key, s.enable_sleep_mode, s.dtype) == (9001, "k", False, "bfloat16")
     assert s.host == "127.0.0.1" and s.engine == "transformers"

@@ -21,6 +21,7 @@ from rollout_server.engine.vllm_engine import (
     engine_kwargs,
     sampling_kwargs,
     supported_kwargs,
+    supports_flat_logprobs,
     to_sample,
 )
 from rollout_server.protocol import SamplingParams
@@ -96,6 +97,17 @@ def test_sampling_kwargs() -> None:
     }
     plain = sampling_kwargs(SamplingParams(top_k=40), n=1)
     assert plain["top_k"] == 40 and plain["stop"] is None and plain["stop_token_ids"] is None
+    assert sampling_kwargs(p, n=8, flat_logprobs=True) == kw | {"flat_logprobs": True}
+
+
+def test_flat_logprobs_only_where_vllm_has_them() -> None:
+    class New:  # vLLM's SamplingParams is a msgspec struct; >= 0.11 lists flat_logprobs
+        __struct_fields__ = ("n", "logprobs", "flat_logprobs")
+
+    class Old:
+        __struct_fields__ = ("n", "logprobs")
+
+    assert supports_flat_logprobs(New) and not supports_flat_logprobs(Old)
 
 
 def _completion(token_ids, logprobs, finish_reason="stop", text="hi"):
@@ -120,6 +132,35 @@ def test_to_sample() -> None:
     broken.logprobs = broken.logprobs[:1]
     with pytest.raises(EngineError, match="1 log-prob positions for 2 tokens"):
         to_sample(broken)
+
+
+@dataclasses.dataclass
+class _Flat:
+    """The layout of vLLM's ``FlatLogprobs``: each position's entries are
+    ``[start_indices[i], end_indices[i])`` of the flat lists, the sampled token first."""
+
+    start_indices: list[int]
+    end_indices: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+
+def test_to_sample_reads_flat_logprobs() -> None:
+    flat = _Flat([0, 1, 3], [1, 3, 4], [4, 9, 7, 2], [-0.5, -1.25, -3.0, -0.0])
+    c = _completion((4, 9, 2), [0, 0, 0])
+    c.logprobs = flat
+    assert to_sample(c).logprobs == [-0.5, -1.25, -0.0]
+    flat.token_ids[1], flat.token_ids[2] = 7, 9  # the sampled token listed second
+    assert to_sample(c).logprobs == [-0.5, -3.0, -0.0]
+    flat.token_ids[2] = 8
+    with pytest.raises(EngineError, match="no log-prob for token 9 at position 1"):
+        to_sample(c)
+    c.logprobs = _Flat([0], [1], [4], [-0.5])
+    with pytest.raises(EngineError, match="1 log-prob positions for 3 tokens"):
+        to_sample(c)
 
 
 def test_checkpoint_metadata_agrees_with_the_config_metadata(tiny_model_dir) -> None:
