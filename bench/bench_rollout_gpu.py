@@ -86,7 +86,12 @@ def offline_worker(args: argparse.Namespace) -> None:
     from vllm import SamplingParams as VSP
     from vllm.engine.arg_utils import EngineArgs
 
-    from rollout_server.engine.vllm_engine import engine_kwargs, sampling_kwargs, supported_kwargs
+    from rollout_server.engine.vllm_engine import (
+        engine_kwargs,
+        sampling_kwargs,
+        supported_kwargs,
+        supports_flat_logprobs,
+    )
     from rollout_server.protocol import GenerateRequest
 
     kwargs = supported_kwargs(EngineArgs, engine_kwargs(server_settings(args.model)))
@@ -96,7 +101,7 @@ def offline_worker(args: argparse.Namespace) -> None:
 
     def run(prompts: list[list[int]], n: int, tokens: int) -> tuple[int, float]:
         req = GenerateRequest.model_validate(request_body(prompts, n, tokens))
-        sp = VSP(**sampling_kwargs(req.sampling(), n))
+        sp = VSP(**sampling_kwargs(req.sampling(), n, supports_flat_logprobs(VSP)))  # as served
         inputs = [{"prompt_token_ids": p} for p in prompts]
         start = time.perf_counter()
         outs = llm.generate(inputs, sp, use_tqdm=False)
