@@ -106,7 +106,8 @@ def sampling_kwargs(params: SamplingParams, n: int, flat_logprobs: bool = False)
 
     ``flat_logprobs`` (vLLM >= 0.11, see ``supports_flat_logprobs``): vLLM keeps the log-probs
     in a few flat lists instead of a dict and a ``Logprob`` object per token, which spares the
-    garbage collector; 25 % less time for the e2e batch in ``bench/probe_vllm_sampling.py``."""
+    garbage collector (``bench/probe_vllm_sampling.py``: the e2e batch 2.71 -> 2.03 s on an
+    H100; 3-6 % on an H200, docs/benchmarks.md)."""
     kwargs = {
         "n": n,
         "temperature": params.temperature,
