@@ -88,9 +88,8 @@ def offline_worker(args: argparse.Namespace) -> None:
 
     from rollout_server.engine.vllm_engine import (
         engine_kwargs,
-        sampling_kwargs,
+        served_sampling_kwargs,
         supported_kwargs,
-        supports_flat_logprobs,
     )
     from rollout_server.protocol import GenerateRequest
 
@@ -101,7 +100,7 @@ def offline_worker(args: argparse.Namespace) -> None:
 
     def run(prompts: list[list[int]], n: int, tokens: int) -> tuple[int, float]:
         req = GenerateRequest.model_validate(request_body(prompts, n, tokens))
-        sp = VSP(**sampling_kwargs(req.sampling(), n, supports_flat_logprobs(VSP)))  # as served
+        sp = VSP(**served_sampling_kwargs(req.sampling(), n))
         inputs = [{"prompt_token_ids": p} for p in prompts]
         start = time.perf_counter()
         outs = llm.generate(inputs, sp, use_tqdm=False)

@@ -66,9 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_server.cli import _key_value
     from rollout_server.engine.vllm_engine import (
         engine_kwargs,
-        sampling_kwargs,
+        served_sampling_kwargs,
         supported_kwargs,
-        supports_flat_logprobs,
     )
     from rollout_server.protocol import SamplingParams as OurParams
     from rollout_server.settings import ServerSettings
@@ -86,10 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"this vLLM has no engine argument(s) {unknown}")
     llm = LLM(**kwargs)
-    base = sampling_kwargs(
-        OurParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=1.0),
-        args.n,
-        supports_flat_logprobs(SamplingParams),
+    base = served_sampling_kwargs(
+        OurParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=1.0), args.n
     )
     rng = random.Random(0)
     prompts = [

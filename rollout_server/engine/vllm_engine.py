@@ -133,6 +133,14 @@ def supports_flat_logprobs(sampling_params_cls: type) -> bool:
     return "flat_logprobs" in getattr(sampling_params_cls, "__struct_fields__", ())
 
 
+def served_sampling_kwargs(params: SamplingParams, n: int) -> dict[str, Any]:
+    """``sampling_kwargs`` as the engine sends them to the installed vLLM (imports it): the one
+    place that decides, so the benchmarks' offline baselines ask for what the server asks."""
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    return sampling_kwargs(params, n, supports_flat_logprobs(VLLMSamplingParams))
+
+
 def to_sample(completion: Any) -> SampleOutput:
     """One vLLM ``CompletionOutput`` as a ``SampleOutput``: ids, the sampled tokens' log-probs."""
     token_ids = [int(t) for t in completion.token_ids]
@@ -308,8 +316,7 @@ class VLLMEngine(HFTokenizerMixin, Engine):
             raise EngineError("the vllm engine is asleep; POST /wake_up first")
         try:
             sp = VLLMSamplingParams(
-                **sampling_kwargs(params, n, supports_flat_logprobs(VLLMSamplingParams)),
-                output_kind=RequestOutputKind.FINAL_ONLY,
+                **served_sampling_kwargs(params, n), output_kind=RequestOutputKind.FINAL_ONLY
             )
         except (ValueError, TypeError) as exc:  # e.g. vLLM's temperature limit (<= 2)
             from rollout_server.errors import BadRequest

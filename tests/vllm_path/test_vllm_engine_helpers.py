@@ -20,6 +20,7 @@ from rollout_server.engine.vllm_engine import (
     WORKER_EXTENSION,
     engine_kwargs,
     sampling_kwargs,
+    served_sampling_kwargs,
     supported_kwargs,
     supports_flat_logprobs,
     to_sample,
@@ -108,6 +109,19 @@ def test_flat_logprobs_only_where_vllm_has_them() -> None:
         __struct_fields__ = ("n", "logprobs")
 
     assert supports_flat_logprobs(New) and not supports_flat_logprobs(Old)
+
+
+def test_served_sampling_kwargs_follow_the_installed_vllm(monkeypatch) -> None:
+    """What the engine and the benchmarks' offline baselines send: flat log-probs only where
+    the installed vLLM's SamplingParams has them (a stand-in module: vLLM is GPU-only here)."""
+    import types
+
+    p = SamplingParams(max_tokens=4)
+    for fields, flat in ((("n", "flat_logprobs"), True), (("n",), False)):
+        fake = types.ModuleType("vllm")
+        fake.SamplingParams = type("SamplingParams", (), {"__struct_fields__": fields})
+        monkeypatch.setitem(sys.modules, "vllm", fake)
+        assert served_sampling_kwargs(p, n=2) == sampling_kwargs(p, n=2, flat_logprobs=flat)
 
 
 def _completion(token_ids, logprobs, finish_reason="stop", text="hi"):
