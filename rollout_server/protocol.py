@@ -121,6 +121,8 @@ class InfoResponse(_Model):
     sleep_level: int
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    max_num_seqs: int | None = Field(None, description="sequences the engine decodes together")
+    max_batch_tokens: int | None = Field(None, description="prompt tokens prefilled in one step")
     limits: Limits
     weight_transports: list[str]
 

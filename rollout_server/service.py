@@ -148,6 +148,8 @@ class RolloutService:
             sleep_level=self.sleep_level,
             tensor_parallel_size=e.tensor_parallel_size,
             data_parallel_size=e.data_parallel_size,
+            max_num_seqs=e.max_num_seqs,
+            max_batch_tokens=e.max_batch_tokens,
             limits=self.limits,
             weight_transports=e.weight_transports,
         )

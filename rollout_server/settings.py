@@ -54,10 +54,17 @@ class ServerSettings(BaseModel):
         None, ge=2, description="prompt + completion tokens (default: the model's)"
     )
     trust_remote_code: bool = False
-    # Batching of the transformers engine: rows (prompt x sample) decoded together.
-    max_num_seqs: int = Field(256, ge=1, description="sequences decoded in one batch")
-    max_batch_tokens: int = Field(
-        32768, ge=1, description="padded prompt tokens prefilled in one batch"
+    # Batching: sequences (prompt x sample) decoded together, prompt tokens prefilled in one
+    # step. None: the engine's batch default (transformers 256 / 32768; vLLM the defaults of its
+    # offline LLM class for the GPU, 1024 / 16384 on a >= 70 GB GPU).
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="sequences decoded in one batch (vLLM: max_num_seqs)"
+    )
+    max_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="prompt tokens prefilled in one batch (vLLM: max_num_batched_tokens; "
+        "transformers: padded prompt tokens)",
     )
     # vLLM engine options (ignored by the transformers engine).
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)

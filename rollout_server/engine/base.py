@@ -66,6 +66,8 @@ class EngineInfo:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     weight_transports: list[str] = field(default_factory=lambda: ["http", "file"])
+    max_num_seqs: int | None = None  # the batch limits in force (None: not known)
+    max_batch_tokens: int | None = None
 
 
 @dataclass

@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Batch limits when the settings give none (rows decoded together, padded prompt tokens).
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_BATCH_TOKENS = 32768
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -160,6 +164,8 @@ class TransformersEngine(HFTokenizerMixin, Engine):
             vocab_size=self.vocab_size,
             eos_token_ids=list(self.eos_token_ids),
             weight_transports=["http", "file"],
+            max_num_seqs=self.settings.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+            max_batch_tokens=self.settings.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS,
         )
 
     # --- tokens ----------------------------------------------------------------------------
@@ -209,6 +215,8 @@ class TransformersEngine(HFTokenizerMixin, Engine):
     def _take_batch(self) -> list[_Queued]:
         """FIFO rows up to ``max_num_seqs`` rows and ``max_batch_tokens`` padded prompt tokens
         (rows sharing a prompt prefill it once)."""
+        max_seqs = self.settings.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        max_tokens = self.settings.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
         batch: list[_Queued] = []
         prompts: set[int] = set()
         width = 0
@@ -219,8 +227,8 @@ class TransformersEngine(HFTokenizerMixin, Engine):
                 continue
             new_width = max(width, len(q.row.prompt))
             num_prompts = len(prompts | {id(q.row.prompt)})
-            too_many = len(batch) >= self.settings.max_num_seqs
-            too_long = num_prompts * new_width > self.settings.max_batch_tokens
+            too_many = len(batch) >= max_seqs
+            too_long = num_prompts * new_width > max_tokens
             if batch and (too_many or too_long):
                 break
             batch.append(self._queue.popleft())

@@ -83,6 +83,10 @@ def engine_kwargs(settings: ServerSettings) -> dict[str, Any]:
     }
     if settings.max_model_len is not None:
         kwargs["max_model_len"] = settings.max_model_len
+    if settings.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = settings.max_num_seqs
+    if settings.max_batch_tokens is not None:
+        kwargs["max_num_batched_tokens"] = settings.max_batch_tokens
     if settings.served_model_name:
         kwargs["served_model_name"] = settings.served_model_name
     kwargs.update(getattr(settings, "vllm_engine_args", None) or {})
@@ -241,6 +245,7 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.usage.usage_lib import UsageContext
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:
             raise EngineError(
@@ -251,7 +256,10 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         args = AsyncEngineArgs(**supported_kwargs(AsyncEngineArgs, engine_kwargs(s)))
         # Built in the event loop, as vLLM's own server does (it binds its output tasks to the
         # running loop); the ~40 s of loading happen before the service reports ready.
-        self._llm = AsyncLLM.from_engine_args(args)
+        # A rollout server serves batches: vLLM's batch defaults (its offline LLM's usage
+        # context: 1024 sequences, 16384 batched tokens on a >= 70 GB GPU), not the engine
+        # context's 128 / 2048, which decoded a 256 x 8 request 128 sequences at a time.
+        self._llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
         self.tokenizer, self._metadata = await asyncio.gather(
             asyncio.to_thread(self._load_tokenizer),
             asyncio.to_thread(hf_weight_metadata, s.model, self._dtype_name(), s.trust_remote_code),
@@ -277,6 +285,7 @@ class VLLMEngine(HFTokenizerMixin, Engine):
                 if token is not None and int(token) not in eos:
                     eos.append(int(token))
         s = self.settings
+        sched = self._llm.vllm_config.scheduler_config
         return EngineInfo(
             model=s.name,
             engine=self.name,
@@ -288,6 +297,8 @@ class VLLMEngine(HFTokenizerMixin, Engine):
             tensor_parallel_size=s.tensor_parallel_size,
             data_parallel_size=s.data_parallel_size,
             weight_transports=["http", "file", "nccl"],
+            max_num_seqs=int(sched.max_num_seqs),
+            max_batch_tokens=int(sched.max_num_batched_tokens),
         )
 
     async def close(self) -> None:

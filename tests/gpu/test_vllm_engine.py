@@ -54,6 +54,8 @@ def test_info(server) -> None:
     assert info["engine"] == "vllm" and info["dtype"] == "bfloat16"
     assert info["vocab_size"] == 151936 and info["max_model_len"] == 2048
     assert "nccl" in info["weight_transports"] and info["weight_version"] == 0
+    # vLLM's batch defaults (its offline LLM's), not the engine context's 128 / 2048
+    assert info["max_num_seqs"] == 1024 and info["max_batch_tokens"] == 16384
 
 
 def test_generate_text_chat_and_ids(server) -> None:

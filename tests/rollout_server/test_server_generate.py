@@ -73,6 +73,7 @@ def test_status_routes(http):
     assert info["engine"] == "transformers" and info["vocab_size"] == 265
     assert info["max_model_len"] == 256 and info["eos_token_ids"] == [258]
     assert info["limits"]["max_n"] == 8 and info["weight_version"] == 0
+    assert info["max_num_seqs"] == 256 and info["max_batch_tokens"] == 32768  # the defaults
     assert http.get("/is_sleeping").json() == {"is_sleeping": False, "level": 0}
     assert http.get("/v1/models").json()["data"][0]["id"] == info["model"]
     paths = http.get("/openapi.json").json()["paths"]

@@ -206,3 +206,15 @@ def test_extra_vllm_args_from_the_cli_reach_the_engine_kwargs():
     assert kwargs["gpu_memory_utilization"] == 0.3  # the explicit extra argument wins
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         settings_from_args(build_parser().parse_args(["--model", "m", "--vllm-arg", "oops"]))
+
+
+def test_batch_limits_from_the_cli_reach_vllm_and_default_to_vllms_own():
+    from rollout_server.cli import build_parser, settings_from_args
+    from rollout_server.engine.vllm_engine import engine_kwargs
+
+    base = ["--model", "m", "--engine", "vllm"]
+    unset = engine_kwargs(settings_from_args(build_parser().parse_args(base)))
+    assert "max_num_seqs" not in unset and "max_num_batched_tokens" not in unset
+    args = build_parser().parse_args([*base, "--max-num-seqs", "512", "--max-batch-tokens", "8192"])
+    kwargs = engine_kwargs(settings_from_args(args))
+    assert kwargs["max_num_seqs"] == 512 and kwargs["max_num_batched_tokens"] == 8192
