@@ -7,6 +7,7 @@ must not silently fall back to a default), and every error names the field and h
 from __future__ import annotations
 
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +16,32 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _none_words(cls, data: Any) -> Any:
+        """TOML has no null: ``"none"`` (or ``"null"``) unsets a field that may be unset, such as
+        ``grpo.tis_cap = "none"`` or ``--set grpo.tis_cap=none``. Fields that take strings keep
+        the word as it is."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for name, value in data.items():
+            field = cls.model_fields.get(name)
+            if (
+                field is not None
+                and isinstance(value, str)
+                and value.strip().lower() in ("none", "null")
+                and _unsettable(field.annotation)
+            ):
+                out[name] = None
+        return out
+
+
+def _unsettable(annotation: Any) -> bool:
+    """Whether a field of this type may be None and takes no plain string."""
+    args = typing.get_args(annotation)
+    return type(None) in args and str not in args
 
 
 class LoraConfig(_Section):
@@ -174,7 +201,11 @@ class GRPOConfig(_Section):
     eps_low: float = Field(0.2, ge=0)
     eps_high: float = Field(0.28, ge=0)
     beta: float = Field(0.0, ge=0, description="KL coefficient (k3) to a frozen reference")
-    tis_cap: float | None = Field(2.0, description="truncated IS cap; none disables")
+    tis_cap: float | None = Field(
+        2.0,
+        description="truncated IS cap; none disables it, and then the rollout server is not "
+        "asked for log-probs",
+    )
     entropy_coef: float = 0.0
     logprob_chunk_size: int = Field(1024, ge=1)
     fused_loss: bool = Field(

@@ -21,7 +21,7 @@ from rewards.env import Environment
 from rewards.episode import Generation, run_episodes
 from rewards.scoring import RewardRunner
 from rollout_server.client import RolloutClient
-from rollout_server.protocol import GenerateRequest
+from rollout_server.protocol import GenerateRequest, Sample
 
 
 @dataclass
@@ -32,9 +32,12 @@ class StepRollouts:
 
 
 def generate_request(cfg: LearnerConfig, prompts: list[Any]) -> GenerateRequest:
+    """The request for ``prompts``. It asks for the sampled tokens' log-probs only when the loss
+    uses them (truncated IS, ``grpo.tis_cap``): without them vLLM's generation is faster."""
     s = cfg.sampling
     return GenerateRequest(
         prompts=prompts,
+        logprobs=cfg.grpo.tis_cap is not None,
         n=s.num_generations,
         max_tokens=s.max_tokens,
         temperature=s.temperature,
@@ -46,6 +49,11 @@ def generate_request(cfg: LearnerConfig, prompts: list[Any]) -> GenerateRequest:
         ignore_eos=s.ignore_eos,
         chat_template_kwargs=s.chat_template_kwargs,
     )
+
+
+def _sampling_logprobs(req: GenerateRequest, sample: Sample) -> list[float]:
+    """The sample's log-probs; zeros (unused by the loss) when the request did not ask for them."""
+    return sample.logprobs if req.logprobs else [0.0] * len(sample.token_ids)
 
 
 def truncate_prompts(
@@ -92,7 +100,8 @@ async def collect(
             cfg.sampling.chat_template_kwargs,
         )
     t0 = time.perf_counter()
-    resp = await client.generate(generate_request(cfg, prompts_in))
+    req = generate_request(cfg, prompts_in)
+    resp = await client.generate(req)
     t_gen = time.perf_counter() - t0
     mask_prompt = cfg.grpo.overlong_prompts == "mask"
     mask_cut = cfg.grpo.mask_truncated_completions
@@ -109,7 +118,7 @@ async def collect(
                 Rollout(
                     prompt_ids=result.prompt_token_ids,
                     completion_ids=s.token_ids,
-                    sampling_logprobs=s.logprobs,
+                    sampling_logprobs=_sampling_logprobs(req, s),
                     completion_mask=[0 if excluded else 1] * len(s.token_ids),
                     weight_version=s.weight_version,
                 )
@@ -152,7 +161,8 @@ async def collect_episodes(
         resp = await client.generate(base.model_copy(update={"prompts": [ids]}))
         sample = resp.results[0].samples[0]
         versions.append(sample.weight_version)
-        return Generation(sample.token_ids, sample.logprobs, sample.text, sample.finish_reason)
+        logprobs = _sampling_logprobs(base, sample)
+        return Generation(sample.token_ids, logprobs, sample.text, sample.finish_reason)
 
     g = cfg.sampling.num_generations
     t0 = time.perf_counter()

@@ -100,7 +100,9 @@ class CompletionRequest(_OpenAIRequest):
         else:
             prompts = list(prompt)
         return GenerateRequest(
-            prompts=prompts, **self._sampling(self.max_tokens or default_max_tokens)
+            prompts=prompts,
+            logprobs=self.logprobs is not None,
+            **self._sampling(self.max_tokens or default_max_tokens),
         )
 
 
@@ -130,6 +132,7 @@ class ChatCompletionRequest(_OpenAIRequest):
             add_generation_prompt=self.add_generation_prompt,
             chat_template_kwargs=self.chat_template_kwargs,
             tools=self.tools if self.tool_choice != "none" else None,
+            logprobs=self.logprobs,
             **self._sampling(max_tokens),
         )
 

@@ -51,6 +51,11 @@ class SamplingParams(_Model):
     seed: int | None = Field(
         None, description="same seed + same weights + same request = same output"
     )
+    logprobs: bool = Field(
+        True,
+        description="return each sampled token's log-prob; false spares vLLM the work and "
+        "returns empty logprobs lists",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -80,7 +85,8 @@ class GenerateRequest(SamplingParams):
 class Sample(_Model):
     token_ids: list[int]
     logprobs: list[float] = Field(
-        description="log-prob of each sampled token under the sampling distribution"
+        description="log-prob of each sampled token under the sampling distribution; "
+        "empty when the request set logprobs=false"
     )
     text: str
     finish_reason: FinishReason

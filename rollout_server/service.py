@@ -230,7 +230,7 @@ class RolloutService:
                 samples=[
                     Sample(
                         token_ids=o.token_ids,
-                        logprobs=o.logprobs,
+                        logprobs=o.logprobs if params.logprobs else [],
                         text=o.text,
                         finish_reason=o.finish_reason,
                         weight_version=version,

@@ -124,10 +124,10 @@ def sampling_kwargs(params: SamplingParams, n: int, flat_logprobs: bool = False)
         "stop_token_ids": list(params.stop_token_ids) or None,
         "ignore_eos": params.ignore_eos,
         "seed": params.seed,
-        "logprobs": 0,  # the sampled token's log-prob only
+        "logprobs": 0 if params.logprobs else None,  # 0: the sampled token's log-prob only
         "skip_special_tokens": True,
     }
-    if flat_logprobs:
+    if flat_logprobs and params.logprobs:
         kwargs["flat_logprobs"] = True
     return kwargs
 
@@ -145,20 +145,23 @@ def served_sampling_kwargs(params: SamplingParams, n: int) -> dict[str, Any]:
     return sampling_kwargs(params, n, supports_flat_logprobs(VLLMSamplingParams))
 
 
-def to_sample(completion: Any) -> SampleOutput:
-    """One vLLM ``CompletionOutput`` as a ``SampleOutput``: ids, the sampled tokens' log-probs."""
+def to_sample(completion: Any, logprobs: bool = True) -> SampleOutput:
+    """One vLLM ``CompletionOutput`` as a ``SampleOutput``: ids, the sampled tokens' log-probs
+    (none when the request did not ask for them: ``logprobs=False``)."""
     token_ids = [int(t) for t in completion.token_ids]
+    reason = _FINISH.get(str(completion.finish_reason), "abort")
+    if not logprobs:
+        return SampleOutput(token_ids, [], completion.text, reason)  # type: ignore[arg-type]
     positions = completion.logprobs or []
     if len(positions) != len(token_ids):
         raise EngineError(
             f"vLLM returned {len(positions)} log-prob positions for {len(token_ids)} tokens"
         )
     if hasattr(positions, "start_indices"):  # vLLM's FlatLogprobs: no dict per position
-        logprobs = _flat_sampled_logprobs(positions, token_ids)
+        values = _flat_sampled_logprobs(positions, token_ids)
     else:
-        logprobs = [float(pos[t].logprob) for t, pos in zip(token_ids, positions, strict=True)]
-    reason = _FINISH.get(str(completion.finish_reason), "abort")
-    return SampleOutput(token_ids, logprobs, completion.text, reason)  # type: ignore[arg-type]
+        values = [float(pos[t].logprob) for t, pos in zip(token_ids, positions, strict=True)]
+    return SampleOutput(token_ids, values, completion.text, reason)  # type: ignore[arg-type]
 
 
 def _flat_sampled_logprobs(flat: Any, token_ids: list[int]) -> list[float]:
@@ -354,7 +357,8 @@ class VLLMEngine(HFTokenizerMixin, Engine):
             final = out
         if final is None:
             raise EngineError("vLLM returned no output for a request")
-        return [to_sample(c) for c in sorted(final.outputs, key=lambda c: c.index)]
+        want = sp.logprobs is not None
+        return [to_sample(c, want) for c in sorted(final.outputs, key=lambda c: c.index)]
 
     # -- weights ---------------------------------------------------------------------------
 

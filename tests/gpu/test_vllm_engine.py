@@ -87,6 +87,16 @@ def test_generate_text_chat_and_ids(server) -> None:
     assert len({tuple(s) for s in samples}) > 1, "the n samples of a seeded request must differ"
 
 
+def test_logprobs_false_gives_the_same_samples_without_logprobs(server) -> None:
+    request = dict(prompts=PROMPTS[:2], n=4, max_tokens=16, temperature=1.0, seed=1)
+    full = server.generate(**request)
+    bare = server.generate(**request, logprobs=False)
+    for a, b in zip(full["results"], bare["results"], strict=True):
+        assert [s["token_ids"] for s in b["samples"]] == [s["token_ids"] for s in a["samples"]]
+        assert all(s["logprobs"] == [] for s in b["samples"])
+        assert all(len(s["logprobs"]) == len(s["token_ids"]) for s in a["samples"])
+
+
 def test_ignore_eos_gives_exact_lengths(server) -> None:
     out = server.generate(prompts=PROMPTS, n=2, max_tokens=40, ignore_eos=True, temperature=1.0)
     for r in out["results"]:

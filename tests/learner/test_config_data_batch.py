@@ -52,6 +52,32 @@ def test_override_parses_toml_values_and_strings():
     assert cfg.grpo.beta == 0.1
 
 
+def test_none_unsets_a_field_that_may_be_unset():
+    """TOML has no null: the word none (or null) unsets optional fields, and only those."""
+    demo = ROOT / "learner" / "configs" / "demo.toml"
+    cfg = load_config(
+        demo,
+        [
+            "grpo.tis_cap=none",
+            "rollout.sleep_while_training=Null",
+            "rollout.api_key=none",  # a string field keeps the word
+            'model.lora={r = 4, quantization = "none"}',  # and so does a Literal's "none"
+        ],
+    )
+    assert cfg.grpo.tis_cap is None and cfg.rollout.sleep_while_training is None
+    assert cfg.rollout.api_key == "none"
+    assert cfg.model.lora is not None and cfg.model.lora.quantization == "none"
+    assert load_config(demo).grpo.tis_cap == 2.0
+    calc = load_config(ROOT / "learner" / "configs" / "calculator.toml")
+    assert calc.environment is not None and calc.environment.episode_timeout_s == 300.0
+    calc = load_config(
+        ROOT / "learner" / "configs" / "calculator.toml", ['environment.episode_timeout_s="none"']
+    )
+    assert calc.environment is not None and calc.environment.episode_timeout_s is None
+    with pytest.raises(ConfigError, match=r"grpo\.tis_cap"):
+        load_config(demo, ["grpo.tis_cap=off"])
+
+
 @pytest.mark.parametrize(
     ("override", "fragment"),
     [

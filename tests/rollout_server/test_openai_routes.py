@@ -108,6 +108,16 @@ async def test_models_and_errors_through_the_client(client):
     await bad.close()
 
 
+def test_openai_requests_ask_the_engine_for_logprobs_only_when_the_client_does():
+    from rollout_server.openai_compat import ChatCompletionRequest, CompletionRequest
+
+    assert not CompletionRequest(prompt="x").to_generate(16).logprobs
+    assert CompletionRequest(prompt="x", logprobs=0).to_generate(16).logprobs
+    chat = [{"role": "user", "content": "hi"}]
+    assert not ChatCompletionRequest(messages=chat).to_generate(16).logprobs
+    assert ChatCompletionRequest(messages=chat, logprobs=True).to_generate(16).logprobs
+
+
 def test_hermes_tool_calls_are_parsed():
     text = 'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
     content, calls = parse_tool_calls(text)

@@ -66,6 +66,18 @@ async def test_generate_n4_shapes_logprobs_and_seeds(server, reference):
     assert again.model_dump() == resp.model_dump()  # same seed, same weights, same output
 
 
+async def test_logprobs_false_returns_the_same_samples_without_logprobs(server):
+    request = GenerateRequest(prompts=["hello world", [104, 105]], n=3, max_tokens=12, seed=7)
+    async with RolloutClient(server.url) as client:
+        full = await client.generate(request)
+        bare = await client.generate(request.model_copy(update={"logprobs": False}))
+    for a, b in zip(full.results, bare.results, strict=True):
+        assert b.prompt_token_ids == a.prompt_token_ids
+        for sa, sb in zip(a.samples, b.samples, strict=True):
+            assert sb.token_ids == sa.token_ids and sb.text == sa.text
+            assert sa.logprobs and sb.logprobs == []
+
+
 def test_status_routes(http):
     assert http.get("/health").json() == {"status": "ok"}
     assert http.get("/ready").status_code == 200

@@ -99,6 +99,8 @@ def test_sampling_kwargs() -> None:
     plain = sampling_kwargs(SamplingParams(top_k=40), n=1)
     assert plain["top_k"] == 40 and plain["stop"] is None and plain["stop_token_ids"] is None
     assert sampling_kwargs(p, n=8, flat_logprobs=True) == kw | {"flat_logprobs": True}
+    bare = p.model_copy(update={"logprobs": False})  # no log-probs asked: none computed
+    assert sampling_kwargs(bare, n=8, flat_logprobs=True) == kw | {"logprobs": None}
 
 
 def test_flat_logprobs_only_where_vllm_has_them() -> None:
@@ -146,6 +148,9 @@ def test_to_sample() -> None:
     broken.logprobs = broken.logprobs[:1]
     with pytest.raises(EngineError, match="1 log-prob positions for 2 tokens"):
         to_sample(broken)
+    broken.logprobs = None  # what vLLM returns for logprobs=None
+    bare = to_sample(broken, logprobs=False)
+    assert bare.token_ids == [1, 2] and bare.logprobs == [] and bare.finish_reason == "stop"
 
 
 @dataclasses.dataclass

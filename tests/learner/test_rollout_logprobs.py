@@ -1,0 +1,58 @@
+"""The learner asks the rollout server for log-probs only when its loss uses them (truncated IS):
+single-turn prompts and multi-turn episodes, against a real server on loopback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from learner.config import load_config
+from learner.rollouts import collect, collect_episodes, generate_request
+from rewards.scoring import RewardRunner
+from rollout_server.client import RolloutClient
+from rollout_server.settings import ServerSettings
+
+CONFIGS = Path(__file__).resolve().parents[2] / "learner" / "configs"
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tiny_model_dir):
+    with start_server(ServerSettings(model=str(tiny_model_dir), max_model_len=2048)) as s:
+        yield s
+
+
+@pytest.mark.parametrize("cap", ["2.0", "none"])
+async def test_prompts_get_logprobs_only_for_truncated_is(server, cap):
+    cfg = load_config(CONFIGS / "demo.toml", [f"grpo.tis_cap={cap}", "sampling.max_tokens=8"])
+    assert generate_request(cfg, ["x"]).logprobs == (cap != "none")
+    rows = [{"prompt": "sing", "allowed": "aeiou"}, {"prompt": "a song", "allowed": "aeiou"}]
+    scorer = RewardRunner([{"name": "charset"}])
+    async with RolloutClient(server.url) as client:
+        step = await collect(cfg, client, scorer, rows)
+    assert len(step.rollouts) == 2 * cfg.sampling.num_generations
+    for r in step.rollouts:
+        assert len(r.sampling_logprobs) == len(r.completion_ids) >= 1
+        if cap == "none":  # not asked for: zeros, which the loss never reads
+            assert r.sampling_logprobs == [0.0] * len(r.completion_ids)
+        else:
+            assert all(lp <= 0 for lp in r.sampling_logprobs)
+            assert any(lp < 0 for lp in r.sampling_logprobs)
+
+
+async def test_episodes_without_logprobs_still_run(server, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from rewards.chat import HFChatFormat
+    from rewards.env import get_tasks
+    from rewards.registry import load_environment
+
+    cfg = load_config(CONFIGS / "calculator.toml", ["grpo.tis_cap=none"])
+    env_cls = load_environment(cfg.environment.name)
+    tasks = (await get_tasks(env_cls, cfg.environment.split))[:2]
+    chat = HFChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir), {})
+    async with RolloutClient(server.url) as client:
+        step = await collect_episodes(cfg, client, env_cls, chat, tasks)
+    assert step.metrics["episode/error_frac"] == 0.0
+    for r in step.rollouts:
+        assert r.sampling_logprobs == [0.0] * len(r.completion_ids)
