@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--cpu", action="store_true", help="CPU smoke run (needs --no-vllm)")
     p.add_argument("--no-vllm", action="store_true", help="transformers generation")
+    p.add_argument(
+        "--no-is-correction",
+        action="store_true",
+        help="vllm_importance_sampling_correction=False (to compare with grpo.tis_cap=none; "
+        "TRL still asks vLLM for the log-probs)",
+    )
     return p
 
 
@@ -115,7 +121,7 @@ def trl_config_kwargs(args: argparse.Namespace, output_dir: str) -> dict[str, An
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
         "seed": 0,
-    }
+    } | ({"vllm_importance_sampling_correction": False} if args.no_is_correction else {})
 
 
 def length_chars(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:

@@ -143,6 +143,14 @@ def test_trl_batches_make_one_generation_of_16_prompts_by_8_per_step():
     assert (kw["num_generations"], kw["max_completion_length"]) == (8, 256)
     assert kw["use_vllm"] and kw["vllm_mode"] == "colocate" and kw["bf16"]
     assert kw["model_init_kwargs"] == {"dtype": "bfloat16"}
+    assert "vllm_importance_sampling_correction" not in kw  # TRL's default (on)
+    no_is = trl_bench.build_parser().parse_args(
+        ["--model", "/m", "--out", "/o", "--no-is-correction"]
+    )
+    assert trl_bench.trl_config_kwargs(no_is, "/x") == kw | {
+        "output_dir": "/x",
+        "vllm_importance_sampling_correction": False,
+    }
     bad = trl_bench.build_parser().parse_args(
         ["--model", "/m", "--out", "/o", "--per-device-train-batch-size", "48"]
     )
