@@ -7,11 +7,10 @@ One offline ``vllm.LLM`` built from the server's own engine arguments
 ``async_scheduling=true``, read as ``rollout-server --vllm-arg`` reads it), then the e2e
 workload (16 prompts × n=8 × 256 tokens, ignore_eos so every run generates the same 32,768
 tokens; random 40-token prompts) with the server's sampling parameters (``sampling_kwargs``: the
-sampled token's log-prob in vLLM's flat form, token ids only: the server decodes each finished
-sample once) and with one thing changed: ``vllm-detokenize`` (vLLM detokenizes token by token,
-as the server did before session 21), ``dict-logprobs`` (that, and a dict and a ``Logprob`` per
-token, as the server asked before session 20), ``no-logprobs`` (``logprobs=None``), or vLLM's
-detokenizing without log-probs. Each variant runs with the startup heap frozen out
+sampled token's log-prob in vLLM's flat form, detokenized text) and with one thing changed:
+``dict-logprobs`` (a dict and a ``Logprob`` per token, as the server asked before),
+``detokenize=False`` (token ids only; the text would be decoded once at the end),
+``logprobs=None``, or both of the last two. Each variant runs with the startup heap frozen out
 of the garbage collector (as the server runs) and not (as a plain script runs): one warm-up,
 then ``--repeats`` timed runs, interleaved (round robin) so that clock and host drift spread
 over all of them. Prints a table of median seconds per batch and tokens/s, and writes the JSON.
@@ -32,11 +31,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "server": {},  # flat log-probs, no detokenizing in vLLM (the server decodes once at the end)
-    "vllm-detokenize": {"detokenize": True},  # the server before session 21 (--vllm-detokenize)
-    "dict-logprobs": {"flat_logprobs": False, "detokenize": True},  # the server before that
-    "no-logprobs": {"logprobs": None},  # a request with "logprobs": false
-    "detokenize-no-logprobs": {"detokenize": True, "logprobs": None},
+    "server": {},
+    "dict-logprobs": {"flat_logprobs": False},  # the server before it asked for flat log-probs
+    "no-detokenize": {"detokenize": False},
+    "no-logprobs": {"logprobs": None},
+    "neither": {"detokenize": False, "logprobs": None},
 }
 GC_MODES = ("frozen", "unfrozen")
 

@@ -72,12 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--trust-remote-code", action="store_true")
     engine.add_argument(
-        "--vllm-detokenize",
-        action=argparse.BooleanOptionalAction,
-        help="vLLM: detokenize token by token as vLLM generates, instead of once per finished "
-        "sample (default off; stop strings always need it)",
-    )
-    engine.add_argument(
         "--gc-freeze",
         action=argparse.BooleanOptionalAction,
         help="keep the startup heap out of Python's garbage collector once ready (default on)",

@@ -85,12 +85,6 @@ class ServerSettings(BaseModel):
         description="more vLLM AsyncEngineArgs, e.g. {'enforce_eager': True, "
         "'max_num_batched_tokens': 4096}; they override the ones derived above",
     )
-    vllm_detokenize: bool = Field(
-        False,
-        description="vLLM: let vLLM detokenize as it generates (token by token, and each "
-        "sampled token's log-prob entry too) instead of decoding each finished sample once; "
-        "requests with stop strings always use vLLM's detokenizer",
-    )
     gc_freeze: bool = Field(
         True,
         description="once the engine is ready, move everything allocated while starting out of "

@@ -105,20 +105,13 @@ def supported_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in names}
 
 
-def sampling_kwargs(
-    params: SamplingParams, n: int, flat_logprobs: bool = False, detokenize: bool = True
-) -> dict[str, Any]:
+def sampling_kwargs(params: SamplingParams, n: int, flat_logprobs: bool = False) -> dict[str, Any]:
     """vLLM ``SamplingParams`` keyword arguments for one request of ``n`` samples (pure).
 
     ``flat_logprobs`` (vLLM >= 0.11, see ``supports_flat_logprobs``): vLLM keeps the log-probs
     in a few flat lists instead of a dict and a ``Logprob`` object per token, which spares the
     garbage collector (``bench/probe_vllm_sampling.py``: the e2e batch 2.71 -> 2.03 s on an
-    H100; 3-6 % on an H200, docs/benchmarks.md).
-
-    ``detokenize=False``: vLLM returns token ids only and the engine decodes each finished
-    sample once (``to_sample``), instead of vLLM decoding token by token, and the text of each
-    sampled token's log-prob entry too, in the server's process. Stop strings need vLLM's
-    detokenizer, so a request with any keeps it."""
+    H100; 3-6 % on an H200, docs/benchmarks.md)."""
     kwargs = {
         "n": n,
         "temperature": params.temperature,
@@ -136,8 +129,6 @@ def sampling_kwargs(
     }
     if flat_logprobs and params.logprobs:
         kwargs["flat_logprobs"] = True
-    if not (detokenize or params.stop):
-        kwargs["detokenize"] = False
     return kwargs
 
 
@@ -146,55 +137,21 @@ def supports_flat_logprobs(sampling_params_cls: type) -> bool:
     return "flat_logprobs" in getattr(sampling_params_cls, "__struct_fields__", ())
 
 
-def served_sampling_kwargs(
-    params: SamplingParams, n: int, detokenize: bool = False
-) -> dict[str, Any]:
+def served_sampling_kwargs(params: SamplingParams, n: int) -> dict[str, Any]:
     """``sampling_kwargs`` as the engine sends them to the installed vLLM (imports it): the one
-    place that decides, so the benchmarks' offline baselines ask for what the server asks.
-    ``detokenize``: the server's ``vllm_detokenize`` (off by default)."""
+    place that decides, so the benchmarks' offline baselines ask for what the server asks."""
     from vllm import SamplingParams as VLLMSamplingParams
 
-    return sampling_kwargs(params, n, supports_flat_logprobs(VLLMSamplingParams), detokenize)
+    return sampling_kwargs(params, n, supports_flat_logprobs(VLLMSamplingParams))
 
 
-_CONTEXT_TOKENS = 8  # prompt tokens decoded with a completion: enough for any UTF-8 character
-
-
-def completion_text(
-    decode: Callable[[list[int]], str], prompt_ids: list[int], token_ids: list[int]
-) -> str:
-    """The text vLLM's incremental detokenizer gives for ``token_ids`` after ``prompt_ids``,
-    in two decodes: the completion with the prompt's last tokens, less the text of those.
-    Decoding in context keeps what decoding alone can lose, such as the leading space of
-    SentencePiece-style tokenizers. Like vLLM's, the text leaves out the bytes of a character
-    the completion did not finish. One case differs: a prompt that ends inside a character
-    (cut between its bytes); the completion is then decoded alone."""
-    context = list(prompt_ids[-_CONTEXT_TOKENS:])
-    head = decode(context)
-    full = decode(context + token_ids)
-    if head.endswith("\ufffd") or not full.startswith(head):  # a character split at the prompt
-        head, full = "", decode(token_ids)
-    return full[len(head) :].rstrip("\ufffd")
-
-
-def to_sample(
-    completion: Any,
-    logprobs: bool = True,
-    decode: Callable[[list[int]], str] | None = None,
-    prompt_ids: list[int] | None = None,
-) -> SampleOutput:
+def to_sample(completion: Any, logprobs: bool = True) -> SampleOutput:
     """One vLLM ``CompletionOutput`` as a ``SampleOutput``: ids, the sampled tokens' log-probs
-    (none when the request did not ask for them: ``logprobs=False``), and the text: vLLM's, or
-    where vLLM did not detokenize, ``completion_text`` with ``decode``. Like vLLM's text, that
-    leaves out the token that stopped the sample (EOS or a stop token id)."""
+    (none when the request did not ask for them: ``logprobs=False``)."""
     token_ids = [int(t) for t in completion.token_ids]
     reason = _FINISH.get(str(completion.finish_reason), "abort")
-    text = completion.text
-    if decode is not None:
-        shown = token_ids[:-1] if reason == "stop" else token_ids
-        text = completion_text(decode, prompt_ids or [], shown)
     if not logprobs:
-        return SampleOutput(token_ids, [], text, reason)  # type: ignore[arg-type]
+        return SampleOutput(token_ids, [], completion.text, reason)  # type: ignore[arg-type]
     positions = completion.logprobs or []
     if len(positions) != len(token_ids):
         raise EngineError(
@@ -204,7 +161,7 @@ def to_sample(
         values = _flat_sampled_logprobs(positions, token_ids)
     else:
         values = [float(pos[t].logprob) for t, pos in zip(token_ids, positions, strict=True)]
-    return SampleOutput(token_ids, values, text, reason)  # type: ignore[arg-type]
+    return SampleOutput(token_ids, values, completion.text, reason)  # type: ignore[arg-type]
 
 
 def _flat_sampled_logprobs(flat: Any, token_ids: list[int]) -> list[float]:
@@ -373,8 +330,7 @@ class VLLMEngine(HFTokenizerMixin, Engine):
             raise EngineError("the vllm engine is asleep; POST /wake_up first")
         try:
             sp = VLLMSamplingParams(
-                **served_sampling_kwargs(params, n, self.settings.vllm_detokenize),
-                output_kind=RequestOutputKind.FINAL_ONLY,
+                **served_sampling_kwargs(params, n), output_kind=RequestOutputKind.FINAL_ONLY
             )
         except (ValueError, TypeError) as exc:  # e.g. vLLM's temperature limit (<= 2)
             from rollout_server.errors import BadRequest
@@ -402,11 +358,7 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         if final is None:
             raise EngineError("vLLM returned no output for a request")
         want = sp.logprobs is not None
-        decode = None if sp.detokenize else self.decode
-        return [
-            to_sample(c, want, decode, prompt_ids)
-            for c in sorted(final.outputs, key=lambda c: c.index)
-        ]
+        return [to_sample(c, want) for c in sorted(final.outputs, key=lambda c: c.index)]
 
     # -- weights ---------------------------------------------------------------------------
 

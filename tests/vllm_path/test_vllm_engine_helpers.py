@@ -7,7 +7,6 @@ sampling parameters, the conversion of vLLM's completion objects, and import saf
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import logging
 import subprocess
@@ -19,7 +18,6 @@ import pytest
 from rollout_server.engine.base import EngineError
 from rollout_server.engine.vllm_engine import (
     WORKER_EXTENSION,
-    completion_text,
     engine_kwargs,
     sampling_kwargs,
     served_sampling_kwargs,
@@ -103,11 +101,6 @@ def test_sampling_kwargs() -> None:
     assert sampling_kwargs(p, n=8, flat_logprobs=True) == kw | {"flat_logprobs": True}
     bare = p.model_copy(update={"logprobs": False})  # no log-probs asked: none computed
     assert sampling_kwargs(bare, n=8, flat_logprobs=True) == kw | {"logprobs": None}
-    # the engine decodes once at the end; stop strings need vLLM's own detokenizer
-    assert sampling_kwargs(p, n=8, detokenize=False) == kw  # p has a stop string
-    no_stop = p.model_copy(update={"stop": []})
-    assert sampling_kwargs(no_stop, n=8, detokenize=False)["detokenize"] is False
-    assert "detokenize" not in sampling_kwargs(no_stop, n=8)
 
 
 def test_flat_logprobs_only_where_vllm_has_them() -> None:
@@ -130,10 +123,7 @@ def test_served_sampling_kwargs_follow_the_installed_vllm(monkeypatch) -> None:
         fake = types.ModuleType("vllm")
         fake.SamplingParams = type("SamplingParams", (), {"__struct_fields__": fields})
         monkeypatch.setitem(sys.modules, "vllm", fake)
-        want = sampling_kwargs(p, n=2, flat_logprobs=flat, detokenize=False)
-        assert served_sampling_kwargs(p, n=2) == want and want["detokenize"] is False
-        on = sampling_kwargs(p, n=2, flat_logprobs=flat)
-        assert served_sampling_kwargs(p, n=2, detokenize=True) == on
+        assert served_sampling_kwargs(p, n=2) == sampling_kwargs(p, n=2, flat_logprobs=flat)
 
 
 def _completion(token_ids, logprobs, finish_reason="stop", text="hi"):
@@ -159,55 +149,8 @@ def test_to_sample() -> None:
     with pytest.raises(EngineError, match="1 log-prob positions for 2 tokens"):
         to_sample(broken)
     broken.logprobs = None  # what vLLM returns for logprobs=None
-    assert to_sample(broken, logprobs=False).text == "hi"  # vLLM's text where it detokenized
     bare = to_sample(broken, logprobs=False)
     assert bare.token_ids == [1, 2] and bare.logprobs == [] and bare.finish_reason == "stop"
-
-
-def test_to_sample_decodes_where_vllm_did_not(tiny_model_dir) -> None:
-    """detokenize=False: vLLM's text is empty and the engine decodes the ids once, leaving out
-    the token that stopped the sample, as vLLM's own detokenizer does."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
-    ids = tok("Hello, world", add_special_tokens=False)["input_ids"]
-    decode = functools.partial(tok.decode, skip_special_tokens=True)
-    done = to_sample(_completion([*ids, eos], [-1.0] * (len(ids) + 1), text=""), decode=decode)
-    assert done.text == "Hello, world" and done.token_ids == [*ids, eos]
-    stop_id = ids[-1]  # a stop_token_ids stop: the stopping token is not part of the text
-    stopped = to_sample(_completion(ids, [-1.0] * len(ids), text=""), decode=decode)
-    assert stopped.text == tok.decode(ids[:-1]) and stopped.token_ids[-1] == stop_id
-    cut = to_sample(_completion(ids, [-1.0] * len(ids), "length", text=""), False, decode)
-    assert cut.text == "Hello, world" and cut.logprobs == []
-    prompt = tok("Say hi", add_special_tokens=False)["input_ids"]
-    assert to_sample(_completion(ids, [-1.0] * len(ids), "length", text=""), True, decode, prompt).text == "Hello, world"  # fmt: skip
-
-
-def test_completion_text_matches_an_incremental_decode(tiny_model_dir) -> None:
-    """What vLLM's detokenizer (tokenizers' DecodeStream, primed with the prompt) gives,
-    including for invalid bytes and an unfinished last character."""
-    from tokenizers.decoders import DecodeStream
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    decode = functools.partial(tok.decode, skip_special_tokens=True)
-
-    def incremental(prompt: list[int], ids: list[int]) -> str:
-        stream = DecodeStream(ids=prompt, skip_special_tokens=True)
-        return "".join(stream.step(tok._tokenizer, t) or "" for t in ids)
-
-    e_acute = list("é".encode())  # two bytes: byte-level ids 0xC3 0xA9
-    cases = [
-        (list(b"Say "), list(b"hi there")),
-        (list(b"caf"), e_acute + list(b" ok")),
-        (list(b"a"), [0x80, *b"b", 0xC3, *b"c"]),  # invalid bytes inside the completion
-        (list(b"x"), list(b"ab") + e_acute[:1]),  # ends inside a character
-        ([], list(b"plain")),
-        (list(b"long prompt with many bytes"), list(b" and more")),
-    ]
-    for prompt, ids in cases:
-        assert completion_text(decode, prompt, ids) == incremental(prompt, ids), (prompt, ids)
 
 
 @dataclasses.dataclass
