@@ -216,9 +216,8 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     loss_cfg, opts = _loss_config(cfg), _step_options(cfg)
     if cfg.rollout.max_staleness and cfg.grpo.tis_cap is None:
         logger.warning(
-            "rollout.max_staleness = %d with grpo.tis_cap = none: samples up to %d weight "
-            "versions old are trained on with no importance weight for the lag",
-            cfg.rollout.max_staleness,
+            "rollout.max_staleness = %d with grpo.tis_cap = none: stale samples are trained on "
+            "with no importance weight for the lag",
             cfg.rollout.max_staleness,
         )
     peak = peak_tflops(cfg.run.peak_tflops)

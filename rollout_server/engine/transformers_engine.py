@@ -103,6 +103,8 @@ class TransformersEngine(HFTokenizerMixin, Engine):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="transformers-engine")
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not thread-safe
         self._rng = random.Random(settings.seed)
+        self.max_num_seqs = settings.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        self.max_batch_tokens = settings.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
         self._queue: deque[_Queued] = deque()
         self._wakeup = asyncio.Event()
         self._batcher: asyncio.Task[None] | None = None
@@ -164,8 +166,8 @@ class TransformersEngine(HFTokenizerMixin, Engine):
             vocab_size=self.vocab_size,
             eos_token_ids=list(self.eos_token_ids),
             weight_transports=["http", "file"],
-            max_num_seqs=self.settings.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-            max_batch_tokens=self.settings.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS,
+            max_num_seqs=self.max_num_seqs,
+            max_batch_tokens=self.max_batch_tokens,
         )
 
     # --- tokens ----------------------------------------------------------------------------
@@ -215,8 +217,6 @@ class TransformersEngine(HFTokenizerMixin, Engine):
     def _take_batch(self) -> list[_Queued]:
         """FIFO rows up to ``max_num_seqs`` rows and ``max_batch_tokens`` padded prompt tokens
         (rows sharing a prompt prefill it once)."""
-        max_seqs = self.settings.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-        max_tokens = self.settings.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
         batch: list[_Queued] = []
         prompts: set[int] = set()
         width = 0
@@ -227,8 +227,8 @@ class TransformersEngine(HFTokenizerMixin, Engine):
                 continue
             new_width = max(width, len(q.row.prompt))
             num_prompts = len(prompts | {id(q.row.prompt)})
-            too_many = len(batch) >= max_seqs
-            too_long = num_prompts * new_width > max_tokens
+            too_many = len(batch) >= self.max_num_seqs
+            too_long = num_prompts * new_width > self.max_batch_tokens
             if batch and (too_many or too_long):
                 break
             batch.append(self._queue.popleft())
