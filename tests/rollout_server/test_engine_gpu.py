@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -21,7 +23,16 @@ async def _engine(model_dir, dtype: str) -> TransformersEngine:
     return e
 
 
-async def test_gpu_logprobs_match_a_plain_forward_and_sleep_round_trips(tiny_model_dir):
+# Plain test functions that run their coroutine: the GPU machine has no pytest-asyncio.
+def test_gpu_logprobs_match_a_plain_forward_and_sleep_round_trips(tiny_model_dir):
+    asyncio.run(_logprobs_match_a_plain_forward_and_sleep_round_trips(tiny_model_dir))
+
+
+def test_gpu_bfloat16_generates(tiny_model_dir):
+    asyncio.run(_bfloat16_generates(tiny_model_dir))
+
+
+async def _logprobs_match_a_plain_forward_and_sleep_round_trips(tiny_model_dir) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -59,7 +70,7 @@ async def test_gpu_logprobs_match_a_plain_forward_and_sleep_round_trips(tiny_mod
         await engine.close()
 
 
-async def test_gpu_bfloat16_generates(tiny_model_dir):
+async def _bfloat16_generates(tiny_model_dir) -> None:
     engine = await _engine(tiny_model_dir, "auto")  # auto = bfloat16 on GPU
     try:
         assert engine.info().dtype == "bfloat16"
