@@ -9,6 +9,7 @@ loopback port in a background thread.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import socket
 import threading
 import time
@@ -18,6 +19,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The GPU machine has no pytest-asyncio: a gpu-marked test must be a plain function."""
+    bad = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("gpu") is not None
+        and inspect.iscoroutinefunction(getattr(item, "obj", None))
+    ]
+    if bad:
+        raise pytest.UsageError(
+            "gpu-marked tests must not be `async def` (the GPU machine has no pytest-asyncio); "
+            "run the coroutine with asyncio.run in a plain test function instead: " + ", ".join(bad)
+        )
 
 
 @dataclass
