@@ -11,7 +11,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -314,6 +314,12 @@ class LearnerConfig(_Section):
     sft: SFTConfig | None = Field(
         None, description="supervised warm start: runs before GRPO (or alone: `learner sft`)"
     )
+
+    @field_validator("environment", mode="before")
+    @classmethod
+    def _environment_name(cls, v: Any) -> Any:
+        """``environment = "name"`` is short for an [environment] table with only ``name``."""
+        return {"name": v} if isinstance(v, str) else v
 
     @property
     def has_grpo(self) -> bool:

@@ -108,7 +108,13 @@ async def collect(
 
     rollouts: list[Rollout] = []
     prompts, completions, finish = [], [], []
+    if "completion_ids" in rows[0]:
+        raise ValueError(
+            "the data has a 'completion_ids' column, a name the learner keeps for the sampled "
+            "token ids it passes to reward functions: rename that column"
+        )
     columns: dict[str, list[Any]] = {k: [] for k in rows[0] if k != prompt_col}
+    columns["completion_ids"] = []  # the sampled token ids, e.g. for length(unit="tokens")
     for row, result, too_long in zip(rows, resp.results, overlong, strict=True):
         if len(result.samples) != g:
             raise RuntimeError(f"server returned {len(result.samples)} samples, asked for {g}")
@@ -127,7 +133,7 @@ async def collect(
             completions.append(s.text)
             finish.append(s.finish_reason)
             for k in columns:
-                columns[k].append(row.get(k))
+                columns[k].append(s.token_ids if k == "completion_ids" else row.get(k))
 
     t0 = time.perf_counter()
     scored = await scorer.score(prompts, completions, columns)

@@ -107,6 +107,9 @@ def test_environment_excludes_data_and_rewards(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text('[environment]\nname = "calculator"\n')
     assert load_config(p).environment.max_turns == 4
+    p.write_text('environment = "openreward:http://127.0.0.1:8080"\n')  # the one-line form
+    env = load_config(p).environment
+    assert (env.name, env.max_turns) == ("openreward:http://127.0.0.1:8080", 4)
     p.write_text('[environment]\nname = "calculator"\n[[rewards]]\nname = "format"\n')
     with pytest.raises(ConfigError, match=r"remove \[data\] and \[\[rewards\]\]"):
         load_config(p)

@@ -56,3 +56,17 @@ async def test_episodes_without_logprobs_still_run(server, tiny_model_dir):
     assert step.metrics["episode/error_frac"] == 0.0
     for r in step.rollouts:
         assert r.sampling_logprobs == [0.0] * len(r.completion_ids)
+
+
+async def test_rewards_get_the_sampled_token_ids(server):
+    """The learner passes ``completion_ids``: length(unit="tokens") scores the sampled tokens."""
+    cfg = load_config(CONFIGS / "demo.toml", ["sampling.max_tokens=8"])
+    rows = [{"prompt": "sing", "allowed": "aeiou"}, {"prompt": "a song", "allowed": "aeiou"}]
+    target = 4
+    scorer = RewardRunner([{"name": "length", "kwargs": {"target": target, "unit": "tokens"}}])
+    async with RolloutClient(server.url) as client:
+        step = await collect(cfg, client, scorer, rows)
+        with pytest.raises(ValueError, match=r"'completion_ids' column.*rename"):
+            await collect(cfg, client, scorer, [{**r, "completion_ids": [1]} for r in rows])
+    want = [max(0.0, 1 - abs(len(r.completion_ids) - target) / target) for r in step.rollouts]
+    assert step.rewards.tolist() == pytest.approx(want)
