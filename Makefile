@@ -16,6 +16,7 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 demo: venv
+	rm -rf runs/demo  # each demo starts afresh (a run refuses a directory holding another)
 	$(BIN)/python -m learner --config learner/configs/demo.toml --run-dir runs/demo
 	$(BIN)/python -m learner plot runs/demo
 

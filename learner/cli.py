@@ -15,6 +15,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from learner.config import LearnerConfig
 
 
 def _train_parser(sft: bool = False) -> argparse.ArgumentParser:
@@ -67,6 +71,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    try:
+        return _run(args, cfg, sft)
+    except Exception as e:
+        from learner.data import DataError
+        from learner.runtime import SetupError
+        from rewards.registry import PluginError
+
+        if not isinstance(e, (SetupError, DataError, PluginError)):
+            raise
+        print(f"error: {e}", file=sys.stderr)  # names the setting to change: no traceback
+        return 2
+
+
+def _run(args: argparse.Namespace, cfg: LearnerConfig, sft: bool) -> int:
     if sft:
         if cfg.sft is None:
             print(

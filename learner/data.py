@@ -20,7 +20,10 @@ class DataError(ValueError):
 def load_rows(path: str | Path, prompt_column: str) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.exists():
-        raise DataError(f"data.path {path} does not exist")
+        raise DataError(
+            f"data.path {path} does not exist (looked at {path.resolve()}; a relative path is "
+            "read next to the config file if it is there, else from the working directory)"
+        )
     if path.is_dir():
         try:
             import datasets

@@ -43,7 +43,11 @@ def build_models(
     if cfg.grpo.beta > 0 and cfg.model.lora is None:
         ref = copy.deepcopy(model).eval().requires_grad_(False)
     if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x's name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if cfg.model.lora is not None:
         from peft import LoraConfig, get_peft_model
 

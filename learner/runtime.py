@@ -67,14 +67,52 @@ def check_model_options(acc: Accelerator, model: ModelConfig) -> None:
         )
 
 
+class SetupError(ValueError):
+    """A run cannot start as configured; the message names the setting to change."""
+
+
+class RunDirError(SetupError):
+    """The run directory already holds a run and ``--resume`` was not given."""
+
+
+def check_fresh_run_dir(run_dir: Path) -> None:
+    """A run without ``--resume`` must not start in a directory that holds another run: its
+    metrics would mix with the old ones, checkpoint rotation would delete the new checkpoints
+    and keep the old ones, and a later ``--resume`` would continue the old run."""
+    from learner.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if found is None and metrics.is_file() and metrics.stat().st_size:
+        found = metrics
+    if found is None and (run_dir / "final" / "config.json").exists():
+        found = run_dir / "final"
+    if found is not None:
+        raise RunDirError(
+            f"{run_dir.resolve()} already holds a run ({found.name}): pass --resume to continue "
+            "it, or start a new one in another directory (--run-dir DIR, or run.run_dir), or "
+            "delete this one"
+        )
+
+
 def start_run(
-    acc: Accelerator, run_dir: Path, cfg: BaseModel, seed: int, batch: int, what: str
+    acc: Accelerator,
+    run_dir: Path,
+    cfg: BaseModel,
+    seed: int,
+    batch: int,
+    what: str,
+    *,
+    resume: bool,
 ) -> None:
-    """Check the batch splits over the ranks, write the resolved config, seed every RNG."""
+    """Check the batch splits over the ranks and that a fresh run gets a fresh directory, write
+    the resolved config, seed every RNG."""
     if batch % acc.num_processes:
         raise ValueError(
             f"{what} = {batch} must be divisible by the number of processes ({acc.num_processes})"
         )
+    if not resume:
+        check_fresh_run_dir(run_dir)
     if acc.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))

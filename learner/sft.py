@@ -221,7 +221,7 @@ def train_sft(
     accelerator = make_accelerator()
     out = Path(out_dir if out_dir is not None else cfg.run.run_dir)
     world = accelerator.num_processes
-    start_run(accelerator, out, cfg, cfg.run.seed, s.batch_size, "sft.batch_size")
+    start_run(accelerator, out, cfg, cfg.run.seed, s.batch_size, "sft.batch_size", resume=resume)
     check_model_options(accelerator, cfg.model)
     if model_path is None:
         from learner.trainer import _model_path

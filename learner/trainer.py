@@ -42,6 +42,7 @@ from learner.model_setup import build_models
 from learner.perf import peak_tflops, profiled, train_flops_per_token
 from learner.rollouts import StepRollouts, collect, collect_episodes
 from learner.runtime import (
+    SetupError,
     check_model_options,
     make_accelerator,
     optimizer_and_schedule,
@@ -52,6 +53,7 @@ from learner.sync import WeightSyncer
 from learner.train_step import StepOptions, build_micro_batches, reduce_metrics, train_on
 from rewards.scoring import RewardRunner, RewardSpec
 from rollout_server.client import RolloutClient
+from rollout_server.settings import check_model_ref
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,6 +84,10 @@ class EventLoopThread:
 
 def _model_path(cfg: LearnerConfig, run_dir: Path, accelerator: Accelerator) -> str:
     if cfg.model.name_or_path != "tiny":
+        try:
+            check_model_ref(cfg.model.name_or_path)
+        except ValueError as e:
+            raise SetupError(f"model.name_or_path = {e}") from None
         return cfg.model.name_or_path
     path = run_dir / "model"
     if accelerator.is_main_process and not (path / "config.json").exists():
@@ -153,7 +159,13 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     run_dir = Path(cfg.run.run_dir)
     world = accelerator.num_processes
     start_run(
-        accelerator, run_dir, cfg, cfg.run.seed, cfg.grpo.prompts_per_step, "grpo.prompts_per_step"
+        accelerator,
+        run_dir,
+        cfg,
+        cfg.run.seed,
+        cfg.grpo.prompts_per_step,
+        "grpo.prompts_per_step",
+        resume=resume,
     )
     ds = accelerator.state.deepspeed_plugin
     if ds is not None and ds.zero_stage == 3 and cfg.grpo.beta > 0 and cfg.model.lora is None:
@@ -203,6 +215,13 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     ckpt = restore(accelerator, run_dir, policy, stream, state, resume=resume)
     if ckpt is not None:
         logger.info("resumed from %s at step %d", ckpt, state.step)
+        if state.step >= cfg.run.steps:
+            logger.warning(
+                "nothing to train: the checkpoint is at step %d and run.steps = %d "
+                "(raise run.steps to train further)",
+                state.step,
+                cfg.run.steps,
+            )
 
     scorer = (
         RewardRunner(

@@ -9,7 +9,7 @@ import ipaddress
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout_server.protocol import Limits
 
@@ -24,6 +24,18 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a hostname other than localhost: assume it is reachable from outside
+
+
+def check_model_ref(ref: str) -> None:
+    """Refuse a ``ref`` that is written as a local path (absolute, ``./``, ``../``, ``~``, or more
+    than one ``/``) but names no directory: transformers would otherwise report it as a malformed
+    hub id. A hub id (``Qwen/Qwen3-0.6B``) passes unchecked."""
+    looks_local = os.path.isabs(ref) or ref.startswith((".", "~")) or ref.count("/") > 1
+    if looks_local and not os.path.isdir(os.path.expanduser(ref)):
+        raise ValueError(
+            f"{ref!r}: no such model directory; give an existing directory "
+            "(config.json and weights) or a Hugging Face hub id such as 'Qwen/Qwen3-0.6B'"
+        )
 
 
 class ServerSettings(BaseModel):
@@ -92,6 +104,12 @@ class ServerSettings(BaseModel):
         "serving then walk only what serving allocates",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists_if_local(cls, v: str) -> str:
+        check_model_ref(v)
+        return v
 
     @model_validator(mode="after")
     def _admin_needs_auth_off_loopback(self) -> ServerSettings:

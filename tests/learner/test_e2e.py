@@ -136,6 +136,11 @@ def test_sigkill_then_resume_continues_same_data_order(tmp_path, proc_scan):
     # PR_SET_PDEATHSIG: the embedded server dies with the learner, even on SIGKILL.
     assert not _wait_gone(proc_scan, str(run_dir / "model")), "orphan rollout server after SIGKILL"
 
+    again = subprocess.run(_learner(run_dir, *args), env=_env(), capture_output=True, text=True)
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-3000:]
+    assert "already holds a run (step_000003): pass --resume" in again.stderr
+    assert len(read_metrics(run_dir)) == killed_at  # nothing written
+
     done = subprocess.run(
         _learner(run_dir, "--resume", *args),
         env=_env(),
@@ -149,6 +154,26 @@ def test_sigkill_then_resume_continues_same_data_order(tmp_path, proc_scan):
     assert [r["step"] for r in records] == list(range(1, 9))
 
     assert [int(r["data/fingerprint"]) for r in records] == _expected_fingerprints(8)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ('model.name_or_path="/nonexistent/model"', "model.name_or_path = '/nonexistent/model': "),
+        ('data.path="missing.jsonl"', "data.path missing.jsonl does not exist (looked at /"),
+        ('rewards=[{name="no_such_reward"}]', "no_such_reward"),
+    ],
+)
+def test_setup_errors_are_one_line_and_name_the_setting(tmp_path, override, message):
+    proc = subprocess.run(
+        _learner(tmp_path / "run", "--set", override),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert message in proc.stderr.splitlines()[-1]
 
 
 def test_unreachable_server_fails_fast_and_clearly(tmp_path):
