@@ -253,6 +253,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         else None
     )
     last: dict[str, float] = {}
+    warned_ahead = False
     pending: deque[tuple[concurrent.futures.Future[StepRollouts], int]] = deque()
     try:
         with _servers(cfg, model_path, run_dir, accelerator) as urls:
@@ -268,7 +269,10 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 loop.run(syncer.connect())
             # The servers must serve the checkpoint's (or the SFT's) weights, not the base model's
             # (an embedded server already starts from the SFT's).
-            if ckpt is not None or (cfg.sft is not None and cfg.rollout.servers):
+            resync = ckpt is not None or (cfg.sft is not None and bool(cfg.rollout.servers))
+            if cfg.rollout.servers and not resync:  # a server another learner already updated
+                resync = _servers_updated(accelerator, loop, client)
+            if resync:
                 _sync(accelerator, loop, syncer, policy, state)
             per_rank = cfg.grpo.prompts_per_step // world
             rank = accelerator.process_index
@@ -295,6 +299,14 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 t_wait = time.perf_counter() - t0
                 stream.pending = len(pending) * cfg.grpo.prompts_per_step
                 staleness = state.weight_version - int(step_rollouts.metrics["weight_version/min"])
+                if staleness < 0 and not warned_ahead:
+                    warned_ahead = True
+                    logger.warning(
+                        "samples from weight version %d, newer than this learner's %d: is another "
+                        "learner updating these rollout servers? Give each learner its own.",
+                        int(step_rollouts.metrics["weight_version/min"]),
+                        state.weight_version,
+                    )
                 if staleness > cfg.rollout.max_staleness:
                     raise StalenessError(
                         f"samples {staleness} versions old, bound {cfg.rollout.max_staleness}"
@@ -390,6 +402,26 @@ def _may_prepare(cfg: Any, accelerator: Accelerator, pending: Any) -> bool:
         and not r.sleep_while_training
         and not pending
     )
+
+
+def _servers_updated(
+    accelerator: Accelerator, loop: EventLoopThread, client: RolloutClient
+) -> bool:
+    """Whether the external rollout servers serve other weights than the ones they loaded (a
+    weight version above 0: an earlier or another learner updated them). A fresh run then syncs
+    its own weights before the first generation instead of training on another run's samples."""
+    flag = [False]
+    if accelerator.is_main_process:
+        versions = [info.weight_version for info in loop.run(client.info())]
+        if any(versions):
+            logger.warning(
+                "the rollout servers serve weight versions %s, not the weights they loaded: "
+                "syncing this learner's weights before the first generation",
+                versions,
+            )
+            flag = [True]
+    broadcast_object_list(flag, from_process=0)
+    return bool(flag[0])
 
 
 def _sync(

@@ -367,3 +367,40 @@ def test_ignore_eos_and_no_final_save(tmp_path):
     max_tokens = load_config(DEMO).sampling.max_tokens
     assert all(r["completion/len_mean"] == max_tokens for r in records)  # EOS never stops one
     assert not (run_dir / "final").exists()
+
+
+def test_fresh_run_syncs_a_server_that_another_learner_updated(
+    tmp_path, start_server, tiny_model_dir
+):
+    """An external server that serves updated weights (here: version 3, the embedding zeroed)
+    gets this learner's weights before the first generation, not another run's."""
+    import asyncio
+
+    import torch
+    from safetensors.torch import load_file
+
+    from rollout_server.client import RolloutClient
+    from rollout_server.settings import ServerSettings
+
+    emb = "model.embed_tokens.weight"
+    zeroed = torch.zeros_like(load_file(str(tiny_model_dir / "model.safetensors"))[emb])
+
+    async def update_three_times(url: str) -> int:
+        async with RolloutClient(url) as client:
+            for _ in range(3):
+                (answer,) = await client.update_weights([(emb, zeroed)])
+            return answer.weight_version
+
+    with start_server(ServerSettings(model=str(tiny_model_dir))) as server:
+        assert asyncio.run(update_three_times(server.url)) == 3
+        run_dir = tmp_path / "run"
+        proc = _run_ok(
+            run_dir,
+            "run.steps=2",
+            f'model.name_or_path="{tiny_model_dir}"',
+            f'rollout.servers=["{server.url}"]',
+        )
+    assert "serve weight versions [3], not the weights they loaded" in proc.stderr
+    records = read_metrics(run_dir)
+    assert [r["weight_version/min"] for r in records] == [4.0, 5.0]  # the learner's, then its own
+    assert [r["staleness"] for r in records] == [0.0, 0.0]
