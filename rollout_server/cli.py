@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rollout_server.settings import API_KEY_ENV, ServerSettings
+from rollout_server.settings import API_KEY_ENV, ServerSettings, check_model_ref
 
 _LIMIT_FLAGS = ("max_n", "max_tokens", "max_prompt_len", "max_batch_size", "max_body_mb")
 
@@ -123,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(args)
     except ValidationError as exc:
         print(f"rollout-server: error: {_explain(exc)}", file=sys.stderr)
+        return 2
+    try:
+        check_model_ref(settings.model)
+    except ValueError as exc:
+        print(f"rollout-server: error: --model: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -56,6 +56,11 @@ def format_validation_errors(errors: list[dict]) -> str:
     """``body.temperature: Input should be greater than or equal to 0`` and so on, one line."""
     parts = []
     for err in errors:
+        if err.get("type") == "json_invalid":  # loc is ("body", <character offset>)
+            at = err.get("loc", ("body", "?"))[-1]
+            reason = (err.get("ctx") or {}).get("error", "")
+            parts.append(f"malformed JSON at character {at}" + (f": {reason}" if reason else ""))
+            continue
         loc = ".".join(str(x) for x in err.get("loc", ()))
         parts.append(f"{loc}: {err.get('msg', 'invalid')}" if loc else err.get("msg", "invalid"))
     return "; ".join(parts) or "invalid request"
@@ -64,16 +69,23 @@ def format_validation_errors(errors: list[dict]) -> str:
 _OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}
 
 
-def _json(
-    request: Request, status: int, detail: str, headers: dict[str, str] | None = None
-) -> JSONResponse:
+def error_body(path: str, status: int, detail: str) -> dict[str, object]:
+    """``{"detail": ...}``, and on ``/v1/*`` also OpenAI's ``{"error": {...}}``."""
     body: dict[str, object] = {"detail": detail}
-    if request.url.path.startswith("/v1/"):  # the openai client reads error.message
+    if path.startswith("/v1/"):  # the openai client reads error.message
         kind = _OPENAI_TYPES.get(
             status, "invalid_request_error" if status < 500 else "server_error"
         )
         body["error"] = {"message": detail, "type": kind, "code": status}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return body
+
+
+def _json(
+    request: Request, status: int, detail: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(request.url.path, status, detail), status_code=status, headers=headers
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rollout_server.errors import error_body
 from rollout_server.metrics import Metrics
 
 
@@ -28,7 +29,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         detail = "invalid API key" if given else "missing API key: send Authorization: Bearer <key>"
-        await _send_json(send, 401, detail, [(b"www-authenticate", b"Bearer")])
+        await _send_json(scope, send, 401, detail, [(b"www-authenticate", b"Bearer")])
 
 
 class BodyLimitMiddleware:
@@ -45,15 +46,19 @@ class BodyLimitMiddleware:
             if declared.isdigit() and int(declared) > self.max_bytes:
                 mb = self.max_bytes // 2**20
                 detail = f"body of {int(declared)} bytes exceeds max_body_mb={mb}"
-                await _send_json(send, 413, detail)
+                await _send_json(scope, send, 413, detail)
                 return
         await self.app(scope, receive, send)
 
 
 async def _send_json(
-    send: Send, status: int, detail: str, headers: list[tuple[bytes, bytes]] | None = None
+    scope: Scope,
+    send: Send,
+    status: int,
+    detail: str,
+    headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
-    body = json.dumps({"detail": detail}).encode()
+    body = json.dumps(error_body(scope.get("path", ""), status, detail)).encode()
     await send(
         {
             "type": "http.response.start",

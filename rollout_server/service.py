@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from rollout_server.engine.base import Engine, ReceivedUpdate, WeightsError
+from rollout_server.engine.base import Engine, ReceivedUpdate
 from rollout_server.errors import BadRequest, Conflict, Unavailable
 from rollout_server.gate import PauseGate
 from rollout_server.metrics import Metrics
@@ -151,7 +151,8 @@ class RolloutService:
             max_num_seqs=e.max_num_seqs,
             max_batch_tokens=e.max_batch_tokens,
             limits=self.limits,
-            weight_transports=e.weight_transports,
+            # no /weights/* routes at all under --disable-admin-endpoints
+            weight_transports=[] if self.settings.disable_admin_endpoints else e.weight_transports,
         )
 
     # --- generation ------------------------------------------------------------------------
@@ -199,13 +200,14 @@ class RolloutService:
             raise BadRequest(f"prompts[{i}] is empty (no tokens); send at least one token")
         limit = min(self.limits.max_prompt_len, max_model_len - 1)
         if len(ids) > limit:
-            which = (
-                "max_prompt_len"
+            which, flag = (
+                ("max_prompt_len", "--max-prompt-len")
                 if limit == self.limits.max_prompt_len
-                else "max_model_len - 1 (room for one completion token)"
+                else ("max_model_len - 1 (room for one completion token)", "--max-model-len")
             )
             raise BadRequest(
-                f"prompts[{i}] has {len(ids)} tokens, more than the limit {which} = {limit}"
+                f"prompts[{i}] has {len(ids)} tokens, more than the limit {which} = {limit}: "
+                f"send a shorter prompt, or restart the server with a larger {flag}"
             )
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -271,7 +273,7 @@ class RolloutService:
         if "weights" in self.asleep:
             raise Conflict(
                 "the weights are asleep; POST /wake_up (or /wake_up with tags ['weights']) "
-                "before updating them"
+                "before updating or reading them"
             )
 
     def check_update_version(self, version: int | None) -> None:
@@ -302,21 +304,17 @@ class RolloutService:
         self, tensors: Mapping[str, torch.Tensor], version: int | None, transport: str
     ) -> WeightUpdateResponse:
         """Validate, then load under the pause; the version moves only if all of it loaded."""
-        try:
+        self._require_weights_awake()
+        num_bytes = await asyncio.to_thread(self.validate, tensors)
+        async with self.gate.write():
             self._require_weights_awake()
-            num_bytes = await asyncio.to_thread(self.validate, tensors)
-            async with self.gate.write():
-                self._require_weights_awake()
-                self._refuse_if_prepared("another weight update")
-                new_version = self._next_version(version)
-                start = time.perf_counter()
-                await self.engine.load_weights(tensors.items())
-                await self.engine.reset_prefix_cache()
-                seconds = time.perf_counter() - start
-                self._set_version(new_version)
-        except (WeightsError, Conflict, Unavailable):
-            self.metrics.weight_updates.labels(transport, "refused").inc()
-            raise
+            self._refuse_if_prepared("another weight update")
+            new_version = self._next_version(version)
+            start = time.perf_counter()
+            await self.engine.load_weights(tensors.items())
+            await self.engine.reset_prefix_cache()
+            seconds = time.perf_counter() - start
+            self._set_version(new_version)
         return self._record_update(transport, len(tensors), num_bytes, seconds, None)
 
     def _set_version(self, version: int) -> None:

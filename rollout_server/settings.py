@@ -9,7 +9,7 @@ import ipaddress
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout_server.protocol import Limits
 
@@ -104,12 +104,6 @@ class ServerSettings(BaseModel):
         "serving then walk only what serving allocates",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-
-    @field_validator("model")
-    @classmethod
-    def _model_exists_if_local(cls, v: str) -> str:
-        check_model_ref(v)
-        return v
 
     @model_validator(mode="after")
     def _admin_needs_auth_off_loopback(self) -> ServerSettings:

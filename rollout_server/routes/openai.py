@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import APIRouter
 
+from rollout_server.errors import BadRequest
 from rollout_server.openai_compat import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,11 +38,21 @@ def _token_text(service):
     return lambda token_id: service.engine.decode([token_id])
 
 
+@contextlib.contextmanager
+def _prompts_called(old: str, new: str) -> Iterator[None]:
+    """The service names its prompts ``prompts[i]``; an OpenAI request calls them otherwise."""
+    try:
+        yield
+    except BadRequest as e:
+        raise BadRequest(e.detail.replace(old, new), headers=e.headers) from None
+
+
 @router.post("/completions")
 async def completions(request: CompletionRequest, service: ServiceDep) -> dict[str, Any]:
     """Any ``model`` name is accepted: a server serves one model."""
     service.require_loaded()
-    resp = await service.generate(request.to_generate(default_max_tokens=16))
+    with _prompts_called("prompts[", "prompt["):
+        resp = await service.generate(request.to_generate(default_max_tokens=16))
     return completion_response(resp, service.settings.name, request.logprobs, _token_text(service))
 
 
@@ -47,5 +60,6 @@ async def completions(request: CompletionRequest, service: ServiceDep) -> dict[s
 async def chat_completions(request: ChatCompletionRequest, service: ServiceDep) -> dict[str, Any]:
     service.require_loaded()
     default = service.limits.max_tokens
-    resp = await service.generate(request.to_generate(default_max_tokens=default))
+    with _prompts_called("prompts[0]", "messages (the rendered chat prompt)"):
+        resp = await service.generate(request.to_generate(default_max_tokens=default))
     return chat_response(resp, service.settings.name, request, _token_text(service))

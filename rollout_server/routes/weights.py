@@ -8,10 +8,13 @@ loaded; a refused update answers 4xx naming the problem while the old weights ke
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 from fastapi import APIRouter, Query, Request
 
-from rollout_server.errors import PayloadTooLarge
+from rollout_server.engine.base import UnsupportedError, WeightsError
+from rollout_server.errors import PayloadTooLarge, ServiceError
 from rollout_server.protocol import (
     ErrorResponse,
     IpcUpdateRequest,
@@ -65,6 +68,17 @@ async def _read_body(request: Request, service: RolloutService) -> bytes:
     return b"".join(chunks)
 
 
+@contextlib.contextmanager
+def _counted(service: RolloutService, transport: str) -> Iterator[None]:
+    """A refused update (bad body, tensors, version, state or transport) counts in
+    ``rollout_weight_updates_total{result="refused"}``; a loaded one counts "ok" where it loads."""
+    try:
+        yield
+    except (ServiceError, WeightsError, UnsupportedError):
+        service.metrics.weight_updates.labels(transport, "refused").inc()
+        raise
+
+
 @router.post("/update", response_model=WeightUpdateResponse, responses=_ERRORS, openapi_extra=_BLOB)
 async def update(
     request: Request,
@@ -72,17 +86,19 @@ async def update(
     version: int | None = Query(None, description="version to set; default current + 1"),
 ) -> WeightUpdateResponse:
     """A whole update in one safetensors body (``Content-Type: application/octet-stream``)."""
-    service.check_update_version(version)
-    blob = await _read_body(request, service)
-    tensors = await asyncio.to_thread(parse_safetensors, blob)
-    return await service.apply_weights(tensors, version, transport="http")
+    with _counted(service, "http"):
+        service.check_update_version(version)
+        blob = await _read_body(request, service)
+        tensors = await asyncio.to_thread(parse_safetensors, blob)
+        return await service.apply_weights(tensors, version, transport="http")
 
 
 @router.post("/begin", response_model=WeightUpdateId, responses=_ERRORS)
 async def begin(request: WeightUpdateBegin, service: ServiceDep) -> WeightUpdateId:
     """Open a multi-bucket update (supersedes any open one); nothing is applied until commit."""
-    service.check_update_version(request.version)
-    return WeightUpdateId(update_id=service.stager.begin(request.version))
+    with _counted(service, "http"):
+        service.check_update_version(request.version)
+        return WeightUpdateId(update_id=service.stager.begin(request.version))
 
 
 @router.post("/bucket", responses=_ERRORS, openapi_extra=_BLOB)
@@ -93,11 +109,12 @@ async def bucket(
     index: int = Query(..., ge=0),
 ) -> dict[str, int]:
     """One bucket (a safetensors body), validated on arrival and staged on CPU."""
-    service.stager.get(update_id)
-    blob = await _read_body(request, service)
-    tensors = await asyncio.to_thread(parse_safetensors, blob, what=f"bucket {index}")
-    service.stager.add_bucket(update_id, index, tensors, service.engine.weight_metadata())
-    return {"index": index, "num_tensors": len(tensors)}
+    with _counted(service, "http"):
+        service.stager.get(update_id)
+        blob = await _read_body(request, service)
+        tensors = await asyncio.to_thread(parse_safetensors, blob, what=f"bucket {index}")
+        service.stager.add_bucket(update_id, index, tensors, service.engine.weight_metadata())
+        return {"index": index, "num_tensors": len(tensors)}
 
 
 @router.post("/commit", response_model=WeightUpdateResponse, responses=_ERRORS)
@@ -106,8 +123,9 @@ async def commit(request: WeightUpdateCommit, service: ServiceDep) -> WeightUpda
 
     The update is closed by a commit even if the commit is refused (stale version): send it
     again from ``/weights/begin``."""
-    staged = service.stager.take_complete(request.update_id, request.num_buckets)
-    return await service.apply_weights(staged.tensors(), staged.version, transport="http")
+    with _counted(service, "http"):
+        staged = service.stager.take_complete(request.update_id, request.num_buckets)
+        return await service.apply_weights(staged.tensors(), staged.version, transport="http")
 
 
 @router.post("/abort", responses={404: {"model": ErrorResponse}})
@@ -119,9 +137,10 @@ async def abort(request: WeightUpdateId, service: ServiceDep) -> dict[str, str]:
 @router.post("/load_file", response_model=WeightUpdateResponse, responses=_ERRORS)
 async def load_file(request: WeightFileRequest, service: ServiceDep) -> WeightUpdateResponse:
     """Load a .safetensors file, or every one in a directory, from a disk the server sees."""
-    service.check_update_version(request.version)
-    tensors = await asyncio.to_thread(read_safetensors_path, request.path)
-    return await service.apply_weights(tensors, request.version, transport="file")
+    with _counted(service, "file"):
+        service.check_update_version(request.version)
+        tensors = await asyncio.to_thread(read_safetensors_path, request.path)
+        return await service.apply_weights(tensors, request.version, transport="file")
 
 
 @router.get(
@@ -148,7 +167,8 @@ async def nccl_init(request: NcclInitRequest, service: ServiceDep) -> dict[str, 
 )
 async def nccl_update(request: NcclUpdateRequest, service: ServiceDep) -> WeightUpdateResponse:
     """Announce a whole update, then receive its buckets over NCCL and load them all."""
-    return await service.nccl_update(request)
+    with _counted(service, "nccl"):
+        return await service.nccl_update(request)
 
 
 @router.post(
@@ -161,7 +181,8 @@ async def nccl_prepare(request: NcclUpdateRequest, service: ServiceDep) -> NcclP
     flight finish), the workers queue its receives and the prefix cache is reset. Until the
     update is committed new generations wait, as behind any load; other weight updates, sleep
     and wake_up answer 409."""
-    return await service.nccl_prepare(request)
+    with _counted(service, "nccl"):
+        return await service.nccl_prepare(request)
 
 
 @router.post(
@@ -173,7 +194,8 @@ async def nccl_commit(request: NcclCommitRequest, service: ServiceDep) -> Weight
     """Wait for the prepared update's broadcast, load all of it (or none), bump the version
     and resume generation. It may be posted before the broadcast: the workers then wait for
     the bytes, at most the weight-sync group's timeout."""
-    return await service.nccl_commit(request)
+    with _counted(service, "nccl"):
+        return await service.nccl_commit(request)
 
 
 @router.post(
@@ -184,4 +206,5 @@ async def nccl_commit(request: NcclCommitRequest, service: ServiceDep) -> Weight
 async def ipc_update(request: IpcUpdateRequest, service: ServiceDep) -> WeightUpdateResponse:
     """Colocated learner: load buckets shared as CUDA IPC handles from the learner's memory on
     this server's GPU (the learner keeps them alive until this answers)."""
-    return await service.ipc_update(request)
+    with _counted(service, "ipc"):
+        return await service.ipc_update(request)

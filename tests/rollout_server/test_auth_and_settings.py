@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from rollout_server.app import build_app
 from rollout_server.client import RolloutClient, RolloutHTTPError
 from rollout_server.protocol import GenerateRequest
-from rollout_server.settings import ServerSettings, is_loopback
+from rollout_server.settings import ServerSettings, check_model_ref, is_loopback
 
 KEY = "s3cret-key"
 
@@ -46,6 +46,11 @@ def test_every_route_needs_the_key(server, method, path):
     assert missing.headers["www-authenticate"] == "Bearer"
     assert wrong.status_code == 401 and "invalid API key" in wrong.json()["detail"]
     assert right.status_code != 401
+    if path.startswith("/v1/"):  # the openai client reads error.message
+        assert missing.json()["error"]["message"] == missing.json()["detail"]
+        assert missing.json()["error"]["type"] == "authentication_error"
+    else:
+        assert "error" not in missing.json()
 
 
 async def test_the_client_with_and_without_the_key(server):
@@ -85,3 +90,18 @@ def test_admin_routes_need_a_key_off_loopback(monkeypatch):
     paths = set(build_app(settings).openapi()["paths"])
     assert "/generate" in paths and "/v1/chat/completions" in paths
     assert not any(p.startswith(("/weights", "/sleep", "/wake_up")) for p in paths)
+
+
+def test_info_lists_no_weight_transports_without_the_admin_routes(start_server, tiny_model_dir):
+    settings = ServerSettings(model=str(tiny_model_dir), disable_admin_endpoints=True)
+    with start_server(settings) as s, httpx.Client(base_url=s.url) as http:
+        assert http.get("/info").json()["weight_transports"] == []
+        assert http.post("/weights/update", content=b"").status_code == 404
+
+
+def test_a_model_written_as_a_missing_path_is_refused_by_name(tmp_path):
+    for ref in (str(tmp_path / "nope"), "./nope", "~/nope-model", "a/b/c"):
+        with pytest.raises(ValueError, match="no such model directory"):
+            check_model_ref(ref)
+    check_model_ref("Qwen/Qwen3-0.6B")  # a hub id
+    check_model_ref(str(tmp_path))

@@ -102,14 +102,24 @@ def test_the_cli_serves_a_model_and_enforces_its_limits(tiny_model_dir):
         assert "Traceback" not in proc.stdout.read()
 
 
-def test_the_cli_exits_nonzero_when_the_model_cannot_load(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "rollout_server", "--model", str(tmp_path / "missing"),
+def _serve(model: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_server", "--model", model,
          "--port", str(_free_port()), "--log-level", "error"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
+
+
+def test_the_cli_exits_nonzero_when_the_model_cannot_load(tmp_path):
+    proc = _serve(str(tmp_path))  # a directory, but no model in it
     assert proc.returncode == 1
     assert "the engine failed to start" in proc.stderr
+
+
+def test_the_cli_refuses_a_model_path_that_does_not_exist(tmp_path):
+    proc = _serve(str(tmp_path / "missing"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--model: " in proc.stderr and "missing': no such model directory" in proc.stderr
 
 
 def test_tiny_cli_writes_a_loadable_model(tmp_path):

@@ -157,11 +157,25 @@ async def test_bad_updates_leave_outputs_and_version_unchanged(
     (_, path, kwargs, status, words) = next(c for c in _bad_cases(states, tmp_path) if c[0] == case)
     before = await _probe(client, models)
     async with httpx.AsyncClient(base_url=client.servers[0], timeout=60) as http:
+        refused = await _refused(http)
         r = await http.post(path, **kwargs)
-    assert r.status_code == status, r.text
-    for word in words:
-        assert word in r.json()["detail"], r.json()["detail"]
+        assert r.status_code == status, r.text
+        for word in words:
+            assert word in r.json()["detail"], r.json()["detail"]
+        # every refusal by a weight route is counted (a body over the limit never reaches one)
+        counted = path.startswith("/weights/") and status != 413
+        assert await _refused(http) == refused + counted
     assert await _probe(client, models) == before
+
+
+async def _refused(http: httpx.AsyncClient) -> float:
+    """rollout_weight_updates_total{result="refused"}, summed over the transports."""
+    text = (await http.get("/metrics")).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("rollout_weight_updates_total{") and 'result="refused"' in line
+    )
 
 
 async def test_a_bucket_update_with_a_gap_or_a_bad_bucket_is_refused(client, states, models):
