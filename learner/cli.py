@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         args = p.parse_args(argv[1:])
         from learner.plot import plot_run
 
-        print(plot_run(args.run_dir, args.out))
+        try:
+            print(plot_run(args.run_dir, args.out))
+        except (FileNotFoundError, ValueError) as e:  # not a run dir, or nothing logged yet
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
 
     sft = bool(argv) and argv[0] == "sft"

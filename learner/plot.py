@@ -29,16 +29,20 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     steps = [r["step"] for r in records]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (title, keys, ylabel) in zip(axes.flat, PANELS, strict=True):
+        plotted = 0
         for key in keys:
             ys = [r.get(key) for r in records]
             pts = [(s, y) for s, y in zip(steps, ys, strict=True) if y is not None]
             if pts:
                 ax.plot(*zip(*pts, strict=True), label=key, marker="." if len(pts) < 60 else None)
+                plotted += 1
+        if not plotted:  # e.g. an SFT run logs no rewards
+            ax.text(0.5, 0.5, "not logged by this run", ha="center", va="center", alpha=0.6)
         ax.set_title(title)
         ax.set_xlabel("step")
         if ylabel:
             ax.set_ylabel(ylabel)
-        if len(keys) > 1:
+        if plotted and len(keys) > 1:
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle(f"run: {run_dir}")
