@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # inf and nan are never meant (an inf timeout or learning rate is a typo, not a setting)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -157,11 +158,12 @@ class RolloutConfig(_Section):
 class SamplingConfig(_Section):
     num_generations: int = Field(8, ge=2, description="G: completions per prompt (>= 2)")
     max_tokens: int = Field(256, ge=1)
-    temperature: float = Field(1.0, gt=0)
+    # the rollout server's bounds (rollout_server.protocol.SamplingParams), checked at load
+    temperature: float = Field(1.0, gt=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int = Field(-1, ge=-1, description="-1 or 0 disables top-k")
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = Field(False, description="always generate max_tokens (benchmarks)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -53,6 +53,7 @@ from learner.sync import WeightSyncer
 from learner.train_step import StepOptions, build_micro_batches, reduce_metrics, train_on
 from rewards.scoring import RewardRunner, RewardSpec
 from rollout_server.client import RolloutClient
+from rollout_server.protocol import InfoResponse, Limits
 from rollout_server.settings import check_model_ref
 
 logger = logging.getLogger(__name__)
@@ -116,12 +117,43 @@ def _servers(
                     engine=e.engine,
                     dtype=e.dtype,
                     startup_timeout_s=e.startup_timeout_s,
-                    extra_args=e.extra_args,
+                    extra_args=[*_limit_args(cfg), *e.extra_args],
                 )
             )
         broadcast_object_list(urls, from_process=0)
         yield [urls[0]]
         acc.wait_for_everyone()  # nobody may still be generating when the server stops
+
+
+def _limit_args(cfg: LearnerConfig) -> list[str]:
+    """Flags that raise the embedded server's limits to what this config asks of it."""
+    default, s = Limits(), cfg.sampling
+    args = []
+    if s.num_generations > default.max_n:
+        args += ["--max-n", str(s.num_generations)]
+    if s.max_tokens > default.max_tokens:
+        args += ["--max-tokens", str(s.max_tokens)]
+    return args
+
+
+def check_server_limits(cfg: LearnerConfig, infos: list[InfoResponse], urls: list[str]) -> None:
+    """Refuse, before any step, a config that asks more of a server than its limits allow
+    (the server would refuse every generate request)."""
+    s = cfg.sampling
+    asks = [
+        ("sampling.num_generations", s.num_generations, "max_n", "--max-n"),
+        ("sampling.max_tokens", s.max_tokens, "max_tokens", "--max-tokens"),
+    ]
+    for i, info in enumerate(infos):
+        for setting, value, limit_name, flag in asks:
+            limit = getattr(info.limits, limit_name)
+            if value > limit:
+                where = f"the rollout server {urls[i]}" if urls else "the embedded rollout server"
+                raise SetupError(
+                    f"{setting} = {value} is over {where}'s limit {limit_name} = {limit}: lower "
+                    f"it, or start the server with {flag} {value}"
+                    + ("" if urls else " (rollout.embedded.extra_args)")
+                )
 
 
 def _loss_config(cfg: LearnerConfig) -> LossConfig:
@@ -264,6 +296,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 max_retries=cfg.rollout.max_retries,
             )
             loop.run(client.wait_ready(cfg.rollout.ready_timeout_s))
+            check_server_limits(cfg, loop.run(client.info()), cfg.rollout.servers)
             syncer = WeightSyncer(cfg.rollout, client, device=accelerator.device)
             if accelerator.is_main_process:  # before the first generation: see connect()
                 loop.run(syncer.connect())

@@ -87,6 +87,11 @@ def test_none_unsets_a_field_that_may_be_unset():
         ("rollout.sync=file", "rollout.sync_dir"),
         ("optim.lr=-1", "optim.lr"),
         ("nonsense", "section.field=value"),
+        ("scoring.timeout_s=inf", "scoring.timeout_s: Input should be a finite number"),
+        ("optim.lr=nan", "optim.lr: Input should be a finite number"),
+        ("sampling.min_p=2", "sampling.min_p: Input should be less than or equal to 1"),
+        ("sampling.top_k=-5", "sampling.top_k"),
+        ("sampling.repetition_penalty=0", "sampling.repetition_penalty"),
     ],
 )
 def test_bad_config_names_the_field(override, fragment):

@@ -404,3 +404,31 @@ def test_fresh_run_syncs_a_server_that_another_learner_updated(
     records = read_metrics(run_dir)
     assert [r["weight_version/min"] for r in records] == [4.0, 5.0]  # the learner's, then its own
     assert [r["staleness"] for r in records] == [0.0, 0.0]
+
+
+def test_a_config_over_the_servers_limits_stops_before_any_step(
+    tmp_path, start_server, tiny_model_dir
+):
+    from learner.trainer import _limit_args
+    from rollout_server.protocol import Limits
+    from rollout_server.settings import ServerSettings
+
+    settings = ServerSettings(model=str(tiny_model_dir), limits=Limits(max_n=4))
+    with start_server(settings) as server:
+        proc = subprocess.run(
+            _learner(tmp_path / "run", "--set", f'rollout.servers=["{server.url}"]'),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"sampling.num_generations = 8 is over the rollout server {server.url}'s limit " in (
+        proc.stderr
+    )
+    assert "max_n = 4: lower it, or start the server with --max-n 8" in proc.stderr
+    assert read_metrics(tmp_path / "run") == []  # no step ran
+    # the embedded server is started with limits that fit the config
+    cfg = load_config(DEMO, ["sampling.num_generations=80", "sampling.max_tokens=5000"])
+    assert _limit_args(cfg) == ["--max-n", "80", "--max-tokens", "5000"]
+    assert _limit_args(load_config(DEMO)) == []
