@@ -49,7 +49,7 @@ from learner.runtime import (
     use_fused_adamw,
 )
 from learner.sft_data import load_sft_rows, tokenize_row
-from learner.train_step import reduce_metrics
+from learner.train_step import NonFiniteGuard, reduce_metrics, step_if_finite
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +136,7 @@ def sft_step(
         engine.step()
         grad_norm = float(engine.get_global_grad_norm() or 0.0)
     else:
-        grad_norm = float(accelerator.clip_grad_norm_(policy.parameters(), max_grad_norm))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = step_if_finite(accelerator, policy, optimizer, max_grad_norm)
     nll_total = float(accelerator.reduce(nll_sum, "sum"))
     return {
         "loss": nll_total / max(total, 1.0),
@@ -269,6 +267,7 @@ def train_sft(
     rank = accelerator.process_index
     last: dict[str, float] = {}
     try:
+        guard = NonFiniteGuard()
         while state.step < steps:
             t0 = time.perf_counter()
             mine = stream.take(s.batch_size)[rank * per_rank : (rank + 1) * per_rank]
@@ -284,6 +283,7 @@ def train_sft(
                 for mb in micro_batches(rollouts, s.micro_batch_size)
             ]
             m = sft_step(accelerator, policy, optimizer, batches, cfg.optim.max_grad_norm)
+            guard.check(state.step + 1, m)
             scheduler.step()
             state.step += 1
             seconds = time.perf_counter() - t0

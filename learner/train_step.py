@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,8 @@ from learner.fused_loss import GRPOTokenLoss
 from learner.loss import LossConfig, LossInputs, grpo_loss
 from learner.packing import PackedBatch, pack, packed_micro_batches
 from learner.perf import ActivationOffload
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -214,9 +218,9 @@ def train_on(
             engine.step()
             grad_norm = torch.tensor(float(engine.get_global_grad_norm() or 0.0))
         else:
-            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), opts.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = torch.tensor(
+                step_if_finite(accelerator, policy, optimizer, opts.max_grad_norm)
+            )
         clock.lap("optimizer")
     local_w = max(1.0, float(local_tokens)) * opts.num_iterations
     out = {k: float(v) / local_w for k, v in sums.items()}
@@ -227,6 +231,45 @@ def train_on(
     for phase, secs in clock.seconds().items():  # where the train phase went
         out[f"time/train/{phase}"] = secs
     return out
+
+
+class NonFiniteError(RuntimeError):
+    """Steps in a row had a non-finite gradient: the run cannot make progress."""
+
+
+def step_if_finite(
+    accelerator: Accelerator, policy: torch.nn.Module, optimizer: Any, max_grad_norm: float
+) -> float:
+    """Clip, then step only if the gradient norm is finite: one nan or inf gradient would
+    otherwise make every weight nan, and the next sync would serve them. Returns the norm
+    (nan or inf for a skipped step; ``NonFiniteGuard`` stops a run that keeps skipping)."""
+    grad_norm = float(accelerator.clip_grad_norm_(policy.parameters(), max_grad_norm))
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+@dataclass
+class NonFiniteGuard:
+    """Warns for a step skipped for a non-finite gradient, stops after ``limit`` in a row."""
+
+    limit: int = 3
+    in_a_row: int = 0
+
+    def check(self, step: int, metrics: dict[str, float]) -> None:
+        if math.isfinite(metrics["grad_norm"]):
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        what = f"step {step}: gradient norm {metrics['grad_norm']} (loss {metrics['loss']})"
+        if self.in_a_row >= self.limit:
+            raise NonFiniteError(
+                f"{what}: {self.in_a_row} steps in a row with a non-finite gradient (the "
+                "weights are those of the last finite step). Lower optim.lr, check the data and "
+                "rewards, or resume from a checkpoint"
+            )
+        logger.warning("%s: the optimizer step was skipped, the weights are unchanged", what)
 
 
 def reduce_metrics(accelerator: Accelerator, metrics: dict[str, float]) -> dict[str, float]:

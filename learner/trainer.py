@@ -50,7 +50,13 @@ from learner.runtime import (
     use_fused_adamw,
 )
 from learner.sync import WeightSyncer
-from learner.train_step import StepOptions, build_micro_batches, reduce_metrics, train_on
+from learner.train_step import (
+    NonFiniteGuard,
+    StepOptions,
+    build_micro_batches,
+    reduce_metrics,
+    train_on,
+)
 from rewards.scoring import RewardRunner, RewardSpec
 from rollout_server.client import RolloutClient
 from rollout_server.protocol import InfoResponse, Limits
@@ -286,6 +292,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     )
     last: dict[str, float] = {}
     warned_ahead = False
+    guard = NonFiniteGuard()
     pending: deque[tuple[concurrent.futures.Future[StepRollouts], int]] = deque()
     try:
         with _servers(cfg, model_path, run_dir, accelerator) as urls:
@@ -362,6 +369,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     train_metrics = train_on(
                         accelerator, policy, ref_policy, optimizer, loss_cfg, batches, opts
                     )
+                guard.check(state.step + 1, train_metrics)
                 scheduler.step()
                 t_train = time.perf_counter() - t0
                 t0 = time.perf_counter()
