@@ -293,7 +293,9 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     last: dict[str, float] = {}
     warned_ahead = False
     guard = NonFiniteGuard()
-    pending: deque[tuple[concurrent.futures.Future[StepRollouts], int]] = deque()
+    # each step's rollouts in flight, the fingerprint of its prompts, and the prompts
+    pending: deque[tuple[concurrent.futures.Future[StepRollouts], int, list[dict[str, Any]]]]
+    pending = deque()
     try:
         with _servers(cfg, model_path, run_dir, accelerator) as urls:
             client = RolloutClient(
@@ -317,15 +319,16 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             per_rank = cfg.grpo.prompts_per_step // world
             rank = accelerator.process_index
 
-            def launch() -> None:
-                rows = stream.take(cfg.grpo.prompts_per_step)
+            def launch(rows: list[dict[str, Any]] | None = None) -> None:
+                if rows is None:
+                    rows = stream.take(cfg.grpo.prompts_per_step)
                 mine = rows[rank * per_rank : (rank + 1) * per_rank]
                 if env_cls is not None:
                     coro = collect_episodes(cfg, client, env_cls, chat, mine)
                 else:
                     assert scorer is not None
                     coro = collect(cfg, client, scorer, mine, tokenizer=tokenizer)
-                pending.append((loop.submit(coro), rows_fingerprint(rows)))
+                pending.append((loop.submit(coro), rows_fingerprint(rows), rows))
                 stream.pending = len(pending) * cfg.grpo.prompts_per_step
 
             while state.step < cfg.run.steps:
@@ -333,7 +336,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 ahead = 1 + cfg.rollout.max_staleness
                 while len(pending) < ahead and state.step + len(pending) < cfg.run.steps:
                     launch()
-                future, fingerprint = pending.popleft()
+                future, fingerprint, rows = pending.popleft()
                 t0 = time.perf_counter()
                 step_rollouts = future.result()
                 t_wait = time.perf_counter() - t0
@@ -347,10 +350,27 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                         int(step_rollouts.metrics["weight_version/min"]),
                         state.weight_version,
                     )
-                if staleness > cfg.rollout.max_staleness:
-                    raise StalenessError(
-                        f"samples {staleness} versions old, bound {cfg.rollout.max_staleness}"
+                if world > 1:  # every rank must take the same branch below
+                    staleness = int(
+                        accelerator.reduce(
+                            torch.tensor(staleness, device=accelerator.device), reduction="max"
+                        )
                     )
+                if staleness > cfg.rollout.max_staleness:
+                    if not _servers_reset(accelerator, loop, client, state.weight_version):
+                        raise StalenessError(
+                            f"samples {staleness} versions old, bound {cfg.rollout.max_staleness}"
+                        )
+                    # A server restarted and serves its base weights: sync this learner's again
+                    # and generate the same prompts again (the data order does not change).
+                    redo = [rows, *(r for _, _, r in pending)]
+                    for f, _, _ in pending:
+                        f.cancel()
+                    pending.clear()
+                    _sync(accelerator, loop, syncer, policy, state)
+                    for r in redo:
+                        launch(r)
+                    continue
                 sleep_level = cfg.rollout.sleep_while_training
                 if sleep_level and accelerator.is_main_process:
                     loop.run(client.sleep(sleep_level))  # colocated: give the GPU to training
@@ -415,7 +435,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             syncer.close()
             loop.run(client.aclose())
     finally:
-        for future, _ in pending:
+        for future, _, _ in pending:
             future.cancel()
         loop.close()
         if metrics_log is not None:
@@ -459,6 +479,27 @@ def _servers_updated(
                 "the rollout servers serve weight versions %s, not the weights they loaded: "
                 "syncing this learner's weights before the first generation",
                 versions,
+            )
+            flag = [True]
+    broadcast_object_list(flag, from_process=0)
+    return bool(flag[0])
+
+
+def _servers_reset(
+    accelerator: Accelerator, loop: EventLoopThread, client: RolloutClient, version: int
+) -> bool:
+    """Whether a rollout server serves an older weight version than the learner last synced
+    (it restarted, or lost its weights): the learner then syncs again instead of failing on
+    stale samples."""
+    flag = [False]
+    if accelerator.is_main_process:
+        versions = [info.weight_version for info in loop.run(client.info())]
+        if min(versions) < version:
+            logger.warning(
+                "a rollout server serves weight version %d, older than the %d this learner "
+                "synced (restarted?): syncing again and generating this step's prompts again",
+                min(versions),
+                version,
             )
             flag = [True]
     broadcast_object_list(flag, from_process=0)

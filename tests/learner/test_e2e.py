@@ -432,3 +432,51 @@ def test_a_config_over_the_servers_limits_stops_before_any_step(
     cfg = load_config(DEMO, ["sampling.num_generations=80", "sampling.max_tokens=5000"])
     assert _limit_args(cfg) == ["--max-n", "80", "--max-tokens", "5000"]
     assert _limit_args(load_config(DEMO)) == []
+
+
+def test_a_restarted_server_gets_the_weights_again_and_the_run_goes_on(tmp_path, tiny_model_dir):
+    """The external server is SIGKILLed after step 2 and started again on its port: it serves
+    its base weights (version 0), so the learner syncs again and regenerates that step's
+    prompts; the run ends with every step and the data order unchanged."""
+    from learner.embedded import free_port
+
+    port = free_port()
+    serve = [sys.executable, "-m", "rollout_server", "--model", str(tiny_model_dir)]
+    serve += ["--engine", "transformers", "--port", str(port), "--log-level", "warning"]
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(serve, env=_env(), stderr=subprocess.DEVNULL)
+
+    server = start()
+    run_dir = tmp_path / "run"
+    sets = ["run.steps=5", "run.progress_bar=false", "rollout.max_retries=7"]
+    sets += [
+        f'model.name_or_path="{tiny_model_dir}"',
+        f'rollout.servers=["http://127.0.0.1:{port}"]',
+    ]
+    learner = subprocess.Popen(
+        _learner(run_dir, *(a for s in sets for a in ("--set", s))),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while len(read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []) < 2:
+            assert time.monotonic() < deadline and learner.poll() is None
+            time.sleep(0.1)
+        server.kill()
+        server.wait()
+        server = start()
+        _, err = learner.communicate(timeout=300)
+    finally:
+        learner.kill()
+        server.kill()
+        server.wait()
+    assert learner.returncode == 0, err[-3000:]
+    assert "(restarted?): syncing again" in err
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["staleness"] for r in records] == [0.0] * 5
+    assert [int(r["data/fingerprint"]) for r in records] == _expected_fingerprints(5)
