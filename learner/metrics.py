@@ -26,6 +26,7 @@ class MetricsLogger:
     ) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
+        _drop_after(self.path, start_step)  # a resumed run redoes the steps after its checkpoint
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:
@@ -60,6 +61,18 @@ class MetricsLogger:
             self._tb.close()
         if self._bar is not None:
             self._bar.close()
+
+
+def _drop_after(path: Path, step: int) -> None:
+    """Keep only the records of steps up to ``step`` (atomically)."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [ln for ln in lines if ln.strip() and int(json.loads(ln)["step"]) <= step]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(keep))
+        tmp.replace(path)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:

@@ -152,6 +152,8 @@ def test_sigkill_then_resume_continues_same_data_order(tmp_path, proc_scan):
     assert "resumed from" in done.stderr
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, 9))
+    raw = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in raw] == list(range(1, 9))  # no step twice
 
     assert [int(r["data/fingerprint"]) for r in records] == _expected_fingerprints(8)
 
