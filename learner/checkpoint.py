@@ -9,6 +9,7 @@ no half-written one that ``--resume`` could pick up.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import shutil
@@ -87,22 +88,38 @@ def restore(
 ) -> Path | None:
     """Make checkpoints hold ``state`` (the data stream, the trainer's counters) besides the
     model, optimizer and scheduler (with (Q)LoRA: the adapter alone), then, with ``resume``,
-    load the run's last checkpoint. Returns it, or None when the run starts fresh."""
+    load the run's last checkpoint (a damaged one falls back to the one before). Returns it,
+    or None when the run starts fresh."""
     accelerator.register_for_checkpointing(*state)
     adapter_only_checkpoints(accelerator, policy)
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if ckpt is not None:
-        accelerator.load_state(str(ckpt))
-    elif resume:
+    if not resume:
+        return None
+    found = all_checkpoints(run_dir)
+    if not found:
         log.warning("--resume: no checkpoint in %s, starting from step 0", run_dir)
-    return ckpt
+        return None
+    for ckpt, older in itertools.pairwise(found):  # newest first
+        try:
+            accelerator.load_state(str(ckpt))
+            return ckpt
+        except Exception as e:  # a damaged checkpoint: fall back to the one before
+            log.warning(
+                "--resume: checkpoint %s cannot be loaded (%s: %s); trying %s",
+                ckpt.name,
+                type(e).__name__,
+                e,
+                older.name,
+            )
+    accelerator.load_state(str(found[-1]))  # the oldest: its error, if any, ends the run
+    return found[-1]
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
+def all_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoint directories, newest first."""
     found = []
     root = checkpoints_dir(run_dir)
     if root.is_dir():
@@ -110,7 +127,12 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
             m = _STEP_DIR.match(p.name)
             if m and p.is_dir():
                 found.append((int(m.group(1)), p))
-    return max(found)[1] if found else None
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = all_checkpoints(run_dir)
+    return found[0] if found else None
 
 
 def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, keep: int) -> Path:

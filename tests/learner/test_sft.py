@@ -341,7 +341,7 @@ def test_qlora_sft_saves_a_dense_merged_model_and_adapter_checkpoints(tmp_path, 
     train_sft(_sft_cfg(run, tiny_model_dir, "sft.steps=3", *qlora), resume=True)
 
 
-def test_resume_continues_exactly(tmp_path, tiny_model_dir):
+def test_resume_continues_exactly(tmp_path, tiny_model_dir, caplog):
     from learner.metrics import read_metrics
     from learner.sft import train_sft
 
@@ -354,6 +354,17 @@ def test_resume_continues_exactly(tmp_path, tiny_model_dir):
     assert [r["loss"] for r in read_metrics(split)] == [r["loss"] for r in read_metrics(whole)]
     a, c = _weights(whole / "final"), _weights(split / "final")
     assert a.keys() == c.keys()
+    for k in a:
+        assert torch.equal(a[k], c[k]), k
+
+    # a damaged last checkpoint: the resume falls back to the one before and redoes 4-6
+    (split / "checkpoints" / "step_000006" / "optimizer.bin").unlink()
+    train_sft(_sft_cfg(split, tiny_model_dir, "sft.steps=6", *common), resume=True)
+    assert "checkpoint step_000006 cannot be loaded" in caplog.text
+    assert "trying step_000003" in caplog.text
+    raw = [json.loads(line)["step"] for line in (split / "metrics.jsonl").read_text().splitlines()]
+    assert raw == [1, 2, 3, 4, 5, 6]
+    c = _weights(split / "final")
     for k in a:
         assert torch.equal(a[k], c[k]), k
 
