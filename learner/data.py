@@ -17,7 +17,11 @@ class DataError(ValueError):
     """The dataset cannot be read or lacks what the config asks for."""
 
 
-def load_rows(path: str | Path, prompt_column: str) -> list[dict[str, Any]]:
+def load_rows(
+    path: str | Path, prompt_column: str, *, allow_empty: bool = False
+) -> list[dict[str, Any]]:
+    """The rows of a JSONL file or ``datasets`` directory, each with a prompt that the rollout
+    server would take (``allow_empty``: an empty prompt too, as SFT completions may have)."""
     path = Path(path)
     if not path.exists():
         raise DataError(
@@ -63,7 +67,33 @@ def load_rows(path: str | Path, prompt_column: str) -> list[dict[str, Any]]:
             raise DataError(
                 f"{path} row {i}: {prompt_column!r} must be text or a list of chat messages"
             )
+        if prompt or not allow_empty:
+            _check_prompt(prompt, f"{path} row {i}: {prompt_column!r}")
     return rows
+
+
+def _check_prompt(prompt: str | list[Any], where: str) -> None:
+    """What the rollout server would refuse, found at load rather than hours into a run."""
+    from pydantic import ValidationError
+
+    from rollout_server.protocol import ChatMessage
+
+    if isinstance(prompt, str):
+        if not prompt:
+            raise DataError(f"{where} is empty text")
+        return
+    if not prompt:
+        raise DataError(f"{where} is an empty list of messages")
+    for j, message in enumerate(prompt):
+        try:
+            ChatMessage.model_validate(message)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(x) for x in err["loc"])
+            raise DataError(
+                f"{where}, message {j}: {loc + ': ' if loc else ''}{err['msg']} (a message is "
+                '{"role": "system" | "user" | "assistant" | "tool", "content": "..."})'
+            ) from None
 
 
 class PromptStream:

@@ -60,7 +60,7 @@ def load_sft_rows(cfg: SFTConfig) -> tuple[list[dict[str, Any]], RowFormat]:
             raise
         fmt = "prompt_completion"
         try:
-            rows = load_rows(cfg.data, cfg.prompt_column)
+            rows = load_rows(cfg.data, cfg.prompt_column, allow_empty=True)
         except DataError as e2:
             if f"row 0 has no {cfg.prompt_column!r}" not in str(e2):
                 raise
@@ -81,7 +81,23 @@ def load_sft_rows(cfg: SFTConfig) -> tuple[list[dict[str, Any]], RowFormat]:
                 f"column (columns: {sorted(row)}); rows need {cfg.messages_column!r}, or "
                 f"{cfg.prompt_column!r} and {cfg.completion_column!r} (see sft.*_column)"
             )
+    if not any(_has_target(row, cfg, fmt) for row in rows):
+        what = (
+            f"an assistant turn in {cfg.messages_column!r}"
+            if fmt == "messages"
+            else f"a non-empty {cfg.completion_column!r}"
+        )
+        raise DataError(f"sft.data {cfg.data}: no row has {what}, so there is nothing to train on")
     return rows, fmt
+
+
+def _has_target(row: dict[str, Any], cfg: SFTConfig, fmt: RowFormat) -> bool:
+    if fmt == "messages":
+        return any(
+            isinstance(m, dict) and m.get("role") == "assistant" and m.get("content")
+            for m in row[cfg.messages_column]
+        )
+    return bool(row[cfg.completion_column])
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], gen: bool, kw: dict[str, Any]) -> str:

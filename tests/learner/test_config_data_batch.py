@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,18 @@ def test_data_jsonl_errors_name_the_problem(tmp_path):
         load_rows(p, "prompt")
     with pytest.raises(DataError, match="does not exist"):
         load_rows(tmp_path / "missing.jsonl", "prompt")
+    good = '{"prompt": "hi"}\n{"prompt": [{"role": "user", "content": "hi"}]}\n'
+    for bad, message in [
+        ('{"prompt": ""}', "row 2: 'prompt' is empty text"),
+        ('{"prompt": []}', "row 2: 'prompt' is an empty list of messages"),
+        ('{"prompt": [{"role": "human", "content": "x"}]}', "row 2: 'prompt', message 0: role:"),
+        ('{"prompt": [{"content": "x"}]}', "message 0: role: Field required"),
+    ]:
+        p.write_text(good + bad + "\n")
+        with pytest.raises(DataError, match=re.escape(message)):
+            load_rows(p, "prompt")
+    p.write_text(good + '{"prompt": ""}\n')
+    assert len(load_rows(p, "prompt", allow_empty=True)) == 3  # SFT: completion-only rows
 
 
 def test_data_reads_datasets_directory(tmp_path):

@@ -149,6 +149,13 @@ def test_data_errors_name_the_columns(tmp_path):
     path.write_text(json.dumps({"prompt": "x", "answer": "y"}) + "\n")
     rows, fmt = load_sft_rows(SFTConfig(data=str(path), completion_column="answer"))
     assert fmt == "prompt_completion" and rows == [{"prompt": "x", "answer": "y"}]
+    user_only = {"messages": [{"role": "user", "content": "x"}]}
+    path.write_text(json.dumps(user_only) + "\n")
+    with pytest.raises(DataError, match="no row has an assistant turn in 'messages', so there"):
+        load_sft_rows(SFTConfig(data=str(path)))
+    path.write_text(json.dumps({"prompt": "x", "completion": ""}) + "\n")
+    with pytest.raises(DataError, match="no row has a non-empty 'completion'"):
+        load_sft_rows(SFTConfig(data=str(path)))
 
 
 # --- the loss --------------------------------------------------------------------------------
