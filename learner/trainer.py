@@ -212,6 +212,28 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             "model); a frozen full copy is not supported with ZeRO-3 — or set grpo.beta = 0"
         )
     check_model_options(accelerator, cfg.model)
+    # The data, environment and rewards before any model loads: their errors come at once.
+    env_cls = None
+    if cfg.environment is not None:
+        from rewards.env import get_tasks
+        from rewards.registry import load_environment
+
+        env_cls = load_environment(cfg.environment.name)
+        rows = asyncio.run(get_tasks(env_cls, cfg.environment.split))
+        stream = PromptStream(rows, seed=cfg.run.seed, shuffle=True)
+    else:
+        assert cfg.data is not None  # the config validator guarantees data or environment
+        rows = load_rows(cfg.data.path, cfg.data.prompt_column)
+        stream = PromptStream(rows, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    scorer = (
+        RewardRunner(
+            [RewardSpec(name=r.name, weight=r.weight, kwargs=r.kwargs) for r in cfg.rewards],
+            timeout_s=cfg.scoring.timeout_s,
+            policy=cfg.scoring.policy,
+        )
+        if cfg.rewards
+        else None
+    )
     model_path = _model_path(cfg, run_dir, accelerator)
     if cfg.sft is not None:  # warm start: SFT first, GRPO starts from its weights (learner/sft.py)
         from learner.sft import warm_start
@@ -234,21 +256,11 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     if ref_policy is not None:
         ref_policy = ref_policy.to(accelerator.device)
     hf_config = accelerator.unwrap_model(policy).model.config
-
-    env_cls, chat = None, None
-    if cfg.environment is not None:
+    chat = None
+    if env_cls is not None:
         from rewards.chat import HFChatFormat
-        from rewards.env import get_tasks
-        from rewards.registry import load_environment
 
-        env_cls = load_environment(cfg.environment.name)
-        rows = asyncio.run(get_tasks(env_cls, cfg.environment.split))
-        stream = PromptStream(rows, seed=cfg.run.seed, shuffle=True)
         chat = HFChatFormat(tokenizer, cfg.sampling.chat_template_kwargs)
-    else:
-        assert cfg.data is not None  # the config validator guarantees data or environment
-        rows = load_rows(cfg.data.path, cfg.data.prompt_column)
-        stream = PromptStream(rows, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     state = TrainerState()
     ckpt = restore(accelerator, run_dir, policy, stream, state, resume=resume)
     if ckpt is not None:
@@ -261,15 +273,6 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 cfg.run.steps,
             )
 
-    scorer = (
-        RewardRunner(
-            [RewardSpec(name=r.name, weight=r.weight, kwargs=r.kwargs) for r in cfg.rewards],
-            timeout_s=cfg.scoring.timeout_s,
-            policy=cfg.scoring.policy,
-        )
-        if cfg.rewards
-        else None
-    )
     loss_cfg, opts = _loss_config(cfg), _step_options(cfg)
     if cfg.rollout.max_staleness and cfg.grpo.tis_cap is None:
         logger.warning(

@@ -176,6 +176,7 @@ def test_setup_errors_are_one_line_and_name_the_setting(tmp_path, override, mess
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert message in proc.stderr.splitlines()[-1]
+    assert "Loading weights" not in proc.stderr  # found before any model loads
 
 
 def test_unreachable_server_fails_fast_and_clearly(tmp_path):
