@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         from learner.data import DataError
         from learner.runtime import SetupError
         from rewards.registry import PluginError
+        from rewards.scoring import RewardSpecError
 
-        if not isinstance(e, (SetupError, DataError, PluginError)):
+        if not isinstance(e, (SetupError, DataError, PluginError, RewardSpecError)):
             raise
         print(f"error: {e}", file=sys.stderr)  # names the setting to change: no traceback
         return 2

@@ -1,23 +1,30 @@
 """Score a batch of completions with several weighted reward functions, safely.
 
 Reward functions are user code: they raise, hang, return the wrong number of scores, NaN, or a
-string. Each of these becomes either a ``RewardFunctionError`` that names the function or, under
-an explicit failure policy, a recorded failure (the function's scores for the batch become None
-or 0.0, and ``reward/<name>/failures`` says so). A bad reward never turns into a silent 0 copied
-to every completion, and a hanging one never hangs the run: every call has a timeout.
+string, or even ``SystemExit``. Each of these becomes either a ``RewardFunctionError`` that names
+the function or, under an explicit failure policy, a recorded failure (the function's scores for
+the batch become None or 0.0, and ``reward/<name>/failures`` says so). A bad reward never turns
+into a silent 0 copied to every completion, and a hanging one never hangs the run: every call has
+a timeout.
 
-Sync functions run in their own daemon thread (``rewards._threads``): one that never returns is
-abandoned at the timeout without holding up later calls or interpreter exit. Async functions are
-cancelled at the timeout; the built-in code reward kills its sandbox subprocess on cancellation.
+Every call runs in its own daemon thread (``rewards._threads``), an ``async def`` on a fresh event
+loop of that thread, so that not even a coroutine that blocks its loop can stall the caller's. A
+call that does not return in time is abandoned (an async one is first cancelled on its loop: the
+built-in code reward then kills its sandbox subprocess). Abandoned calls that never end would
+pile up, one more each step, so past ``max_abandoned`` of one function still running the runner
+stops with ``RewardStuckError`` whatever the policy. Spec kwargs are checked against the
+function's parameters when the runner is built, so a misspelt one is not silently ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
+import difflib
 import inspect
 import logging
 import math
 import numbers
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,13 +32,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rewards._threads import call_maybe_async
+from rewards._threads import start_in_daemon_thread
 
 logger = logging.getLogger(__name__)
 
 FailurePolicy = Literal["raise", "none", "zero"]
 """What a failing reward function does: raise ``RewardFunctionError``, score the batch as None
 (abstain), or score it as 0.0. The last two are counted in ``reward/<name>/failures``."""
+
+MAX_ABANDONED_CALLS = 4
+"""How many timed-out calls of one reward function may still be running, abandoned in their
+threads, before the runner refuses to call it again (``RewardRunner(max_abandoned=...)``)."""
 
 
 class RewardSpec(BaseModel):
@@ -63,8 +74,22 @@ class RewardTimeoutError(RewardFunctionError):
     """A reward function did not return within the runner's ``timeout_s``."""
 
 
+class RewardStuckError(RewardTimeoutError):
+    """More than ``max_abandoned`` earlier calls of a reward function timed out and are still
+    running; the runner does not start another. Raised whatever the failure policy: a run that
+    leaks one more busy thread every step degrades without end."""
+
+
 class RewardOutputError(RewardFunctionError):
     """A reward function returned something other than one finite float or None per completion."""
+
+
+class RewardSpecError(ValueError):
+    """A reward spec does not fit its function: kwargs the function has no parameter for."""
+
+    def __init__(self, function: str, message: str) -> None:
+        super().__init__(f"reward function {function!r}: {message}")
+        self.function = function
 
 
 @dataclass
@@ -120,6 +145,46 @@ def _accepted(fn: Callable, columns: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in columns.items() if k in names}
 
 
+def check_kwargs(function: str, fn: Callable, kwargs: dict[str, Any]) -> None:
+    """Reject spec kwargs that are not keyword parameters of ``fn`` (the first two positional
+    parameters take prompts and completions). A function that takes keywords only through
+    ``**kwargs`` cannot be checked and accepts anything."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # not introspectable (a builtin): the call will tell
+        return
+    P = inspect.Parameter
+    positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    named = [
+        p.name
+        for p in params
+        if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) and p not in positional[:2]
+    ]
+    if not named and any(p.kind is P.VAR_KEYWORD for p in params):
+        return
+    unknown = sorted(set(kwargs) - set(named))
+    if not unknown:
+        return
+    hints = [
+        f"did you mean {close[0]!r} for {k!r}?"
+        for k in unknown
+        if (close := difflib.get_close_matches(k, named, n=1))
+    ]
+    takes = f"it takes {', '.join(named)}" if named else "it takes no keyword arguments"
+    raise RewardSpecError(
+        function,
+        f"kwargs {unknown} are not parameters of {getattr(fn, '__name__', fn)}(); {takes}"
+        + (f" ({' '.join(hints)})" if hints else ""),
+    )
+
+
+def _being_cancelled() -> bool:
+    """Whether the current task is being cancelled (as opposed to seeing a CancelledError that
+    user code raised)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def _stats(values: list[float]) -> tuple[float, float]:
     mean = sum(values) / len(values)
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
@@ -129,7 +194,8 @@ class RewardRunner:
     """Run the reward mix on a batch: concurrently, each call under ``timeout_s``, every output
     checked, failures handled by ``policy``. ``funcs`` maps names to callables and takes
     precedence over the entry-point registry (tests, notebooks). ``failure_counts`` accumulates
-    failed calls per function over the runner's lifetime."""
+    failed calls per function over the runner's lifetime. ``max_abandoned``: how many timed-out
+    calls of one function may still be running before ``score`` raises ``RewardStuckError``."""
 
     def __init__(
         self,
@@ -138,6 +204,7 @@ class RewardRunner:
         timeout_s: float = 30.0,
         policy: FailurePolicy = "raise",
         funcs: dict[str, Callable] | None = None,
+        max_abandoned: int = MAX_ABANDONED_CALLS,
     ) -> None:
         from rewards.registry import load_reward
 
@@ -145,6 +212,8 @@ class RewardRunner:
             raise ValueError(f"policy={policy!r}; use 'raise', 'none' or 'zero'")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s}; must be > 0 seconds")
+        if max_abandoned < 0:
+            raise ValueError(f"max_abandoned={max_abandoned}; must be >= 0 calls")
         self.specs = [s if isinstance(s, RewardSpec) else RewardSpec(**s) for s in specs]
         if not self.specs:
             raise ValueError("no reward functions given; pass at least one RewardSpec")
@@ -155,15 +224,27 @@ class RewardRunner:
         self.policy: FailurePolicy = policy
         funcs = funcs or {}
         self.funcs = {s.key: funcs.get(s.name) or load_reward(s.name) for s in self.specs}
+        for s in self.specs:
+            check_kwargs(s.key, self.funcs[s.key], s.kwargs)
         self.failure_counts = dict.fromkeys(keys, 0)
+        self.max_abandoned = max_abandoned
+        self._abandoned: dict[str, list[threading.Thread]] = {k: [] for k in keys}
 
-    async def _one(self, spec: RewardSpec, prompts: list, completions: list[str], columns: dict):
+    def still_running(self, key: str) -> int:
+        """How many abandoned (timed-out or cancelled) calls of ``key`` have not returned yet."""
+        self._abandoned[key] = [t for t in self._abandoned[key] if t.is_alive()]
+        return len(self._abandoned[key])
+
+    async def _one(
+        self, spec: RewardSpec, prompts: list, completions: list[str], columns: dict
+    ) -> list[float | None]:
         fn = self.funcs[spec.key]
-        kwargs = {**_accepted(fn, columns), **spec.kwargs}  # a misspelt kwarg is an error
+        kwargs = {**_accepted(fn, columns), **spec.kwargs}  # no clash: checked in score()
+        call = start_in_daemon_thread(fn, prompts, completions, **kwargs)
         deadline = asyncio.timeout(self.timeout_s)
         try:
             async with deadline:
-                out = await call_maybe_async(fn, prompts, completions, **kwargs)
+                out = await call.future
         except TimeoutError as e:
             if not deadline.expired():  # the function's own TimeoutError
                 raise RewardFunctionError(spec.key, f"raised TimeoutError: {e}") from e
@@ -172,8 +253,15 @@ class RewardRunner:
             ) from e
         except RewardFunctionError:
             raise
-        except Exception as e:
+        except asyncio.CancelledError as e:
+            if _being_cancelled():  # the runner itself is cancelled: let it be
+                raise
+            raise RewardFunctionError(spec.key, f"raised CancelledError: {e}") from e
+        except BaseException as e:  # SystemExit & co. from the function must not kill the loop
             raise RewardFunctionError(spec.key, f"raised {type(e).__name__}: {e}") from e
+        finally:
+            if call.future.cancelled():  # timed out or cancelled; its thread may run on
+                self._abandoned[spec.key].append(call.thread)
         return check_output(spec.key, out, len(completions))
 
     async def score(
@@ -193,6 +281,14 @@ class RewardRunner:
         for spec in self.specs:
             if clash := sorted(set(spec.kwargs) & set(columns)):
                 raise ValueError(f"reward {spec.key!r}: kwargs {clash} shadow dataset columns")
+            if (running := self.still_running(spec.key)) > self.max_abandoned:
+                raise RewardStuckError(
+                    spec.key,
+                    f"{running} earlier calls of {spec.key!r} are still running after timing out "
+                    f"(more than max_abandoned={self.max_abandoned}), each holding a thread; not "
+                    f"starting another. Fix the function so that it returns within timeout_s="
+                    f"{self.timeout_s:g} s, or give it a larger scoring timeout_s",
+                )
 
         async def timed(spec: RewardSpec) -> tuple[Any, float]:
             t0 = time.perf_counter()

@@ -164,6 +164,7 @@ def test_sigkill_then_resume_continues_same_data_order(tmp_path, proc_scan):
         ('model.name_or_path="/nonexistent/model"', "model.name_or_path = '/nonexistent/model': "),
         ('data.path="missing.jsonl"', "data.path missing.jsonl does not exist (looked at /"),
         ('rewards=[{name="no_such_reward"}]', "no_such_reward"),
+        ('rewards=[{name="charset", kwargs={allowd="ab"}}]', "did you mean 'allowed'"),
     ],
 )
 def test_setup_errors_are_one_line_and_name_the_setting(tmp_path, override, message):

@@ -15,6 +15,7 @@ from rewards.scoring import (
     RewardOutputError,
     RewardRunner,
     RewardSpec,
+    RewardSpecError,
     RewardTimeoutError,
     check_output,
 )
@@ -93,12 +94,10 @@ async def test_columns_by_name_and_kwargs_and_labels():
     assert seen["gold"] == ["a", "x", "ccc"]
     with pytest.raises(ValueError, match="label"):
         RewardRunner([RewardSpec(name="narrow")] * 2, funcs={"narrow": narrow})
-    # Columns are filtered to what the function takes; its kwargs are not: a typo is an error.
-    typo = RewardRunner(
-        [RewardSpec(name="narrow", kwargs={"scael": 2.0})], funcs={"narrow": narrow}
-    )
-    with pytest.raises(RewardFunctionError, match="unexpected keyword argument 'scael'"):
-        await typo.score(PROMPTS, COMPLETIONS, {"gold": ["a", "x", "ccc"]})
+    # Columns are filtered to what the function takes; its kwargs are not: a typo is an error,
+    # found when the runner is built (test_scoring_hazards.py has more).
+    with pytest.raises(RewardSpecError, match=r"kwargs \['scael'\] are not parameters"):
+        RewardRunner([RewardSpec(name="narrow", kwargs={"scael": 2.0})], funcs={"narrow": narrow})
 
 
 async def test_sync_rewards_run_off_the_event_loop():
