@@ -38,6 +38,31 @@ class _Section(BaseModel):
                 out[name] = None
         return out
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        """``true`` is not a number: ``run.steps = true`` would otherwise train 1 step."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if field is not None and isinstance(value, bool) and _numeric(field.annotation):
+                    raise _FieldError(name, f"give a number, not {str(value).lower()}")
+        return data
+
+
+class _FieldError(ValueError):
+    """A section validator's error about one of its fields (reported as ``section.field``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field, self.message = field, message
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field takes numbers and no booleans (``int``, ``float``, ``float | None``...)."""
+    kinds = set(typing.get_args(annotation)) or {annotation}
+    return bool(kinds & {int, float}) and bool not in kinds
+
 
 def _unsettable(annotation: Any) -> bool:
     """Whether a field of this type may be None and takes no plain string."""
@@ -353,7 +378,9 @@ def _format_errors(err: ValidationError, source: str) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"]
-        if e["type"] == "extra_forbidden":
+        if isinstance(field_error := e.get("ctx", {}).get("error"), _FieldError):
+            loc, msg = f"{loc}.{field_error.field}", field_error.message
+        elif e["type"] == "extra_forbidden":
             msg = "unknown field — check its spelling and section (see learner/config.py)"
         elif e["type"] == "missing":
             msg = "required field is missing — add it to the config"

@@ -93,6 +93,8 @@ def test_none_unsets_a_field_that_may_be_unset():
         ("sampling.min_p=2", "sampling.min_p: Input should be less than or equal to 1"),
         ("sampling.top_k=-5", "sampling.top_k"),
         ("sampling.repetition_penalty=0", "sampling.repetition_penalty"),
+        ("run.steps=true", "run.steps: give a number, not true"),
+        ("grpo.tis_cap=false", "grpo.tis_cap: give a number, not false"),
     ],
 )
 def test_bad_config_names_the_field(override, fragment):
