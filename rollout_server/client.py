@@ -65,10 +65,23 @@ class RolloutError(Exception):
 class RolloutHTTPError(RolloutError):
     """The server answered with an error status; ``detail`` is its explanation."""
 
-    def __init__(self, server: str, method: str, path: str, status: int, detail: str) -> None:
-        super().__init__(server, f"{method} {path} -> HTTP {status}: {detail}")
+    def __init__(
+        self, server: str, method: str, path: str, status: int, detail: str, hint: str = ""
+    ) -> None:
+        super().__init__(server, f"{method} {path} -> HTTP {status}: {detail}{hint}")
         self.status = status
         self.detail = detail
+
+
+class RolloutAuthError(RolloutHTTPError):
+    """The server refused the API key (401/403): retrying or waiting cannot help."""
+
+    def __init__(self, server: str, method: str, path: str, status: int, detail: str) -> None:
+        hint = (
+            "; give the learner the server's API key (its --api-key): set rollout.api_key in "
+            "the learner's config or the ROLLOUT_API_KEY environment variable"
+        )
+        super().__init__(server, method, path, status, detail, hint)
 
 
 class RolloutUnavailableError(RolloutError):
@@ -165,6 +178,8 @@ class RolloutClient:
                 if resp.status_code < 400:
                     return resp
                 detail = _detail(resp)
+                if resp.status_code in (401, 403):
+                    raise RolloutAuthError(server, method, path, resp.status_code, detail)
                 if resp.status_code not in RETRY_STATUSES or attempt == attempts - 1:
                     raise RolloutHTTPError(server, method, path, resp.status_code, detail)
                 last = f"{method} {path} -> HTTP {resp.status_code}: {detail}"
@@ -183,12 +198,15 @@ class RolloutClient:
 
     # -- status ----------------------------------------------------------------------------
 
-    async def _probe(self, server: str, path: str) -> str | None:
-        """``None`` when ``server`` answers ``GET path``, else why not (one attempt: a poll)."""
+    async def _probe(self, server: str, path: str, *, auth_fails: bool = False) -> str | None:
+        """``None`` when ``server`` answers ``GET path``, else why not (one attempt: a poll).
+        ``auth_fails``: a refused API key raises ``RolloutAuthError`` (waiting cannot fix it)."""
         try:
             await self._call(server, "GET", path, retry=False)
             return None
         except RolloutError as e:
+            if auth_fails and isinstance(e, RolloutAuthError):
+                raise
             return e.reason
 
     async def health(self) -> list[bool]:
@@ -200,14 +218,15 @@ class RolloutClient:
     async def wait_ready(
         self, timeout_s: float = 300.0, poll_s: float = 0.5, note_every_s: float = 15.0
     ) -> None:
-        """Wait until every server answers ``/ready``; raise naming the ones that did not.
+        """Wait until every server answers ``/ready``; raise naming the ones that did not. A
+        refused API key (401/403) raises ``RolloutAuthError`` at once.
 
         Says once at the start which servers it waits for, then every ``note_every_s`` how
         long it has waited and why each is not ready yet (not one warning per poll)."""
         start = time.monotonic()
         next_note = start
         while True:
-            why = await self._all(lambda s: self._probe(s, "/ready"))
+            why = await self._all(lambda s: self._probe(s, "/ready", auth_fails=True))
             down = {s: w for s, w in zip(self.servers, why, strict=True) if w is not None}
             waited = time.monotonic() - start
             if not down:

@@ -41,8 +41,11 @@ class Conflict(ServiceError):
     status_code = 409
 
 
-class PayloadTooLarge(ServiceError):
-    status_code = 413
+class NonFiniteWeights(ServiceError):
+    """The served weights hold NaN/inf: a fault of the server's state (500), not of the request.
+    HTTP and file updates refuse them; NCCL and CUDA IPC updates are not scanned."""
+
+    status_code = 500
 
 
 class Unavailable(ServiceError):

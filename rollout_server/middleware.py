@@ -1,4 +1,5 @@
-"""Pure ASGI middlewares: the API key check and per-route request metrics."""
+"""Pure ASGI middlewares: the API key check, the body size limit and per-route request
+metrics."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import secrets
 import time
 from typing import Any
 
+from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_server.errors import error_body
@@ -14,41 +16,66 @@ from rollout_server.metrics import Metrics
 
 
 class ApiKeyMiddleware:
-    """Every HTTP request needs ``Authorization: Bearer <key>`` (docs and /health included)."""
+    """Every HTTP request needs ``Authorization: Bearer <key>`` (docs and /health included);
+    the scheme is case-insensitive (RFC 7235), the key is compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if secrets.compare_digest(given, self._expected):
+        scheme, _, key = given.partition(b" ")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(key.lstrip(b" "), self._key):
             await self.app(scope, receive, send)
             return
-        detail = "invalid API key" if given else "missing API key: send Authorization: Bearer <key>"
+        if not given:
+            detail = "missing API key: send Authorization: Bearer <key>"
+        elif scheme.lower() != b"bearer" or not key.strip():
+            detail = "malformed Authorization header: expected Authorization: Bearer <key>"
+        else:
+            detail = "invalid API key"
         await _send_json(scope, send, 401, detail, [(b"www-authenticate", b"Bearer")])
 
 
 class BodyLimitMiddleware:
-    """413 for a declared body over ``max_bytes`` before any of it is read (weight routes also
-    count the bytes of bodies sent without a length)."""
+    """413 for a body over ``max_bytes``: a declared one before any of it is read, one sent
+    without a length (``Transfer-Encoding: chunked``) as soon as its bytes pass the limit.
+
+    The streamed case raises ``HTTPException`` from ``receive``: the route reading the body
+    (FastAPI's JSON parsing re-raises it, a weight route's stream too) answers the 413."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            declared = dict(scope["headers"]).get(b"content-length", b"")
-            if declared.isdigit() and int(declared) > self.max_bytes:
-                mb = self.max_bytes // 2**20
-                detail = f"body of {int(declared)} bytes exceeds max_body_mb={mb}"
-                await _send_json(scope, send, 413, detail)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        mb = self.max_bytes // 2**20
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            detail = f"body of {int(declared)} bytes exceeds max_body_mb={mb}"
+            await _send_json(scope, send, 413, detail)
+            return
+        received = 0
+
+        async def counted_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(
+                        413, f"body of more than {self.max_bytes} bytes exceeds max_body_mb={mb}"
+                    )
+            return message
+
+        await self.app(scope, counted_receive, send)
 
 
 async def _send_json(

@@ -11,14 +11,15 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from rollout_server.engine.base import Engine, ReceivedUpdate
-from rollout_server.errors import BadRequest, Conflict, Unavailable
+from rollout_server.engine.base import Engine, ReceivedUpdate, SampleOutput
+from rollout_server.errors import BadRequest, Conflict, NonFiniteWeights, Unavailable
 from rollout_server.gate import PauseGate
 from rollout_server.metrics import Metrics
 from rollout_server.protocol import (
@@ -73,7 +74,8 @@ class RolloutService:
         self.load_error: str | None = None
         self.sleep_level = 0
         self.asleep: set[str] = set()  # "weights", "kv_cache"
-        self.weights_discarded = False
+        # tensors not loaded since sleep level 2 discarded the weights (generation waits for all)
+        self.missing_weights: set[str] = set()
         self.prepared: _Prepared | None = None
         self._froze_heap = False
         self._group_timeout_s = 300.0  # the weight-sync group's (a prepared update's lifetime)
@@ -125,10 +127,15 @@ class RolloutService:
                 f"the server is asleep (level {self.sleep_level}); POST /wake_up first",
                 retry_after_s=30,
             )
-        if self.weights_discarded:
+        if self.missing_weights:
+            missing = sorted(self.missing_weights)
+            listed = ", ".join(repr(n) for n in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise Unavailable(
-                "weights were discarded by sleep level 2; sync weights first "
-                "(POST /weights/update, /weights/load_file or an NCCL update)",
+                f"weights were discarded by sleep level 2 and {len(missing)} of "
+                f"{len(self.engine.required_weights())} tensors have not been loaded since "
+                f"({listed}{more}); sync the full weights first (POST /weights/update, "
+                "/weights/load_file or an NCCL update)",
                 retry_after_s=30,
             )
 
@@ -216,9 +223,25 @@ class RolloutService:
             )
         return ids
 
+    @staticmethod
+    def check_tools(req: GenerateRequest) -> None:
+        """``tools`` reach the model only through the chat template: refuse them with a prompt
+        the template never sees, rather than drop them silently."""
+        if not req.tools:
+            return
+        for i, prompt in enumerate(req.prompts):
+            if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+                kind = "text" if isinstance(prompt, str) else "token ids"
+                raise BadRequest(
+                    f"prompts[{i}] is {kind}, but tools apply only to chat-message prompts "
+                    "(the chat template renders them): send the prompt as chat messages, or "
+                    "leave tools out"
+                )
+
     async def generate(self, req: GenerateRequest) -> GenerateResponse:
         self.require_loaded()
         self.check_limits(req)
+        self.check_tools(req)
         prompt_ids = await asyncio.to_thread(self._tokenize, req)
         params = req.sampling()
         async with self.gate.read():
@@ -226,6 +249,8 @@ class RolloutService:
             version = self.version
             start = time.perf_counter()
             outputs = await self.engine.generate(prompt_ids, req.n, params)
+        if params.logprobs:
+            self._check_finite_logprobs(outputs, version)
         results = [
             PromptResult(
                 prompt_token_ids=ids,
@@ -244,6 +269,20 @@ class RolloutService:
         ]
         self._record_generation(results, time.perf_counter() - start)
         return GenerateResponse(results=results, weight_version=version)
+
+    @staticmethod
+    def _check_finite_logprobs(outputs: list[list[SampleOutput]], version: int) -> None:
+        """JSON has no NaN/inf (they would go out as null and break ``list[float]``): weights
+        holding NaN/inf make every log-prob NaN. Log-probs are <= 0, so a finite list sums to a
+        finite number, and one ``sum`` per sample finds a NaN or an inf."""
+        for i, samples in enumerate(outputs):
+            for o in samples:
+                if not math.isfinite(sum(o.logprobs)):
+                    raise NonFiniteWeights(
+                        f"the served weights (version {version}) produce non-finite log-probs "
+                        f"(NaN or inf) for prompts[{i}]: they hold NaN/inf values; load finite "
+                        "weights (an update over NCCL or CUDA IPC is not scanned for them)"
+                    )
 
     def _record_generation(self, results: list[PromptResult], seconds: float) -> None:
         m = self.metrics
@@ -297,15 +336,23 @@ class RolloutService:
                 "/weights/nccl/commit first (or /weights/nccl/init, which drops it)"
             )
 
-    def validate(self, tensors: Mapping[str, torch.Tensor]) -> int:
-        return validate_tensors(tensors, self.engine.weight_metadata())
-
     async def apply_weights(
-        self, tensors: Mapping[str, torch.Tensor], version: int | None, transport: str
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        version: int | None,
+        transport: str,
+        *,
+        values_checked: bool = False,
     ) -> WeightUpdateResponse:
-        """Validate, then load under the pause; the version moves only if all of it loaded."""
+        """Validate, then load under the pause; the version moves only if all of it loaded.
+        ``values_checked``: staged buckets were already scanned for NaN/inf on arrival."""
         self._require_weights_awake()
-        num_bytes = await asyncio.to_thread(self.validate, tensors)
+        num_bytes = await asyncio.to_thread(
+            validate_tensors,
+            tensors,
+            self.engine.weight_metadata(),
+            check_values=not values_checked,
+        )
         async with self.gate.write():
             self._require_weights_awake()
             self._refuse_if_prepared("another weight update")
@@ -314,12 +361,13 @@ class RolloutService:
             await self.engine.load_weights(tensors.items())
             await self.engine.reset_prefix_cache()
             seconds = time.perf_counter() - start
-            self._set_version(new_version)
+            self._set_version(new_version, tensors)
         return self._record_update(transport, len(tensors), num_bytes, seconds, None)
 
-    def _set_version(self, version: int) -> None:
+    def _set_version(self, version: int, loaded: Iterable[str]) -> None:
+        """A whole update loaded: its tensors are no longer missing after a level-2 sleep."""
         self.version = version
-        self.weights_discarded = False
+        self.missing_weights.difference_update(loaded)
         self.metrics.weight_version.set(version)
 
     def _record_update(self, transport, num_tensors, num_bytes, seconds, checksum):
@@ -342,9 +390,14 @@ class RolloutService:
         self._require_weights_awake()
         async with self.gate.read():
             self._require_weights_awake()
-            return WeightChecksum(
-                weight_version=self.version, checksum=await self.engine.weights_checksum()
+            version, checksum = self.version, await self.engine.weights_checksum()
+        if not math.isfinite(checksum):  # JSON has no NaN/inf: it would go out as null
+            raise NonFiniteWeights(
+                f"the served weights (version {version}) hold non-finite values (NaN or inf), "
+                "so they have no checksum; load finite weights (an update over NCCL or CUDA IPC "
+                "is not scanned for them)"
             )
+        return WeightChecksum(weight_version=version, checksum=checksum)
 
     async def init_weight_group(self, request: NcclInitRequest) -> None:
         self.require_loaded()
@@ -495,7 +548,7 @@ class RolloutService:
             if not got.prefix_cache_reset:
                 await self.engine.reset_prefix_cache()
             seconds = time.perf_counter() - start
-            self._set_version(new_version)
+            self._set_version(new_version, (t.name for t in request.tensors))
         response = self._record_update(
             transport, len(request.tensors), num_bytes, seconds, got.checksum
         )
@@ -523,7 +576,7 @@ class RolloutService:
             self.sleep_level = max(self.sleep_level, level)
             self.asleep = {"weights", "kv_cache"}
             if level == 2:
-                self.weights_discarded = True
+                self.missing_weights = self.engine.required_weights()
             self.metrics.sleep_level.set(self.sleep_level)
         return self.sleep_status()
 

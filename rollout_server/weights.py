@@ -95,9 +95,15 @@ def _raise_problems(problems: list[str]) -> None:
 
 
 def validate_tensors(
-    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, TensorMeta]
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, TensorMeta],
+    *,
+    check_values: bool = True,
 ) -> int:
-    """Raise ``WeightsError`` naming every bad tensor; return the update's size in bytes."""
+    """Raise ``WeightsError`` naming every bad tensor; return the update's size in bytes.
+
+    ``check_values``: also refuse NaN/inf, which would load fine and then make every log-prob
+    NaN (one ``isfinite`` pass per floating tensor; off for tensors already checked)."""
     if not tensors:
         raise WeightsError("the update carries no tensors")
     problems = []
@@ -106,7 +112,27 @@ def validate_tensors(
         if problem:
             problems.append(problem)
     _raise_problems(problems)
+    if check_values:
+        _raise_problems([p for name, t in tensors.items() if (p := _non_finite(name, t))])
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _non_finite(name: str, t: torch.Tensor) -> str:
+    import torch
+
+    if not t.is_floating_point():
+        return ""
+    if t.element_size() == 1:  # isfinite is not implemented for float8_e4m3fn; fp16 is exact
+        t = t.to(torch.float16)
+    # One read, no mask: a NaN or inf makes the float32 sum non-finite. A finite sum proves
+    # every value finite; a non-finite one (an overflow, rarely) is counted exactly below.
+    if bool(torch.sum(t, dtype=torch.float32).isfinite()):
+        return ""
+    finite = torch.isfinite(t)
+    if bool(finite.all()):
+        return ""
+    bad = t.numel() - int(finite.sum())
+    return f"tensor {name!r} holds {bad} non-finite values (NaN or inf) of {t.numel()}"
 
 
 def validate_nccl_announce(

@@ -82,6 +82,9 @@ class SampleOutput:
 class TensorMeta:
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
     shape: tuple[int, ...]
+    # a tied alias of this other name (``lm_head.weight`` -> ``model.embed_tokens.weight``):
+    # an update may carry either, the learner sends the other (``named_parameters()`` order)
+    tied_to: str | None = None
 
 
 class HFTokenizerMixin:
@@ -162,6 +165,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def weight_metadata(self) -> dict[str, TensorMeta]:
         """Name -> dtype/shape of every tensor a weight update may carry (for validation)."""
+
+    def required_weights(self) -> set[str]:
+        """What sleep level 2 discards: the names a sync must load again before generating.
+        Every tensor of ``weight_metadata`` but tied aliases (the name they are tied to is the
+        one the learner sends; vLLM's loader skips a tied ``lm_head.weight``)."""
+        return {name for name, meta in self.weight_metadata().items() if meta.tied_to is None}
 
     @abc.abstractmethod
     async def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

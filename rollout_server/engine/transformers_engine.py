@@ -143,6 +143,7 @@ class TransformersEngine(HFTokenizerMixin, Engine):
             for name, t in model.state_dict().items()
         }
         self._param_names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        self._required = {n for n, _ in model.named_parameters()}  # tied ones once, no buffers
 
     async def close(self) -> None:
         if self._batcher is not None:
@@ -243,6 +244,10 @@ class TransformersEngine(HFTokenizerMixin, Engine):
 
     def weight_metadata(self) -> dict[str, TensorMeta]:
         return self._metadata
+
+    def required_weights(self) -> set[str]:
+        """Level 2 frees the parameters (buffers stay), tied ones once."""
+        return set(self._required)
 
     async def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         await self._run(self._copy_weights, list(tensors))

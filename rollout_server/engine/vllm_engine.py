@@ -184,8 +184,8 @@ def _flat_sampled_logprobs(flat: Any, token_ids: list[int]) -> list[float]:
 def hf_weight_metadata(
     model: str, dtype: str, trust_remote_code: bool = False
 ) -> dict[str, TensorMeta]:
-    """Checkpoint names and full shapes of the model's parameters (tied aliases included),
-    from its config on the meta device: no weights are read, nothing is allocated."""
+    """Checkpoint names and full shapes of the model's parameters (tied aliases included, with
+    ``tied_to``), from its config on the meta device: no weights are read, nothing is allocated."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -200,8 +200,9 @@ def hf_weight_metadata(
             ) from exc
         log.warning("weight metadata from the checkpoint files (%s)", exc)
         return checkpoint_metadata(Path(model), dtype)
+    first = {id(p): name for name, p in meta.named_parameters()}  # a tied one: its first name
     return {
-        name: TensorMeta(dtype, tuple(p.shape))
+        name: TensorMeta(dtype, tuple(p.shape), None if first[id(p)] == name else first[id(p)])
         for name, p in meta.named_parameters(remove_duplicate=False)
     }
 

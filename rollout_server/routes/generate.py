@@ -11,6 +11,7 @@ router = APIRouter(tags=["generate"])
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "a limit or the vocabulary was exceeded"},
+    500: {"model": ErrorResponse, "description": "the served weights give NaN/inf log-probs"},
     503: {"model": ErrorResponse, "description": "loading, asleep, or weights discarded"},
 }
 

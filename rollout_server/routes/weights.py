@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from fastapi import APIRouter, Query, Request
 
 from rollout_server.engine.base import UnsupportedError, WeightsError
-from rollout_server.errors import PayloadTooLarge, ServiceError
+from rollout_server.errors import ServiceError
 from rollout_server.protocol import (
     ErrorResponse,
     IpcUpdateRequest,
@@ -42,30 +42,16 @@ _BLOB = {
     }
 }
 _ERRORS = {
-    400: {"model": ErrorResponse, "description": "unknown name, wrong dtype/shape, bad payload"},
+    400: {
+        "model": ErrorResponse,
+        "description": "unknown name, wrong dtype/shape, NaN/inf, bad payload",
+    },
     409: {"model": ErrorResponse, "description": "stale version, weights asleep, bucket order"},
     413: {"model": ErrorResponse, "description": "body larger than max_body_mb"},
 }
 _UNSUPPORTED = {
     501: {"model": ErrorResponse, "description": "not supported by this engine or its settings"}
 }
-
-
-async def _read_body(request: Request, service: RolloutService) -> bytes:
-    """The raw body, refused with 413 past the limit (checked while streaming)."""
-    limit = service.limits.max_body_mb * 2**20
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(
-            f"body of {declared} bytes exceeds max_body_mb={service.limits.max_body_mb}"
-        )
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"body exceeds max_body_mb={service.limits.max_body_mb}")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 @contextlib.contextmanager
@@ -88,7 +74,7 @@ async def update(
     """A whole update in one safetensors body (``Content-Type: application/octet-stream``)."""
     with _counted(service, "http"):
         service.check_update_version(version)
-        blob = await _read_body(request, service)
+        blob = await request.body()
         tensors = await asyncio.to_thread(parse_safetensors, blob)
         return await service.apply_weights(tensors, version, transport="http")
 
@@ -111,7 +97,7 @@ async def bucket(
     """One bucket (a safetensors body), validated on arrival and staged on CPU."""
     with _counted(service, "http"):
         service.stager.get(update_id)
-        blob = await _read_body(request, service)
+        blob = await request.body()
         tensors = await asyncio.to_thread(parse_safetensors, blob, what=f"bucket {index}")
         service.stager.add_bucket(update_id, index, tensors, service.engine.weight_metadata())
         return {"index": index, "num_tensors": len(tensors)}
@@ -125,7 +111,9 @@ async def commit(request: WeightUpdateCommit, service: ServiceDep) -> WeightUpda
     again from ``/weights/begin``."""
     with _counted(service, "http"):
         staged = service.stager.take_complete(request.update_id, request.num_buckets)
-        return await service.apply_weights(staged.tensors(), staged.version, transport="http")
+        return await service.apply_weights(
+            staged.tensors(), staged.version, transport="http", values_checked=True
+        )
 
 
 @router.post("/abort", responses={404: {"model": ErrorResponse}})
@@ -146,7 +134,11 @@ async def load_file(request: WeightFileRequest, service: ServiceDep) -> WeightUp
 @router.get(
     "/checksum",
     response_model=WeightChecksum,
-    responses={409: {"model": ErrorResponse}} | _UNSUPPORTED,
+    responses={
+        409: {"model": ErrorResponse, "description": "weights asleep"},
+        500: {"model": ErrorResponse, "description": "the served weights hold NaN/inf"},
+    }
+    | _UNSUPPORTED,
 )
 async def checksum(service: ServiceDep) -> WeightChecksum:
     """A checksum of the weights being served, to compare with the learner's after a sync."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from pydantic import ValidationError
 
 from rollout_server.app import build_app
-from rollout_server.client import RolloutClient, RolloutHTTPError
+from rollout_server.client import RolloutAuthError, RolloutClient, RolloutHTTPError
 from rollout_server.protocol import GenerateRequest
 from rollout_server.settings import ServerSettings, check_model_ref, is_loopback
 
@@ -62,6 +64,49 @@ async def test_the_client_with_and_without_the_key(server):
         with pytest.raises(RolloutHTTPError) as err:
             await client.generate(request)
     assert err.value.status == 401
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "bEaReR"])
+def test_the_bearer_scheme_is_case_insensitive(server, scheme):
+    with httpx.Client(base_url=server.url) as http:
+        assert http.get("/ready", headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
+        wrong = http.get("/ready", headers={"Authorization": f"{scheme} nope"})
+    assert wrong.status_code == 401 and wrong.json()["detail"] == "invalid API key"
+
+
+@pytest.mark.parametrize("header", [KEY, f"Basic {KEY}", f"Token {KEY}", "Bearer"])
+def test_a_header_without_the_bearer_scheme_is_told_the_format(server, header):
+    with httpx.Client(base_url=server.url) as http:
+        r = http.get("/ready", headers={"Authorization": header})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    detail = r.json()["detail"]
+    assert detail == "malformed Authorization header: expected Authorization: Bearer <key>"
+
+
+@pytest.mark.parametrize(
+    ("key", "answer"), [(None, "missing API key"), ("nope", "invalid API key")]
+)
+async def test_wait_ready_fails_at_once_on_a_refused_key(server, key, answer):
+    async with RolloutClient(server.url, api_key=key) as client:
+        start = time.monotonic()
+        with pytest.raises(RolloutAuthError) as err:
+            await client.wait_ready(timeout_s=5, poll_s=0.05)
+    assert time.monotonic() - start < 2  # not the 5 s of polling a server that is not ready
+    message = str(err.value)
+    assert f"GET /ready -> HTTP 401: {answer}" in message
+    assert "rollout.api_key" in message and "ROLLOUT_API_KEY" in message
+    assert err.value.status == 401
+
+
+async def test_wait_ready_fails_at_once_on_a_403():
+    """A proxy in front of the server may answer 403: the key is as wrong as for a 401."""
+    client = RolloutClient("http://rollout.test")
+    await client.aclose()
+    forbidden = httpx.Response(403, json={"detail": "forbidden by the gateway"})
+    client._http = httpx.AsyncClient(transport=httpx.MockTransport(lambda _: forbidden))
+    async with client:
+        with pytest.raises(RolloutAuthError, match="HTTP 403: forbidden by the gateway; give"):
+            await client.wait_ready(timeout_s=5, poll_s=0.05)
 
 
 def test_the_key_comes_from_the_environment(monkeypatch):

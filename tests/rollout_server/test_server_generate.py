@@ -98,6 +98,8 @@ def _body(**overrides):
     return {"prompts": ["hi"], "max_tokens": 4, **overrides}
 
 
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
 BAD_INPUTS = [
     # (description, route, json body or raw bytes, status, words the detail must contain)
     ("n over the limit", "/generate", _body(n=9), 400, ["n=9", "limit of 8", "--max-n"]),
@@ -122,6 +124,8 @@ BAD_INPUTS = [
     ("seed a word", "/generate", _body(seed="abc"), 422, ["seed"]),
     ("unknown field", "/generate", _body(bogus=1), 422, ["bogus"]),
     ("stop id past the vocab", "/generate", _body(stop_token_ids=[100000]), 400, ["stop_token_ids"]),
+    ("tools with a text prompt", "/generate", _body(tools=[TOOL]), 400, ["prompts[0] is text", "tools apply only to chat-message prompts"]),
+    ("tools with token ids", "/generate", _body(prompts=[[{"role": "user", "content": "x"}], [97]], tools=[TOOL]), 400, ["prompts[1] is token ids", "chat-message prompts"]),
     ("bad chat role", "/generate", _body(prompts=[[{"role": "robot", "content": "x"}]]), 422, ["role"]),
     ("malformed JSON", "/generate", b'{"prompts": [', 422, ["malformed JSON at character 13"]),
     ("JSON array body", "/generate", b"[1, 2]", 422, ["body"]),

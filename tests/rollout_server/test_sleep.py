@@ -6,12 +6,14 @@ import asyncio
 
 import httpx
 import pytest
+from safetensors.torch import load_file, save
 
 from rollout_server.client import RolloutClient, RolloutHTTPError
 from rollout_server.protocol import GenerateRequest
 from rollout_server.settings import ServerSettings
 
 PROBE = GenerateRequest(prompts=["sleepy"], max_tokens=8, seed=0, ignore_eos=True)
+PROBE_JSON = PROBE.model_dump(mode="json")
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +93,60 @@ async def test_level_2_discards_weights_until_they_are_synced(client, tiny_model
     await client.load_weights_file(str(tiny_model_dir))
     assert (await client.ready()) == [True]
     assert await _probe(client) == before  # the synced weights are the original ones
+
+
+async def test_after_level_2_a_partial_update_keeps_generation_refused(client, tiny_model_dir):
+    """Level 2 zero-fills every parameter: an update of some of them must not make the server
+    serve on the others' zeros. Generation waits until each tensor has been loaded again, over
+    any transport and in any number of updates (the tied lm_head comes with the embedding)."""
+    weights = load_file(tiny_model_dir / "model.safetensors")
+    assert "lm_head.weight" not in weights  # tied: the checkpoint, like the learner, omits it
+    before = await _probe(client)
+    await client.sleep(2)
+    await client.wake_up()
+    async with httpx.AsyncClient(base_url=client.servers[0], timeout=60) as http:
+        norm = {"model.norm.weight": weights["model.norm.weight"]}
+        r = await http.post("/weights/update", content=save(norm))
+        assert r.status_code == 200, r.text
+        for path in ("/ready", "/generate"):
+            r = await (http.get(path) if path == "/ready" else http.post(path, json=PROBE_JSON))
+            assert r.status_code == 503, r.text
+            detail = r.json()["detail"]
+            total = len(weights)
+            assert f"{total - 1} of {total} tensors have not been loaded since" in detail
+            assert "'model.embed_tokens.weight'" in detail and "and " in detail
+    rest = [(n, t) for n, t in weights.items() if n != "model.embed_tokens.weight"]
+    await client.update_weights(rest, bucket_bytes=64 * 1024)  # all but one, in buckets
+    with pytest.raises(RolloutHTTPError) as err:
+        await client.generate(PROBE)
+    assert err.value.status == 503
+    assert "1 of" in err.value.detail and "('model.embed_tokens.weight')" in err.value.detail
+    assert (await client.ready()) == [False]
+    await client.update_weights(
+        [("model.embed_tokens.weight", weights["model.embed_tokens.weight"])]
+    )
+    assert (await client.ready()) == [True]
+    assert await _probe(client) == before
+
+
+def test_every_parameter_must_come_back_after_level_2_tied_ones_once(tiny_model_dir):
+    """What the service waits for after a level-2 sleep: on the transformers engine the
+    parameters (tied ones under their first name); on vLLM the checkpoint names but tied
+    aliases, which its loader skips."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout_server.engine.transformers_engine import TransformersEngine
+    from rollout_server.engine.vllm_engine import hf_weight_metadata
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    params = {n for n, _ in model.named_parameters()}
+    assert "lm_head.weight" not in params and "model.embed_tokens.weight" in params
+
+    engine = TransformersEngine(ServerSettings(model=str(tiny_model_dir)))
+    engine._load()
+    assert engine.required_weights() == params
+    assert "lm_head.weight" in engine.weight_metadata()  # an update may still name it
+
+    metadata = hf_weight_metadata(str(tiny_model_dir), "float32")
+    assert metadata["lm_head.weight"].tied_to == "model.embed_tokens.weight"
+    assert {n for n, m in metadata.items() if m.tied_to is None} == params

@@ -4,6 +4,7 @@ refused whole when anything is wrong, and never mixed into a generation."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -114,9 +115,23 @@ async def test_updates_change_outputs_and_bump_the_version(
     assert await _probe(client, models) == ("A", v0 + 11, tokens_a)
 
 
+def _chunked(data: bytes, chunk: int = 256 * 1024):
+    """A body sent with ``Transfer-Encoding: chunked`` (no Content-Length)."""
+
+    async def chunks():
+        for start in range(0, len(data), chunk):
+            yield data[start : start + chunk]
+
+    return chunks()
+
+
 def _bad_cases(states, tmp):
     """(name, method, path, kwargs, status, words) for requests that must be refused whole."""
     b = states["B"]
+    nan = dict(b) | {"model.norm.weight": torch.full((64,), float("nan"))}
+    inf = dict(b) | {"model.layers.1.mlp.up_proj.weight": torch.full((128, 64), float("inf"))}
+    save_file(inf, tmp / "inf.safetensors")
+    big_json = json.dumps({"prompts": ["x" * 3 * 2**20]}).encode()
     wrong_shape = dict(b) | {"model.embed_tokens.weight": torch.zeros(265, 32)}
     wrong_dtype = dict(b) | {"model.norm.weight": b["model.norm.weight"].to(torch.bfloat16)}
     unknown = dict(b) | {"model.layers.9.mlp.up_proj.weight": torch.zeros(128, 64)}
@@ -133,6 +148,11 @@ def _bad_cases(states, tmp):
         ("empty body", blob, {"content": b""}, 400, ["empty"]),
         ("too large", blob, {"content": b"\x00" * (2 * 2**20)}, 413, ["max_body_mb=1"]),
         ("too large JSON", "/generate", {"json": {"prompts": ["x" * 2**21]}}, 413, ["max_body_mb=1"]),
+        ("too large chunked JSON", "/generate", {"content": _chunked(big_json), "headers": {"Content-Type": "application/json"}}, 413, ["max_body_mb=1"]),
+        ("too large chunked", blob, {"content": _chunked(b"\x00" * (2 * 2**20))}, 413, ["max_body_mb=1"]),
+        ("too large chunked OpenAI", "/v1/completions", {"content": _chunked(big_json)}, 413, ["max_body_mb=1"]),
+        ("NaN tensor", blob, {"content": save(nan)}, 400, ["'model.norm.weight' holds 64 non-finite values (NaN or inf)"]),
+        ("inf in a file", "/weights/load_file", {"json": {"path": str(tmp / "inf.safetensors")}}, 400, ["'model.layers.1.mlp.up_proj.weight' holds 8192 non-finite"]),
         ("stale version", blob + "?version=0", {"content": save(b)}, 409, ["version=0"]),
         ("missing file", "/weights/load_file", {"json": {"path": str(tmp / "nope")}}, 400, ["no such file"]),
         ("no files in dir", "/weights/load_file", {"json": {"path": str(tmp / "empty_dir")}}, 400, ["no .safetensors"]),
@@ -145,7 +165,8 @@ def _bad_cases(states, tmp):
 
 BAD_NAMES = [
     "unknown name", "wrong shape", "wrong dtype", "truncated", "garbage", "empty body",
-    "too large", "too large JSON", "stale version", "missing file", "no files in dir", "truncated file",
+    "too large", "too large JSON", "too large chunked JSON", "too large chunked",
+    "too large chunked OpenAI", "NaN tensor", "inf in a file", "stale version", "missing file", "no files in dir", "truncated file",
     "wrong-shape file", "unknown update id", "commit unknown id",
 ]  # fmt: skip
 
@@ -162,7 +183,7 @@ async def test_bad_updates_leave_outputs_and_version_unchanged(
         assert r.status_code == status, r.text
         for word in words:
             assert word in r.json()["detail"], r.json()["detail"]
-        # every refusal by a weight route is counted (a body over the limit never reaches one)
+        # every refusal by a weight route is counted (not a body over the size limit)
         counted = path.startswith("/weights/") and status != 413
         assert await _refused(http) == refused + counted
     assert await _probe(client, models) == before
@@ -286,3 +307,44 @@ async def test_the_checksum_route_tells_which_weights_serve(client, states, mode
         (got,) = await client.weights_checksum()
         assert got.weight_version == resp.weight_version
         assert got.checksum == pytest.approx(want[name], rel=1e-9), name
+
+
+async def test_chunked_bodies_under_the_limit_are_served(client, states, models):
+    """A body without a Content-Length is counted as it streams, not refused."""
+    body = json.dumps({"prompts": ["chunked"], "max_tokens": 2}).encode()
+    async with httpx.AsyncClient(base_url=client.servers[0], timeout=60) as http:
+        json_type = {"Content-Type": "application/json"}
+        r = await http.post("/generate", content=_chunked(body, chunk=8), headers=json_type)
+        assert r.status_code == 200, r.text
+        version = await _version(client)
+        r = await http.post("/weights/update", content=_chunked(save(states["A"])))
+        assert r.status_code == 200 and r.json()["weight_version"] == version + 1, r.text
+    assert (await _probe(client, models))[0] == "A"
+
+
+async def test_weights_holding_nan_answer_500_not_null_log_probs(
+    client, server, states, models, tiny_model_dir
+):
+    """NaN weights can still arrive where nothing scans them (NCCL, CUDA IPC): generation then
+    answers a 500 that says so rather than log-probs of null, which break ``list[float]``; the
+    checksum answers the same instead of null. Loading finite weights heals the server."""
+    await client.load_weights_file(str(tiny_model_dir))
+    version = await _version(client)
+    norm = server.service.engine.model.get_parameter("model.norm.weight")
+    norm.data.fill_(float("nan"))  # the server is idle: as if an NCCL update had carried it
+    try:
+        async with httpx.AsyncClient(base_url=client.servers[0], timeout=60) as http:
+            r = await http.post("/generate", json={"prompts": ["nan"], "max_tokens": 3})
+            assert r.status_code == 500, r.text
+            detail = r.json()["detail"]
+            assert f"served weights (version {version}) produce non-finite log-probs" in detail
+            r = await http.post("/v1/completions", json={"prompt": "nan", "logprobs": 0})
+            assert r.status_code == 500 and "non-finite log-probs" in r.json()["error"]["message"]
+            r = await http.get("/weights/checksum")
+            assert r.status_code == 500, r.text
+            assert "hold non-finite values (NaN or inf)" in r.json()["detail"]
+    finally:
+        await client.load_weights_file(str(tiny_model_dir))
+    assert (await _probe(client, models))[0] == "A"
+    (checksum,) = await client.weights_checksum()
+    assert checksum.weight_version == version + 1

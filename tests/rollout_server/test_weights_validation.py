@@ -70,6 +70,46 @@ def test_validation_lists_every_bad_tensor():
         validate_tensors(bad, META)
 
 
+def test_non_finite_values_are_refused_by_tensor_name():
+    nan_norm = torch.tensor([1.0, float("nan"), float("nan"), 2.0])
+    inf_embed = torch.ones(10, 4)
+    inf_embed[3, 1] = float("-inf")
+    with pytest.raises(WeightsError) as err:
+        validate_tensors(
+            {"model.norm.weight": nan_norm, "model.embed_tokens.weight": inf_embed}, META
+        )
+    assert "tensor 'model.norm.weight' holds 2 non-finite values (NaN or inf) of 4" in str(
+        err.value
+    )
+    assert "tensor 'model.embed_tokens.weight' holds 1 non-finite values" in str(err.value)
+    # values already scanned (staged buckets at commit) are not scanned again
+    assert validate_tensors({"model.norm.weight": nan_norm}, META, check_values=False) == 16
+    # a bucket is scanned on arrival
+    stager = WeightStager()
+    uid = stager.begin(version=None)
+    with pytest.raises(WeightsError, match=r"'model\.norm\.weight' holds 2 non-finite"):
+        stager.add_bucket(uid, 0, {"model.norm.weight": nan_norm}, META)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]
+)
+def test_non_finite_values_are_found_in_every_float_dtype(dtype):
+    meta = {"w": TensorMeta(str(dtype).removeprefix("torch."), (3,))}
+    assert (
+        validate_tensors({"w": torch.ones(3).to(dtype)}, meta)
+        == 3 * torch.ones(3).to(dtype).element_size()
+    )
+    bad = torch.tensor([1.0, float("nan"), 1.0]).to(dtype)
+    with pytest.raises(WeightsError, match="'w' holds 1 non-finite"):
+        validate_tensors({"w": bad}, meta)
+
+
+def test_integer_tensors_are_not_scanned():
+    meta = {"steps": TensorMeta("int64", (2,))}
+    assert validate_tensors({"steps": torch.tensor([1, 2])}, meta) == 16
+
+
 def test_files_and_directories(tmp_path):
     save_file({"model.norm.weight": torch.ones(4)}, tmp_path / "a.safetensors")
     save_file({"model.embed_tokens.weight": torch.ones(10, 4)}, tmp_path / "b.safetensors")
