@@ -21,13 +21,7 @@ from rewards.scoring import (
     RewardStuckError,
     RewardTimeoutError,
 )
-
-PROMPTS = ["p0", "p1", "p2"]
-COMPLETIONS = ["a", "bb", "ccc"]
-
-
-def length(prompts, completions, **columns):
-    return [float(len(c)) for c in completions]
+from tests.rewards.test_scoring import COMPLETIONS, PROMPTS, length
 
 
 @pytest.fixture
