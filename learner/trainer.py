@@ -354,11 +354,8 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                         state.weight_version,
                     )
                 if world > 1:  # every rank must take the same branch below
-                    staleness = int(
-                        accelerator.reduce(
-                            torch.tensor(staleness, device=accelerator.device), reduction="max"
-                        )
-                    )
+                    mine = torch.tensor([staleness], device=accelerator.device)
+                    staleness = int(accelerator.gather(mine).max())
                 if staleness > cfg.rollout.max_staleness:
                     if not _servers_reset(accelerator, loop, client, state.weight_version):
                         raise StalenessError(
