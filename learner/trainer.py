@@ -354,8 +354,8 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                         state.weight_version,
                     )
                 if world > 1:  # every rank must take the same branch below
-                    mine = torch.tensor([staleness], device=accelerator.device)
-                    staleness = int(accelerator.gather(mine).max())
+                    own = torch.tensor([staleness], device=accelerator.device)
+                    staleness = int(accelerator.gather(own).max())
                 if staleness > cfg.rollout.max_staleness:
                     if not _servers_reset(accelerator, loop, client, state.weight_version):
                         raise StalenessError(
