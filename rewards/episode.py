@@ -212,7 +212,9 @@ async def run_episode(
         expired = deadline.expired()
         res.error = f"episode timed out after {timeout_s:g} s" if expired else f"TimeoutError: {e}"
         res.stop_reason = "error"
-    except Exception as e:
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # environment code; SystemExit & co. must not kill the loop
         res.error = f"{type(e).__name__}: {e}"
         res.stop_reason = "error"
     finally:
@@ -220,7 +222,9 @@ async def run_episode(
             try:
                 async with asyncio.timeout(timeout_s):  # a hung teardown must not hang the batch
                     await env.teardown()
-            except Exception as e:
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
                 res.error = res.error or f"teardown failed: {type(e).__name__}: {e}"
     res.reward = 0.0 if res.error else reduce_rewards(res.step_rewards, reward_reduce)
     return res

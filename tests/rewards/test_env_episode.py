@@ -53,6 +53,8 @@ class GuessEnv(Environment):
         self.events.append(("guess", self.task["key"], args.number))
         if self.task.get("fail") == "tool":
             raise ValueError("the grader crashed")
+        if self.task.get("fail") == "exit":  # environment code that calls sys.exit
+            raise SystemExit(3)
         hit = args.number == self.task["target"]
         return ToolResult(text="right" if hit else "wrong", reward=float(hit), finished=hit)
 
@@ -255,6 +257,17 @@ async def test_faults_are_per_episode_and_teardown_always_runs(chat, scripted):
     assert bad_setup.error == "RuntimeError: no sandbox today" and bad_setup.completion_ids == []
     teardowns = {e[1] for e in GuessEnv.events if e[0] == "teardown"}
     assert teardowns == {"ok", "bad-tool", "bad-setup"}
+
+
+async def test_a_tool_that_exits_fails_its_episode_only(chat, scripted):
+    """SystemExit from a tool must not escape: in the learner it would end the event loop
+    that every later step waits on."""
+    tasks = [{"key": "ok", "target": 1}, {"key": "exits", "target": 1, "fail": "exit"}]
+    generate = scripted({t["key"]: [call("guess", number=1)] for t in tasks})
+    ok, exits = await run_episodes(GuessEnv, tasks, generate, chat, max_turns=2)
+    assert ok.error is None and ok.reward == 1.0
+    assert exits.error == "SystemExit: 3" and exits.reward == 0.0
+    assert {e[1] for e in GuessEnv.events if e[0] == "teardown"} == {"ok", "exits"}
 
 
 async def test_generate_failure_is_raised_after_teardown(tokenizer, chat, scripted):
