@@ -58,7 +58,12 @@ from learner.train_step import (
     train_on,
 )
 from rewards.scoring import RewardRunner, RewardSpec
-from rollout_server.client import RolloutClient
+from rollout_server.client import (
+    RolloutClient,
+    RolloutError,
+    RolloutHTTPError,
+    RolloutUnavailableError,
+)
 from rollout_server.protocol import InfoResponse, Limits
 from rollout_server.settings import check_model_ref
 
@@ -518,13 +523,53 @@ def _sync(
     hf_model = accelerator.unwrap_model(policy).model
     with torch.no_grad():
         if accelerator.is_main_process:
-            answers = loop.run(syncer.push(hf_model))
+            answers = _push(accelerator, loop, syncer, hf_model)
             version = [min(a.weight_version for a in answers)]
         else:
             syncer.follow(hf_model)
     broadcast_object_list(version, from_process=0)
     state.weight_version = int(version[0])
     accelerator.wait_for_everyone()  # no rank generates before every server has the new weights
+
+
+SYNC_ATTEMPTS = 3
+
+
+def _push(
+    accelerator: Accelerator, loop: EventLoopThread, syncer: WeightSyncer, hf_model: Any
+) -> list[Any]:
+    """Push the weights; when a server could not be reached (it restarts, say), wait until the
+    servers are ready and push again, up to ``SYNC_ATTEMPTS`` times. Not for NCCL (its group
+    would have to be formed again) nor under ZeRO-3 (the other ranks' gathers follow one push)."""
+    ds = accelerator.state.deepspeed_plugin
+    retry = syncer.cfg.sync != "nccl" and (ds is None or ds.zero_stage != 3)
+    for attempt in range(1, SYNC_ATTEMPTS):
+        try:
+            return loop.run(syncer.push(hf_model))
+        except RolloutError as e:
+            if not retry or not _server_went_away(e):
+                raise
+            logger.warning(
+                "weight sync failed (%s); waiting for the rollout servers, then syncing again "
+                "(attempt %d of %d)",
+                e,
+                attempt + 1,
+                SYNC_ATTEMPTS,
+            )
+            loop.run(syncer.client.wait_ready(syncer.cfg.ready_timeout_s))
+    return loop.run(syncer.push(hf_model))
+
+
+def _server_went_away(e: BaseException | None) -> bool:
+    """Whether a failed sync failed because a server was unreachable or lost the update it had
+    staged (a restart), rather than because it refused the weights."""
+    while e is not None:
+        if isinstance(e, RolloutUnavailableError) or (
+            isinstance(e, RolloutHTTPError) and e.status == 404
+        ):
+            return True
+        e = e.__cause__
+    return False
 
 
 def rows_fingerprint(rows: list[dict[str, Any]]) -> int:

@@ -440,8 +440,8 @@ def test_a_config_over_the_servers_limits_stops_before_any_step(
 
 def test_a_restarted_server_gets_the_weights_again_and_the_run_goes_on(tmp_path, tiny_model_dir):
     """The external server is SIGKILLed after step 2 and started again on its port: it serves
-    its base weights (version 0), so the learner syncs again and regenerates that step's
-    prompts; the run ends with every step and the data order unchanged."""
+    its base weights (version 0), so the learner syncs again (and regenerates the prompts it
+    was generating); the run ends with every step and the data order unchanged."""
     from learner.embedded import free_port
 
     port = free_port()
@@ -479,8 +479,27 @@ def test_a_restarted_server_gets_the_weights_again_and_the_run_goes_on(tmp_path,
         server.kill()
         server.wait()
     assert learner.returncode == 0, err[-3000:]
-    assert "(restarted?): syncing again" in err
+    # killed while generating: the samples come back at version 0, the learner syncs again and
+    # regenerates; killed while syncing or training: the sync waits for the server and retries
+    assert "(restarted?): syncing again" in err or "waiting for the rollout servers" in err
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert [r["staleness"] for r in records] == [0.0] * 5
     assert [int(r["data/fingerprint"]) for r in records] == _expected_fingerprints(5)
+
+
+def test_a_sync_is_retried_only_when_a_server_went_away():
+    from learner.trainer import _server_went_away
+    from rollout_server.client import RolloutHTTPError, RolloutUnavailableError, WeightSyncError
+
+    def wrapped(cause: Exception) -> WeightSyncError:
+        try:
+            raise WeightSyncError("http://s", "update aborted") from cause
+        except WeightSyncError as e:
+            return e
+
+    gone = RolloutUnavailableError("http://s", "POST /weights/begin failed to connect")
+    lost = RolloutHTTPError("http://s", "POST", "/weights/bucket", 404, "no open weight update")
+    refused = RolloutHTTPError("http://s", "POST", "/weights/commit", 400, "unknown tensor")
+    assert _server_went_away(wrapped(gone)) and _server_went_away(wrapped(lost))
+    assert not _server_went_away(wrapped(refused))
