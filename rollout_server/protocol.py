@@ -37,7 +37,12 @@ PromptInput = Annotated[
 
 
 class SamplingParams(_Model):
-    """Sampling parameters, with vLLM's meaning. ``top_k`` <= 0 and ``min_p`` = 0 disable them."""
+    """Sampling parameters, with vLLM's meaning. ``top_k`` <= 0 and ``min_p`` = 0 disable them.
+
+    Strict types (JSON's, with ints allowed where floats are meant): ``"n": true`` or
+    ``"max_tokens": 2.0`` is a 422, not a silent 1 or 2."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
