@@ -104,8 +104,8 @@ async def test_stop_iteration_from_a_thread_is_an_error_not_a_timeout():
     assert time.perf_counter() - t0 < 2.0
 
 
-async def test_cancelling_the_runner_is_not_swallowed():
-    cleaned = threading.Event()
+def _sleeps_until_cancelled(cleaned: threading.Event):
+    """An async reward that sleeps until it is cancelled, then sets ``cleaned``."""
 
     async def slow(prompts, completions):
         try:
@@ -113,6 +113,12 @@ async def test_cancelling_the_runner_is_not_swallowed():
         finally:
             cleaned.set()
 
+    return slow
+
+
+async def test_cancelling_the_runner_is_not_swallowed():
+    cleaned = threading.Event()
+    slow = _sleeps_until_cancelled(cleaned)
     runner = RewardRunner([RewardSpec(name="slow")], funcs={"slow": slow}, policy="none")
     task = asyncio.create_task(runner.score(PROMPTS, COMPLETIONS))
     await asyncio.sleep(0.1)
@@ -162,13 +168,7 @@ async def test_timed_out_async_reward_is_cancelled_on_its_loop():
     """A well-behaved async reward is cancelled at the timeout (so the code reward can kill its
     sandbox), not left running."""
     cleaned = threading.Event()
-
-    async def slow(prompts, completions):
-        try:
-            await asyncio.sleep(3600)
-        finally:
-            cleaned.set()
-
+    slow = _sleeps_until_cancelled(cleaned)
     runner = RewardRunner([RewardSpec(name="slow")], funcs={"slow": slow}, timeout_s=0.2)
     with pytest.raises(RewardTimeoutError):
         await runner.score(PROMPTS, COMPLETIONS)
