@@ -11,6 +11,8 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from pydantic import BaseModel
 
+from learner.checkpoint import latest_checkpoint
+
 if TYPE_CHECKING:
     from learner.config import ModelConfig
 
@@ -79,8 +81,6 @@ def check_fresh_run_dir(run_dir: Path) -> None:
     """A run without ``--resume`` must not start in a directory that holds another run: its
     metrics would mix with the old ones, checkpoint rotation would delete the new checkpoints
     and keep the old ones, and a later ``--resume`` would continue the old run."""
-    from learner.checkpoint import latest_checkpoint
-
     found = latest_checkpoint(run_dir)
     metrics = run_dir / "metrics.jsonl"
     if found is None and metrics.is_file() and metrics.stat().st_size:

@@ -158,7 +158,7 @@ def train_on(
     # loss and metrics summed on the device, read back once at the end: a read per micro-batch
     # would make the host wait for the GPU before it may queue the next micro-batch's work
     sums: dict[str, torch.Tensor | float] = {}
-    grad_norm = torch.tensor(0.0)
+    grad_norm = 0.0
     total_loss = torch.zeros((), dtype=torch.float64, device=dev)
     for _ in range(opts.num_iterations):
         for i, b in enumerate(batches):
@@ -216,16 +216,14 @@ def train_on(
                     sums[k] = sums.get(k, 0.0) + add
         if engine is not None:  # clips with the DeepSpeed config's gradient_clipping
             engine.step()
-            grad_norm = torch.tensor(float(engine.get_global_grad_norm() or 0.0))
+            grad_norm = float(engine.get_global_grad_norm() or 0.0)
         else:
-            grad_norm = torch.tensor(
-                step_if_finite(accelerator, policy, optimizer, opts.max_grad_norm)
-            )
+            grad_norm = step_if_finite(accelerator, policy, optimizer, opts.max_grad_norm)
         clock.lap("optimizer")
     local_w = max(1.0, float(local_tokens)) * opts.num_iterations
     out = {k: float(v) / local_w for k, v in sums.items()}
     out["loss"] = float(total_loss) / opts.num_iterations
-    out["grad_norm"] = float(grad_norm)
+    out["grad_norm"] = grad_norm
     out["tokens/trained"] = global_tokens
     out["tokens/padded"] = float(sum(b.input_ids.numel() for b in batches))
     for phase, secs in clock.seconds().items():  # where the train phase went

@@ -23,7 +23,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -313,7 +313,8 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 max_retries=cfg.rollout.max_retries,
             )
             loop.run(client.wait_ready(cfg.rollout.ready_timeout_s))
-            check_server_limits(cfg, loop.run(client.info()), cfg.rollout.servers)
+            infos = loop.run(client.info())
+            check_server_limits(cfg, infos, cfg.rollout.servers)
             syncer = WeightSyncer(cfg.rollout, client, device=accelerator.device)
             if accelerator.is_main_process:  # before the first generation: see connect()
                 loop.run(syncer.connect())
@@ -321,7 +322,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             # (an embedded server already starts from the SFT's).
             resync = ckpt is not None or (cfg.sft is not None and bool(cfg.rollout.servers))
             if cfg.rollout.servers and not resync:  # a server another learner already updated
-                resync = _servers_updated(accelerator, loop, client)
+                resync = _main_decides(accelerator, lambda: _updated_by_another(infos))
             if resync:
                 _sync(accelerator, loop, syncer, policy, state)
             per_rank = cfg.grpo.prompts_per_step // world
@@ -362,7 +363,10 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     own = torch.tensor([staleness], device=accelerator.device)
                     staleness = int(accelerator.gather(own).max())
                 if staleness > cfg.rollout.max_staleness:
-                    if not _servers_reset(accelerator, loop, client, state.weight_version):
+                    if not _main_decides(
+                        accelerator,
+                        lambda: _restarted(loop.run(client.info()), state.weight_version),
+                    ):
                         raise StalenessError(
                             f"samples {staleness} versions old, bound {cfg.rollout.max_staleness}"
                         )
@@ -470,45 +474,41 @@ def _may_prepare(cfg: Any, accelerator: Accelerator, pending: Any) -> bool:
     )
 
 
-def _servers_updated(
-    accelerator: Accelerator, loop: EventLoopThread, client: RolloutClient
-) -> bool:
-    """Whether the external rollout servers serve other weights than the ones they loaded (a
-    weight version above 0: an earlier or another learner updated them). A fresh run then syncs
-    its own weights before the first generation instead of training on another run's samples."""
-    flag = [False]
-    if accelerator.is_main_process:
-        versions = [info.weight_version for info in loop.run(client.info())]
-        if any(versions):
-            logger.warning(
-                "the rollout servers serve weight versions %s, not the weights they loaded: "
-                "syncing this learner's weights before the first generation",
-                versions,
-            )
-            flag = [True]
+def _main_decides(accelerator: Accelerator, decide: Callable[[], bool]) -> bool:
+    """``decide()`` on the main process, its answer on every rank: the collective weight sync
+    that may follow must be entered by all ranks or by none."""
+    flag = [decide() if accelerator.is_main_process else False]
     broadcast_object_list(flag, from_process=0)
     return bool(flag[0])
 
 
-def _servers_reset(
-    accelerator: Accelerator, loop: EventLoopThread, client: RolloutClient, version: int
-) -> bool:
+def _updated_by_another(infos: list[InfoResponse]) -> bool:
+    """Whether external rollout servers serve other weights than the ones they loaded (a weight
+    version above 0: an earlier or another learner updated them). A fresh run then syncs its own
+    weights before the first generation instead of training on another run's samples."""
+    versions = [info.weight_version for info in infos]
+    if any(versions):
+        logger.warning(
+            "the rollout servers serve weight versions %s, not the weights they loaded: "
+            "syncing this learner's weights before the first generation",
+            versions,
+        )
+    return any(versions)
+
+
+def _restarted(infos: list[InfoResponse], version: int) -> bool:
     """Whether a rollout server serves an older weight version than the learner last synced
     (it restarted, or lost its weights): the learner then syncs again instead of failing on
     stale samples."""
-    flag = [False]
-    if accelerator.is_main_process:
-        versions = [info.weight_version for info in loop.run(client.info())]
-        if min(versions) < version:
-            logger.warning(
-                "a rollout server serves weight version %d, older than the %d this learner "
-                "synced (restarted?): syncing again and generating this step's prompts again",
-                min(versions),
-                version,
-            )
-            flag = [True]
-    broadcast_object_list(flag, from_process=0)
-    return bool(flag[0])
+    oldest = min(info.weight_version for info in infos)
+    if oldest < version:
+        logger.warning(
+            "a rollout server serves weight version %d, older than the %d this learner "
+            "synced (restarted?): syncing again and generating this step's prompts again",
+            oldest,
+            version,
+        )
+    return oldest < version
 
 
 def _sync(
