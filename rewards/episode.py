@@ -15,6 +15,16 @@ final answer and goes to the terminal tool to be graded.
 Faults: an environment that raises (in setup, a tool, the prompt) ends its episode with ``error``
 set, and the rest of the batch goes on. A failing ``generate`` is not the environment's fault:
 it is raised once every episode of the batch has ended. ``teardown`` always runs.
+
+Threads: each episode runs on an event loop of its own, in a daemon thread of its own, and its
+``generate`` calls are handed back to the caller's loop (where the rollout client lives). So an
+environment that blocks its loop (``time.sleep`` or a blocking HTTP call inside an ``async def``)
+holds up its own episode only: the others go on concurrently and its timeout still fires. One
+that stays blocked past the timeout is abandoned in its thread (its ``teardown`` cannot run) and
+counted; past ``max_abandoned`` of one environment still blocked, ``run_episodes`` refuses to
+start more (``EnvironmentStuckError``) instead of leaking threads step after step. Because every
+episode has a new loop, environments must not share loop-bound objects (``asyncio`` locks,
+an ``httpx.AsyncClient``) across episodes: make them in ``setup``.
 """
 
 from __future__ import annotations
@@ -22,11 +32,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rewards._threads import call_maybe_async
+from rewards._threads import call_maybe_async, start_in_daemon_thread
 from rewards.builtin._text import strip_reasoning
 from rewards.chat import ChatFormat, HFChatFormat
 from rewards.env import Environment
@@ -34,11 +45,13 @@ from rewards.toolcalls import MalformedCall, parse_tool_calls
 
 __all__ = [
     "ChatFormat",
+    "EnvironmentStuckError",
     "EpisodeResult",
     "GenerateFn",
     "Generation",
     "GenerationFailed",
     "HFChatFormat",
+    "abandoned_episodes",
     "reduce_rewards",
     "run_episode",
     "run_episodes",
@@ -89,6 +102,34 @@ class EpisodeResult:
 
 class GenerationFailed(RuntimeError):
     """``generate`` raised or returned something inconsistent; not the environment's fault."""
+
+
+class EnvironmentStuckError(RuntimeError):
+    """More than ``max_abandoned`` episodes of one environment outlived their timeout blocked in
+    their threads, and are blocked still."""
+
+
+TEARDOWN_LIMIT_S = 30.0
+"""The most a ``teardown`` gets after its episode timed out (at most the episode timeout)."""
+
+MAX_ABANDONED_EPISODES = 32
+"""How many timed-out episodes of one environment may still be blocked in their threads before
+``run_episodes`` refuses to start more (``run_episodes(max_abandoned=...)``)."""
+
+_GRACE_S = 1.0  # the caller waits this much past the episode's own limits before abandoning it
+_abandoned: dict[Any, list[threading.Thread]] = {}
+
+
+def abandoned_episodes(env_factory: EnvFactory) -> int:
+    """How many timed-out episodes of ``env_factory`` are still blocked in their threads."""
+    alive = [t for t in _abandoned.pop(env_factory, []) if t.is_alive()]
+    if alive:
+        _abandoned[env_factory] = alive
+    return len(alive)
+
+
+def _factory_name(env_factory: EnvFactory) -> str:
+    return getattr(env_factory, "__qualname__", None) or type(env_factory).__name__
 
 
 def reduce_rewards(step_rewards: list[float | None], how: RewardReduce) -> float:
@@ -187,6 +228,10 @@ async def _play(
             return
 
 
+def _teardown_limit(timeout_s: float | None) -> float | None:
+    return None if timeout_s is None else min(timeout_s, TEARDOWN_LIMIT_S)
+
+
 async def run_episode(
     env_factory: EnvFactory,
     task: dict[str, Any],
@@ -198,7 +243,56 @@ async def run_episode(
     max_tokens: int | None = None,
     timeout_s: float | None = None,
 ) -> EpisodeResult:
-    """One episode; see ``run_episodes``."""
+    """One episode on a loop of its own in a daemon thread; see ``run_episodes``."""
+    caller = asyncio.get_running_loop()
+
+    async def generate_on_caller(ids: list[int]) -> Generation:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(generate(ids), caller))
+
+    call = start_in_daemon_thread(
+        _play_episode,
+        env_factory,
+        task,
+        generate_on_caller,
+        chat,
+        max_turns=max_turns,
+        reward_reduce=reward_reduce,
+        max_tokens=max_tokens,
+        timeout_s=timeout_s,
+    )
+    teardown = _teardown_limit(timeout_s)
+    limit = None if timeout_s is None or teardown is None else timeout_s + teardown + _GRACE_S
+    guard = asyncio.timeout(limit)
+    try:
+        async with guard:
+            return await call.future
+    except TimeoutError:
+        if not guard.expired():
+            raise
+    # its loop is blocked (its own timeout could not fire): cancelled there if it ever wakes
+    _abandoned.setdefault(env_factory, []).append(call.thread)
+    return EpisodeResult(
+        error=(
+            f"episode timed out after {timeout_s:g} s and was abandoned: its environment "
+            f"blocked its event loop (a blocking call inside an async def?), so neither the "
+            f"timeout nor teardown could run there"
+        ),
+        stop_reason="error",
+    )
+
+
+async def _play_episode(
+    env_factory: EnvFactory,
+    task: dict[str, Any],
+    generate: GenerateFn,
+    chat: ChatFormat,
+    *,
+    max_turns: int,
+    reward_reduce: RewardReduce,
+    max_tokens: int | None,
+    timeout_s: float | None,
+) -> EpisodeResult:
+    """The episode itself, on the loop of its thread."""
     res = EpisodeResult()
     env: Environment | None = None
     deadline = asyncio.timeout(timeout_s)
@@ -220,7 +314,8 @@ async def run_episode(
     finally:
         if env is not None:
             try:
-                async with asyncio.timeout(timeout_s):  # a hung teardown must not hang the batch
+                # a hung teardown must not hang the batch
+                async with asyncio.timeout(_teardown_limit(timeout_s)):
                     await env.teardown()
             except asyncio.CancelledError:
                 raise
@@ -241,15 +336,28 @@ async def run_episodes(
     max_tokens: int | None = None,
     max_concurrency: int | None = None,
     episode_timeout_s: float | None = None,
+    max_abandoned: int = MAX_ABANDONED_EPISODES,
 ) -> list[EpisodeResult]:
-    """Run one episode per task, concurrently (at most ``max_concurrency`` at once).
+    """Run one episode per task, concurrently (at most ``max_concurrency`` at once), each on an
+    event loop of its own in a daemon thread.
 
     ``env_factory_or_cls``: an ``Environment`` subclass or a callable that builds one from a
     task. ``max_turns``: generations per episode. ``max_tokens``: stop once the completion (tool
     tokens included) is this long. ``episode_timeout_s``: wall-clock limit of an episode (a hung
     environment ends its episode with an error instead of hanging the batch; generation time
-    counts too). Results are in task order.
+    counts too; ``teardown`` then gets at most ``TEARDOWN_LIMIT_S`` more). ``max_abandoned``:
+    how many timed-out episodes of this environment may still be blocked in their threads before
+    this refuses to start (``EnvironmentStuckError``). Results are in task order.
     """
+    stuck = abandoned_episodes(env_factory_or_cls)
+    if stuck > max_abandoned:
+        raise EnvironmentStuckError(
+            f"{stuck} timed-out episodes of {_factory_name(env_factory_or_cls)} are still "
+            f"blocked in their threads (more than max_abandoned={max_abandoned}): its code "
+            f"blocks (a blocking call inside an async def, or a deadlock) past the "
+            f"{episode_timeout_s} s episode timeout. Fix it, or raise the timeout "
+            f"(environment.episode_timeout_s)."
+        )
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns}; an episode needs at least one turn")
     if reward_reduce not in ("last", "sum", "mean"):

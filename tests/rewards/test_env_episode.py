@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import ClassVar
 
@@ -11,7 +12,13 @@ from pydantic import BaseModel, Field
 
 from rewards.chat import HFChatFormat
 from rewards.env import Environment, EnvironmentDefinitionError, ToolResult, get_tasks, tool
-from rewards.episode import GenerationFailed, reduce_rewards, run_episodes
+from rewards.episode import (
+    EnvironmentStuckError,
+    GenerationFailed,
+    abandoned_episodes,
+    reduce_rewards,
+    run_episodes,
+)
 from rewards.toolcalls import MalformedCall, ToolCall, parse_tool_calls
 
 
@@ -333,3 +340,90 @@ async def test_hung_environment_times_out_its_episode_only(chat, scripted):
     assert hung[0].error == "episode timed out after 0.5 s" and hung[0].stop_reason == "error"
     assert ok[0].error is None and ok[0].reward == 1.0
     assert ("teardown", "task-hang") in GuessEnv.events
+
+
+class BlockingEnv(GuessEnv):
+    """An async tool that blocks its event loop (a sync sleep inside ``async def``) until
+    ``release`` is set or ``block_s`` passes."""
+
+    release = threading.Event()
+    block_s = 0.0
+
+    @tool
+    async def guess(self, args: GuessArgs) -> ToolResult:
+        """Blocks the loop it runs on."""
+        self.release.wait(self.block_s)  # the mistake under test
+        return ToolResult(text="right", reward=1.0, finished=True)
+
+
+@pytest.fixture
+def blocking_env():
+    BlockingEnv.release.clear()
+    yield BlockingEnv
+    BlockingEnv.release.set()  # the abandoned threads end
+    deadline = time.monotonic() + 5
+    while abandoned_episodes(BlockingEnv) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+async def test_an_environment_that_blocks_its_loop_holds_up_its_own_episode_only(
+    chat, scripted, blocking_env
+):
+    """Four episodes whose tool blocks its loop for 0.4 s run side by side, not one after
+    another as they would on one shared loop."""
+    blocking_env.block_s = 0.4
+    tasks = [{"key": f"t{i}", "target": 1} for i in range(4)]
+    model = scripted({t["key"]: [call("guess", number=1)] for t in tasks})
+    t0 = time.perf_counter()
+    results = await run_episodes(blocking_env, tasks, model, chat, max_turns=2)
+    assert time.perf_counter() - t0 < 1.2
+    assert [r.reward for r in results] == [1.0] * 4 and not any(r.error for r in results)
+
+
+async def test_an_episode_blocked_past_its_timeout_is_abandoned_and_counted(
+    chat, scripted, blocking_env
+):
+    blocking_env.block_s = 60.0
+    model = scripted({"task": [call("guess", number=1)]})
+    t0 = time.perf_counter()
+    blocked, ok = await asyncio.gather(
+        run_episodes(
+            blocking_env,
+            [{"key": "task-b", "target": 1}],
+            model,
+            chat,
+            max_turns=2,
+            episode_timeout_s=0.3,
+            max_abandoned=0,
+        ),
+        run_episodes(
+            GuessEnv,
+            [{"key": "task-ok", "target": 1}],
+            model,
+            chat,
+            max_turns=2,
+            episode_timeout_s=0.3,
+        ),
+    )
+    # the episode's own limit (0.3 s) + teardown's (0.3 s) + the caller's grace (1 s)
+    assert time.perf_counter() - t0 < 3.0
+    assert blocked[0].stop_reason == "error" and blocked[0].reward == 0.0
+    assert "abandoned" in blocked[0].error and "async def" in blocked[0].error
+    assert ok[0].error is None and ok[0].reward == 1.0
+    assert abandoned_episodes(blocking_env) == 1
+    with pytest.raises(EnvironmentStuckError, match=r"1 timed-out episodes of BlockingEnv"):
+        await run_episodes(
+            blocking_env,
+            [{"key": "task-b", "target": 1}],
+            model,
+            chat,
+            max_turns=2,
+            episode_timeout_s=0.3,
+            max_abandoned=0,
+        )
+    blocking_env.release.set()  # it wakes, sees its cancellation, tears down and ends
+    deadline = time.monotonic() + 5
+    while abandoned_episodes(blocking_env) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert abandoned_episodes(blocking_env) == 0
+    assert ("teardown", "task-b") in GuessEnv.events
