@@ -19,16 +19,18 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout_server.errors import BadRequest
 from rollout_server.protocol import ChatMessage, GenerateRequest, GenerateResponse, Sample
 
 
 class _OpenAIRequest(BaseModel):
-    """Fields shared by both routes; vLLM's extra sampling fields included."""
+    """Fields shared by both routes; vLLM's extra sampling fields included. Strict types, as in
+    ``/generate`` and OpenAI's own API: ``"n": true`` or ``"temperature": "0.5"`` is a 422,
+    not a silent 1 or 0.5 (ints are taken where floats are meant)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     n: int = Field(1, ge=1)
@@ -78,10 +80,18 @@ class _OpenAIRequest(BaseModel):
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | bool | None = Field(None, ge=0, le=20, description="true means 1")
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_bool(cls, v: int | bool | None) -> int | None:
+        """Some clients send a bool: true asks for the sampled token's log-prob alone."""
+        if isinstance(v, bool):
+            return 1 if v else None
+        return v
 
     def to_generate(self, default_max_tokens: int) -> GenerateRequest:
         self._refuse_unsupported()

@@ -127,3 +127,24 @@ def test_hermes_tool_calls_are_parsed():
         "<tool_call>not json</tool_call>",
         [],
     )
+
+
+async def test_wrongly_typed_fields_are_refused_by_name(server):
+    """Strict types, as on /generate: no silent `true` -> 1 or "0.5" -> 0.5."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with httpx.AsyncClient(base_url=server.url, headers=headers) as http:
+        for body in ({"n": True}, {"temperature": "0.5"}, {"max_tokens": 2.5}):
+            r = await http.post("/v1/completions", json={"prompt": "x", **body})
+            assert r.status_code == 422, (body, r.text)
+            assert next(iter(body)) in r.json()["error"]["message"]
+        r = await http.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": True}
+        )
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == 2
+        r = await http.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": False}
+        )
+        assert r.json()["choices"][0]["logprobs"] is None
