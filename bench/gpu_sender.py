@@ -3,7 +3,7 @@
 Loads a model on this process's first GPU and sends it once. NCCL: joins the rollout server's
 weight group as rank 0 (or dies right after the first bucket, to test interrupted syncs). IPC
 (the server on this same GPU): shares the packed buckets (``--corrupt-handle`` sends a garbled
-handle, to test refused updates):
+handle, to test refused updates; ``--nan-tensor NAME`` puts a NaN into a parameter, either way):
 
     CUDA_VISIBLE_DEVICES=0 python bench/gpu_sender.py --url http://127.0.0.1:8000 \
         --model DIR --master-port 29612 [--perturb-seed 1] [--die-after-first-bucket]
@@ -92,6 +92,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from rollout_server.client import RolloutClient, WeightSyncError
 
     model = load_model(args.model, args.perturb_seed)
+    if args.nan_tensor:  # a refused update: one NaN in that parameter
+        with torch.no_grad():
+            dict(model.named_parameters())[args.nan_tensor].view(-1)[0] = float("nan")
     extra: dict[str, Any] = {}
     if args.transport == "ipc":
         from learner.sync.ipc import IpcWeightSender
@@ -207,6 +210,7 @@ def main() -> None:
     p.add_argument("--master-port", type=int, default=0, help="NCCL: the group's TCP port")
     p.add_argument("--corrupt-handle", action="store_true", help="IPC: send garbled handles")
     p.add_argument("--perturb-seed", type=int)
+    p.add_argument("--nan-tensor", help="put one NaN into this parameter (a refused update)")
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--timeout-s", type=float, default=60.0)
     p.add_argument("--die-after-first-bucket", action="store_true")

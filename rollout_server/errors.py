@@ -43,7 +43,7 @@ class Conflict(ServiceError):
 
 class NonFiniteWeights(ServiceError):
     """The served weights hold NaN/inf: a fault of the server's state (500), not of the request.
-    HTTP and file updates refuse them; NCCL and CUDA IPC updates are not scanned."""
+    Every update refuses them (HTTP, file, NCCL, CUDA IPC); they come with the startup checkpoint."""
 
     status_code = 500
 

@@ -280,8 +280,9 @@ class RolloutService:
                 if not math.isfinite(sum(o.logprobs)):
                     raise NonFiniteWeights(
                         f"the served weights (version {version}) produce non-finite log-probs "
-                        f"(NaN or inf) for prompts[{i}]: they hold NaN/inf values; load finite "
-                        "weights (an update over NCCL or CUDA IPC is not scanned for them)"
+                        f"(NaN or inf) for prompts[{i}]: they hold NaN/inf values, which came with "
+                        "the checkpoint the server started from (updates holding them are "
+                        "refused); load finite weights"
                     )
 
     def _record_generation(self, results: list[PromptResult], seconds: float) -> None:
@@ -394,8 +395,8 @@ class RolloutService:
         if not math.isfinite(checksum):  # JSON has no NaN/inf: it would go out as null
             raise NonFiniteWeights(
                 f"the served weights (version {version}) hold non-finite values (NaN or inf), "
-                "so they have no checksum; load finite weights (an update over NCCL or CUDA IPC "
-                "is not scanned for them)"
+                "so they have no checksum: they came with the checkpoint the server started from "
+                "(updates holding them are refused); load finite weights"
             )
         return WeightChecksum(weight_version=version, checksum=checksum)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +26,7 @@ from rollout_server.errors import Conflict, NotFound
 if TYPE_CHECKING:
     import torch
 
+    from rollout_server.nccl_wire import Bucket
     from rollout_server.protocol import IpcUpdateRequest, NcclUpdateRequest
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,36 @@ def _non_finite(name: str, t: torch.Tensor) -> str:
         return ""
     bad = t.numel() - int(finite.sum())
     return f"tensor {name!r} holds {bad} non-finite values (NaN or inf) of {t.numel()}"
+
+
+NON_FINITE_REFUSED = "non-finite weights refused"
+"""Starts the error a worker raises for NaN/inf in an NCCL or CUDA IPC update; the engine
+turns it back into a ``WeightsError`` (the message is all that crosses vLLM's RPC)."""
+
+
+def non_finite_buckets(
+    flats: Sequence[torch.Tensor], layout: Sequence[Bucket], device: torch.device | None = None
+) -> str:
+    """ "" when every floating value of an update's buckets is finite, else its problems, naming
+    the tensors. One float32 sum per bucket (CPU-staged buckets are summed on ``device``) and one
+    host read for all of them; tensor by tensor only when a sum is not finite."""
+    import torch
+
+    from rollout_server.nccl_wire import unflatten
+
+    pairs = [(f, b) for f, b in zip(flats, layout, strict=True) if b.dtype.is_floating_point]
+    sums = []
+    for flat, _ in pairs:
+        if flat.element_size() == 1:  # float8: see _non_finite
+            flat = flat.to(torch.float16)
+        sums.append(torch.sum(flat.to(device, non_blocking=True), dtype=torch.float32))
+    if not sums or bool(torch.stack(sums).isfinite().all()):
+        return ""
+    problems = [p for f, b in pairs for name, t in unflatten(f, b) if (p := _non_finite(name, t))]
+    if not problems:
+        return ""  # a float32 overflow of finite values
+    more = len(problems) - _MAX_LISTED
+    return "; ".join(problems[:_MAX_LISTED]) + (f"; and {more} more problems" if more > 0 else "")
 
 
 def validate_nccl_announce(

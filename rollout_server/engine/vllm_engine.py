@@ -46,7 +46,9 @@ from rollout_server.engine.base import (
     SampleOutput,
     TensorMeta,
     UnsupportedError,
+    WeightsError,
 )
+from rollout_server.weights import NON_FINITE_REFUSED
 
 if TYPE_CHECKING:
     import torch
@@ -546,6 +548,12 @@ class VLLMEngine(HFTokenizerMixin, Engine):
             async with self._paused():
                 results = await receive(specs, timeline)
         except Exception as exc:
+            if NON_FINITE_REFUSED in str(exc):  # the worker's WeightsError, through vLLM's RPC
+                message = str(exc)[str(exc).index(NON_FINITE_REFUSED) :].split("\n")[0]
+                raise WeightsError(
+                    f"{transport} weight update refused, the previous weights still serve: "
+                    f"{message}"
+                ) from exc
             raise EngineError(
                 f"{transport} weight update failed, the previous weights still serve: {exc}"
             ) from exc

@@ -487,6 +487,7 @@ class WeightSyncWorkerExtension:
             torch.cuda.current_stream(device).wait_event(p.queued[-1])  # prepared: side stream
             if p.checksum:
                 total = float(sum(flat_checksum(f.to(device, non_blocking=True)) for f in p.staged))
+            _refuse_non_finite(p.staged, p.layout, device)
             if p.kept is not None:
                 staging = p.kept  # the views into kept buffers are made once per layout
             else:
@@ -636,6 +637,7 @@ class WeightSyncWorkerExtension:
                 if flat.numel() != b.numel or flat.dtype != b.dtype:
                     raise ValueError(f"an IPC bucket is {flat.numel()} x {flat.dtype}, not {b}")
             total = float(sum(flat_checksum(f) for f in flats)) if checksum else None
+            _refuse_non_finite(flats, layout, device)
             received_s = time.perf_counter() - start
             weights = [w for f, b in zip(flats, layout, strict=True) for w in unflatten(f, b)]
             # synchronizes: the learner may free its buffers after
@@ -662,6 +664,19 @@ class WeightSyncWorkerExtension:
             weights = [(n, f.get_tensor(n)) for n in names]
         self._grpo_load(weights)
         return len(weights)
+
+
+def _refuse_non_finite(
+    flats: list[torch.Tensor], layout: list[Bucket], device: torch.device
+) -> None:
+    """Before anything is loaded (or, for copies overlapped with the wire, before they commit):
+    NaN/inf would load fine and then make every log-prob NaN."""
+    from rollout_server.engine.base import WeightsError
+    from rollout_server.weights import NON_FINITE_REFUSED, non_finite_buckets
+
+    problem = non_finite_buckets(flats, layout, device)
+    if problem:
+        raise WeightsError(f"{NON_FINITE_REFUSED}: {problem}")
 
 
 def tensor_key(weights: list[tuple[str, torch.Tensor]]) -> tuple:

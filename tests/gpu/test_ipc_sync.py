@@ -6,6 +6,8 @@ sender (bench/gpu_sender.py --transport ipc, its own process) on GPU 0.
   outputs (every tensor reached its place in vLLM's fused parameters).
 - An update whose handles cannot be opened is refused and the previous version keeps serving;
   the next good update loads.
+- An update holding a NaN is refused (a 400 naming the tensor) before anything loads, and the
+  previous version keeps serving.
 """
 
 from __future__ import annotations
@@ -98,3 +100,21 @@ def test_unopenable_handles_keep_the_previous_version(server, qwen3_dir, log_dir
     rc, out = send(server, qwen3_dir, log_dir, "--perturb-seed", "2")
     assert rc == 0 and out["responses"][0]["weight_version"] == version + 1, out
     assert not greedy(server, PROMPTS).matches(before)
+
+
+def test_non_finite_weights_are_refused_and_the_previous_version_serves(
+    server, qwen3_dir, log_dir
+) -> None:
+    from gpu_common import greedy
+
+    before, version = greedy(server, PROMPTS), server.info()["weight_version"]
+    checksum = server.get("/weights/checksum").json()["checksum"]
+    name = "model.layers.3.mlp.down_proj.weight"
+    rc, out = send(server, qwen3_dir, log_dir, "--perturb-seed", "3", "--nan-tensor", name)
+    error = out.get("error", "")
+    assert rc == 0 and "refused, the previous weights still serve" in error, out
+    assert f"tensor '{name}' holds 1 non-finite values" in error and "HTTP 400" in error, out
+    assert server.info()["weight_version"] == version
+    assert server.get("/weights/checksum").json()["checksum"] == checksum
+    after = greedy(server, PROMPTS)
+    assert after.matches(before), after.mismatch(before)

@@ -10,6 +10,7 @@ from rollout_server.engine.base import TensorMeta, WeightsError
 from rollout_server.errors import Conflict, NotFound
 from rollout_server.weights import (
     WeightStager,
+    non_finite_buckets,
     parse_safetensors,
     read_safetensors_path,
     validate_tensors,
@@ -103,6 +104,29 @@ def test_non_finite_values_are_found_in_every_float_dtype(dtype):
     bad = torch.tensor([1.0, float("nan"), 1.0]).to(dtype)
     with pytest.raises(WeightsError, match="'w' holds 1 non-finite"):
         validate_tensors({"w": bad}, meta)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_nccl_and_ipc_buckets_are_scanned_by_tensor_name(dtype):
+    """What the vLLM workers run on the flat buckets of an NCCL or CUDA IPC update before
+    loading it (on the GPU there)."""
+    from rollout_server.nccl_wire import bucket_layout
+
+    specs = [
+        {"name": "a", "shape": [2, 3]},
+        {"name": "b", "shape": [4]},
+        {"name": "c", "shape": [5]},
+        {"name": "steps", "shape": [2]},
+    ]
+    name = str(dtype).removeprefix("torch.")
+    layout = bucket_layout(specs, [[0, 1], [2], [3]], [name, name, "int64"])
+    flats = [torch.ones(10).to(dtype), torch.ones(5).to(dtype), torch.tensor([1, 2])]
+    assert non_finite_buckets(flats, layout) == ""
+    flats[0][7] = float("nan")  # b[1]
+    flats[1][0] = float("inf") if dtype == torch.bfloat16 else float("nan")  # e4m3fn: no inf
+    problem = non_finite_buckets(flats, layout)
+    assert "tensor 'b' holds 1 non-finite values (NaN or inf) of 4" in problem
+    assert "tensor 'c' holds 1 non-finite" in problem and "'a'" not in problem
 
 
 def test_integer_tensors_are_not_scanned():
