@@ -1,12 +1,14 @@
 """``python -m rewards list``: every registered reward function and environment, with the
-distribution that provides it. Exits with status 1 if a name is registered twice."""
+distribution that provides it. Exits with status 1 if a name is registered twice, or if a
+distribution registers entry points under a group that looks like ours but is not read (a typo
+such as ``grpo_service.reward``)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from rewards.registry import find_duplicates, list_registered
+from rewards.registry import find_duplicates, list_registered, misplaced_groups, misplaced_hint
 
 
 def _list(kind: str | None) -> int:
@@ -26,7 +28,10 @@ def _list(kind: str | None) -> int:
         print(
             f"error: {k} {name!r} is registered by several distributions: {dists}", file=sys.stderr
         )
-    return 1 if duplicates else 0
+    misplaced = misplaced_groups()
+    for group, wrong in misplaced.items():
+        print(f"error: {misplaced_hint(group, wrong)}", file=sys.stderr)
+    return 1 if duplicates or misplaced else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,11 +83,26 @@ def _arg_model(cls: type, name: str, fn: Callable) -> type[BaseModel] | None:
     params = [p for p in inspect.signature(fn).parameters.values() if p.name != "self"]
     if not params:
         return None
-    hint = get_type_hints(fn).get(params[0].name) if len(params) == 1 else None
-    if not (inspect.isclass(hint) and issubclass(hint, BaseModel)):
+    try:
+        hints = get_type_hints(fn)
+    except Exception as e:  # NameError: an annotation names what the module does not define
         raise EnvironmentDefinitionError(
-            f"tool {cls.__name__}.{name} must take exactly one argument annotated with a pydantic "
-            f"model (or none), e.g. `def {name}(self, args: {name.title()}Args) -> ToolResult`."
+            f"tool {cls.__name__}.{name}: its annotations cannot be resolved ({type(e).__name__}: "
+            f"{e}); define or import the argument model at module level"
+        ) from e
+    hint = hints.get(params[0].name) if len(params) == 1 else None
+    if not (inspect.isclass(hint) and issubclass(hint, BaseModel)):
+        takes = ", ".join(
+            f"{p.name}: {getattr(hints[p.name], '__name__', hints[p.name])}"
+            if p.name in hints
+            else p.name
+            for p in params
+        )
+        raise EnvironmentDefinitionError(
+            f"tool {cls.__name__}.{name} takes ({takes}); a tool takes exactly one argument "
+            f"annotated with a pydantic model (or none), e.g. `def {name}(self, args: "
+            f"{name.title().replace('_', '')}Args) -> ToolResult` with `class "
+            f"{name.title().replace('_', '')}Args(BaseModel)` holding the fields."
         )
     return hint
 

@@ -114,7 +114,10 @@ def test_bad_tool_declarations_are_named():
         @tool(terminal=True)
         def b(self) -> ToolResult: ...
 
-    with pytest.raises(EnvironmentDefinitionError, match=r"TwoArgs\.f must take exactly one"):
+    with pytest.raises(
+        EnvironmentDefinitionError,
+        match=r"TwoArgs\.f takes \(a: GuessArgs, b: GuessArgs\); a tool takes exactly one",
+    ):
         TwoArgs.list_tools()
     with pytest.raises(EnvironmentDefinitionError, match="several terminal tools"):
         TwoTerminals.list_tools()

@@ -1,8 +1,10 @@
 """Entry-point discovery with real installed packages.
 
-The test writes two small distributions to a temporary directory and installs each with pip
+The test writes three small distributions to a temporary directory and installs each with pip
 (``--target``, so the shared virtualenv is untouched): one registers a reward and an
-environment, the other a reward whose name clashes with the first's. Putting a target directory
+environment, another a reward whose name clashes with the first's, and the third makes a plugin
+author's usual mistakes (a misspelt group, a module that fails to import, a target that does
+not exist, a tool without a pydantic argument). Putting a target directory
 on ``sys.path`` is what makes its distributions visible to ``importlib.metadata``."""
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from rewards.episode import run_episodes
 from rewards.registry import (
     DuplicatePluginError,
     InvalidPluginError,
+    PluginImportError,
     UnknownPluginError,
     list_registered,
     load_environment,
@@ -67,6 +70,20 @@ class EchoEnv(Environment):
         ok = args.text == self.task["word"]
         return ToolResult(text=args.text, reward=float(ok), finished=ok)
 '''
+
+PLUGIN_BAD = """
+from rewards.env import Environment, ToolResult, tool
+
+
+def ok(prompts, completions, **columns):
+    return [1.0] * len(completions)
+
+
+class BadTool(Environment):
+    @tool
+    def guess(self, number: int) -> ToolResult:
+        return ToolResult(text="?")
+"""
 
 
 def _write_package(root: Path, dist: str, module: str, code: str, entry_points: str) -> Path:
@@ -123,9 +140,24 @@ def sites(tmp_path_factory) -> dict[str, Path]:
         "def clash(prompts, completions, **columns):\n    return [0.0] * len(completions)\n",
         '[project.entry-points."grpo_service.rewards"]\nclash = "grpo_other_plugin:clash"\n',
     )
-    out = {"a": root / "site-a", "b": root / "site-b"}
+    bad = _write_package(
+        root,
+        "grpo-bad-plugin",
+        "grpo_bad_plugin",
+        PLUGIN_BAD,
+        '[project.entry-points."grpo_service.reward"]\n'  # the group misspelt
+        'misgrouped = "grpo_bad_plugin:ok"\n'
+        '[project.entry-points."grpo_service.rewards"]\n'
+        'import_broken = "grpo_bad_plugin.broken:fn"\n'
+        'attr_typo = "grpo_bad_plugin:okk"\n'
+        '[project.entry-points."grpo_service.environments"]\n'
+        'bad_tool = "grpo_bad_plugin:BadTool"\n',
+    )
+    (bad / "grpo_bad_plugin" / "broken.py").write_text("import not_installed_pkg\n")
+    out = {"a": root / "site-a", "b": root / "site-b", "bad": root / "site-bad"}
     _pip_install(a, out["a"])
     _pip_install(b, out["b"])
+    _pip_install(bad, out["bad"])
     return out
 
 
@@ -149,6 +181,52 @@ def test_unknown_name_lists_the_known_ones():
     assert isinstance(info.value, LookupError)
     with pytest.raises(UnknownPluginError, match=r"Known environments: .*calculator"):
         load_environment("nope")
+
+
+def test_a_misspelt_name_gets_the_close_one_suggested():
+    with pytest.raises(UnknownPluginError, match="Did you mean 'math_accuracy'"):
+        load_reward("math_acuracy")
+    with pytest.raises(UnknownPluginError, match="Did you mean 'calculator'"):
+        load_environment("calculater")
+
+
+def test_a_name_under_a_misspelt_group_names_the_group_to_use(sites, monkeypatch):
+    monkeypatch.syspath_prepend(str(sites["bad"]))
+    with pytest.raises(UnknownPluginError) as info:
+        load_reward("misgrouped")
+    msg = str(info.value)
+    assert "'misgrouped' (from grpo-bad-plugin) registered under the entry-point group " in msg
+    assert "'grpo_service.reward', which is not read; the group must be " in msg
+    assert "'grpo_service.rewards'" in msg
+
+    out = _cli(sites["bad"])
+    assert out.returncode == 1
+    [line] = [x for x in out.stderr.splitlines() if "'misgrouped' (from grpo-bad-plugin)" in x]
+    assert "registered under the entry-point group 'grpo_service.reward'" in line
+
+
+def test_a_plugin_that_fails_to_import_is_one_line_naming_the_plugin(sites, monkeypatch):
+    monkeypatch.syspath_prepend(str(sites["bad"]))
+    with pytest.raises(PluginImportError) as info:
+        load_reward("import_broken")
+    msg = str(info.value)
+    assert "reward 'import_broken' (grpo_bad_plugin.broken:fn, from grpo-bad-plugin)" in msg
+    assert "failed to load: ModuleNotFoundError: No module named 'not_installed_pkg' at " in msg
+    assert msg.split(" at ")[1].startswith(str(sites["bad"] / "grpo_bad_plugin" / "broken.py:1"))
+    with pytest.raises(PluginImportError, match=r"has no attribute 'okk'\. Fix the module"):
+        load_reward("attr_typo")
+
+
+def test_an_environment_tool_without_a_pydantic_argument_fails_at_load(sites, monkeypatch):
+    monkeypatch.syspath_prepend(str(sites["bad"]))
+    with pytest.raises(InvalidPluginError) as info:
+        load_environment("bad_tool")
+    assert "environment 'bad_tool' (grpo_bad_plugin:BadTool, from grpo-bad-plugin): " in str(
+        info.value
+    )
+    assert "tool BadTool.guess takes (number: int); a tool takes exactly one argument " in str(
+        info.value
+    )
 
 
 async def test_plugin_reward_and_environment_are_discovered_and_used(plugin_a, chat, scripted):
