@@ -1,16 +1,20 @@
-"""Atomic, resumable checkpoints.
+"""Atomic, durable, resumable checkpoints.
 
 A checkpoint is a directory ``<run_dir>/checkpoints/step_<N>`` written by ``accelerate``'s
 ``save_state`` (model, optimizer, scheduler, every process's RNG, and the registered trainer and
 data-stream state; DeepSpeed's sharded states too). It is written under a temporary name and
 renamed only once complete, so a run killed mid-write leaves the previous checkpoint intact and
-no half-written one that ``--resume`` could pick up.
+no half-written one that ``--resume`` could pick up; the next run deletes the temporary
+directory. Its files and directory are fsynced before the rename and the rename after it: a host
+that crashes (power, kernel) can otherwise keep the rename but lose the data written just
+before it, leaving empty or truncated files under a complete-looking name.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -20,6 +24,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX = ".tmp-"
 log = logging.getLogger(__name__)
 
 
@@ -92,6 +97,8 @@ def restore(
     or None when the run starts fresh."""
     accelerator.register_for_checkpointing(*state)
     adapter_only_checkpoints(accelerator, policy)
+    if accelerator.is_main_process:
+        _remove_unfinished(run_dir)
     if not resume:
         return None
     found = all_checkpoints(run_dir)
@@ -135,19 +142,49 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[0] if found else None
 
 
+def _remove_unfinished(run_dir: Path) -> None:
+    """Delete the temporary directories of checkpoints whose writing was cut off."""
+    root = checkpoints_dir(run_dir)
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(_TMP_PREFIX) and p.is_dir():
+                log.warning("deleting %s: a checkpoint whose writing was cut off", p)
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # a directory too: that makes its entries durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(top: Path) -> None:
+    """fsync every file under ``top``, then every directory, deepest first."""
+    for dirpath, _, filenames in os.walk(top, topdown=False):
+        for name in filenames:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
+
+
 def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, keep: int) -> Path:
     root = checkpoints_dir(run_dir)
     final = root / f"step_{step:06d}"
-    tmp = root / f".tmp-step_{step:06d}"
+    tmp = root / f"{_TMP_PREFIX}step_{step:06d}"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp), safe_serialization=True)
     accelerator.wait_for_everyone()
+    if accelerator.is_local_main_process:  # one per host: its ranks' files are in its cache
+        _fsync_tree(tmp)
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)  # the atomic step: a complete checkpoint appears at once
+        _fsync(root)  # the rename itself
         steps = sorted(
             (int(m.group(1)), p)
             for p in root.iterdir()

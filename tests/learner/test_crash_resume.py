@@ -7,12 +7,17 @@ nothing had happened.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
+
+from learner.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "learner" / "configs" / "demo.toml"
@@ -95,3 +100,64 @@ def test_a_learner_killed_mid_generation_leaves_no_server_behind(tmp_path, proc_
     for pid in left:  # not to leave it running after the failure
         os.kill(pid, signal.SIGKILL)
     assert not left, f"rollout server {left} outlived the SIGKILLed learner by 12 s"
+
+
+def test_a_checkpoint_cut_off_mid_write_is_deleted_and_the_one_before_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    cut = ckpts / ".tmp-step_000004"
+    _kill_when(run_dir, ("run.steps=6", "run.checkpoint_every=2"), cut.exists)
+    assert cut.is_dir() and not (ckpts / "step_000004").exists()
+
+    done = _resume(run_dir, "run.steps=3", "run.checkpoint_every=2")  # saves step 3, not 4
+    assert "resumed from" in done.stderr and "step_000002 at step 2" in done.stderr
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000003"]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+
+
+_SAVE_ONE = """
+import sys
+from pathlib import Path
+import torch
+from accelerate import Accelerator
+from learner.checkpoint import save_checkpoint
+acc = Accelerator(cpu=True)
+model, opt = acc.prepare(torch.nn.Linear(4, 4), torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]))
+save_checkpoint(acc, Path(sys.argv[1]), 7, keep=2)
+"""
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_a_checkpoint_is_on_disk_before_its_name_appears(tmp_path):
+    """A host crash keeps the rename but may lose unsynced data: every file and the directory
+    must be fsynced before the rename, and the rename itself after it (strace's record)."""
+    trace = tmp_path / "trace.txt"
+    strace = [
+        "strace",
+        "-f",
+        "-qq",
+        "-y",
+        "-o",
+        str(trace),
+        "-e",
+        "trace=fsync,rename,renameat,renameat2",
+    ]
+    subprocess.run(
+        [*strace, sys.executable, "-c", _SAVE_ONE, str(tmp_path / "run")],
+        env=_env(),
+        check=True,
+        timeout=120,
+    )
+    ckpts = tmp_path / "run" / "checkpoints"
+    tmp, final = ckpts / ".tmp-step_000007", ckpts / "step_000007"
+    calls = [line.split(None, 1)[1] for line in trace.read_text().splitlines()]
+    renamed = next(i for i, c in enumerate(calls) if c.startswith("rename") and str(final) in c)
+    synced_before = {c for c in calls[:renamed] if c.startswith("fsync(")}
+    files = sorted(p.name for p in final.iterdir())
+    assert "model.safetensors" in files and "optimizer.bin" in files
+    for name in [*files, ""]:  # "": the directory itself
+        path = str(tmp / name).rstrip("/")
+        assert any(f"<{path}>)" in c for c in synced_before), f"{path} not fsynced before rename"
+    assert any(f"<{ckpts}>)" in c for c in calls[renamed:] if c.startswith("fsync(")), (
+        "the checkpoints directory was not fsynced after the rename"
+    )
