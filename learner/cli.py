@@ -79,14 +79,35 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, cfg, sft)
     except Exception as e:
         from learner.data import DataError
+        from learner.rollouts import EpisodesFailedError
         from learner.runtime import SetupError
         from rewards.registry import PluginError
-        from rewards.scoring import RewardSpecError
+        from rewards.scoring import RewardFunctionError, RewardSpecError
 
+        if isinstance(e, (RewardFunctionError, EpisodesFailedError)):  # the user's code failed
+            print(_user_traceback(e.__cause__) + f"error: {e}", file=sys.stderr)
+            return 1
         if not isinstance(e, (SetupError, DataError, PluginError, RewardSpecError)):
             raise
         print(f"error: {e}", file=sys.stderr)  # names the setting to change: no traceback
         return 2
+
+
+def _user_traceback(e: BaseException | None) -> str:
+    """The traceback of what a reward function raised, from the function's own frame on (not
+    the thread and runner frames that called it); empty if nothing raised."""
+    import traceback
+
+    import rewards._threads
+    import rewards.scoring
+
+    if e is None:
+        return ""
+    callers = {rewards._threads.__file__, rewards.scoring.__file__}
+    tb = e.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in callers:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(e), e, tb or e.__traceback__))
 
 
 def _run(args: argparse.Namespace, cfg: LearnerConfig, sft: bool) -> int:

@@ -72,6 +72,11 @@ def load_rows(
     return rows
 
 
+def data_columns(rows: list[dict[str, Any]], prompt_column: str) -> list[str]:
+    """Every column of any row but the prompt, in order of appearance (JSONL rows may differ)."""
+    return list(dict.fromkeys(k for r in rows for k in r if k != prompt_column))
+
+
 def _check_prompt(prompt: str | list[Any], where: str) -> None:
     """What the rollout server would refuse, found at load rather than hours into a run."""
     from pydantic import ValidationError

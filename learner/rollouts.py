@@ -2,12 +2,19 @@
 
 Runs on every rank for that rank's share of the prompts (so nothing is generated twice); the
 advantages need the whole group, which always lives on one rank.
+
+An episode whose environment raised ends with ``error`` set and reward 0.0 (rewards.episode); the
+step logs a warning with the first error, and a step in which every episode (of every rank)
+failed stops the run with ``EpisodesFailedError`` (``check_episodes``): that is a broken or
+unreachable environment, and training on its zeros would only teach noise.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +23,7 @@ import torch
 from learner.advantages import group_advantages
 from learner.batch import Rollout
 from learner.config import LearnerConfig
+from learner.data import data_columns
 from rewards.chat import ChatFormat
 from rewards.env import Environment
 from rewards.episode import Generation, run_episodes
@@ -23,12 +31,37 @@ from rewards.scoring import RewardRunner
 from rollout_server.client import RolloutClient
 from rollout_server.protocol import GenerateRequest, Sample
 
+logger = logging.getLogger(__name__)
+
+
+class EpisodesFailedError(RuntimeError):
+    """Every episode of a step ended with an error raised by the environment."""
+
 
 @dataclass
 class StepRollouts:
     rollouts: list[Rollout]
     rewards: torch.Tensor  # [B*G] total (weighted) reward
     metrics: dict[str, float] = field(default_factory=dict)
+    first_error: str | None = None  # of the step's failed episodes, if any
+
+
+def check_episodes(
+    cfg: LearnerConfig, step: StepRollouts, gather: Callable[[list], list] | None = None
+) -> None:
+    """Raise ``EpisodesFailedError`` when every episode of the step failed, on every rank:
+    ``gather`` (``accelerate.utils.gather_object`` with several ranks) collects what each rank
+    saw, so that all of them raise together or none does."""
+    failed, errors = [step.metrics["episode/error_frac"]], [step.first_error]
+    if gather is not None:
+        failed, errors = gather(failed), gather(errors)
+    if min(failed) == 1.0:
+        name = cfg.environment.name if cfg.environment else "?"
+        first = next((e for e in errors if e is not None), "?")
+        raise EpisodesFailedError(
+            f"environment {name!r}: every episode of the step failed, so it has nothing to "
+            f"learn from; first error: {first}. Fix the environment"
+        )
 
 
 def generate_request(cfg: LearnerConfig, prompts: list[Any]) -> GenerateRequest:
@@ -108,12 +141,13 @@ async def collect(
 
     rollouts: list[Rollout] = []
     prompts, completions, finish = [], [], []
-    if "completion_ids" in rows[0]:
+    # every column of any row of the batch, None where a row lacks it
+    columns: dict[str, list[Any]] = {k: [] for k in data_columns(rows, prompt_col)}
+    if "completion_ids" in columns:
         raise ValueError(
             "the data has a 'completion_ids' column, a name the learner keeps for the sampled "
             "token ids it passes to reward functions: rename that column"
         )
-    columns: dict[str, list[Any]] = {k: [] for k in rows[0] if k != prompt_col}
     columns["completion_ids"] = []  # the sampled token ids, e.g. for length(unit="tokens")
     for row, result, too_long in zip(rows, resp.results, overlong, strict=True):
         if len(result.samples) != g:
@@ -183,6 +217,16 @@ async def collect_episodes(
         episode_timeout_s=e.episode_timeout_s,
     )
     t_gen = time.perf_counter() - t0
+    failed = [ep.error for ep in episodes if ep.error is not None]
+    if failed:
+        logger.warning(
+            "environment %r: %d of %d episodes failed (scored 0.0; episode/error_frac); first "
+            "error: %s",
+            e.name,
+            len(failed),
+            len(episodes),
+            failed[0],
+        )
     version = min(versions) if versions else 0
     rollouts = [
         Rollout(
@@ -206,7 +250,9 @@ async def collect_episodes(
         "time/generate": t_gen,
         "time/score": 0.0,
     }
-    return finish_step(cfg, rollouts, [ep.reward for ep in episodes], metrics)
+    step = finish_step(cfg, rollouts, [ep.reward for ep in episodes], metrics)
+    step.first_error = failed[0] if failed else None
+    return step
 
 
 def finish_step(

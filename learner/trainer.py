@@ -29,18 +29,18 @@ from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 from transformers import AutoTokenizer
 
 from learner.checkpoint import TrainerState, restore, save_checkpoint
 from learner.config import LearnerConfig
-from learner.data import PromptStream, load_rows
+from learner.data import PromptStream, data_columns, load_rows
 from learner.embedded import embedded_server
 from learner.loss import LossConfig
 from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
 from learner.perf import peak_tflops, profiled, train_flops_per_token
-from learner.rollouts import StepRollouts, collect, collect_episodes
+from learner.rollouts import StepRollouts, check_episodes, collect, collect_episodes
 from learner.runtime import (
     SetupError,
     check_model_options,
@@ -239,6 +239,8 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         if cfg.rewards
         else None
     )
+    if scorer is not None and cfg.data is not None:  # a parameter that no column fills
+        scorer.check_columns([*data_columns(rows, cfg.data.prompt_column), "completion_ids"])
     model_path = _model_path(cfg, run_dir, accelerator)
     if cfg.sft is not None:  # warm start: SFT first, GRPO starts from its weights (learner/sft.py)
         from learner.sft import warm_start
@@ -324,7 +326,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             if cfg.rollout.servers and not resync:  # a server another learner already updated
                 resync = _main_decides(accelerator, lambda: _updated_by_another(infos))
             if resync:
-                _sync(accelerator, loop, syncer, policy, state)
+                _sync(accelerator, loop, syncer, policy, state, resync=True)
             per_rank = cfg.grpo.prompts_per_step // world
             rank = accelerator.process_index
 
@@ -349,6 +351,8 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 t0 = time.perf_counter()
                 step_rollouts = future.result()
                 t_wait = time.perf_counter() - t0
+                if env_cls is not None:  # all ranks stop, or none: gathered
+                    check_episodes(cfg, step_rollouts, gather_object if world > 1 else None)
                 stream.pending = len(pending) * cfg.grpo.prompts_per_step
                 staleness = state.weight_version - int(step_rollouts.metrics["weight_version/min"])
                 if staleness < 0 and not warned_ahead:
@@ -376,7 +380,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     for f, _, _ in pending:
                         f.cancel()
                     pending.clear()
-                    _sync(accelerator, loop, syncer, policy, state)
+                    _sync(accelerator, loop, syncer, policy, state, resync=True)
                     for r in redo:
                         launch(r)
                     continue
@@ -517,13 +521,25 @@ def _sync(
     syncer: WeightSyncer,
     policy: torch.nn.Module,
     state: TrainerState,
+    *,
+    resync: bool = False,
 ) -> None:
+    """Push the weights to the servers; ``state.weight_version`` becomes the version they serve.
+
+    ``resync``: the weights are the ones the learner already served (a resumed run, a restarted
+    server). Servers that serve an older version than the learner's (fresh ones at 0) get the
+    learner's version back, so the version goes on from the checkpoint's instead of counting
+    again from 1 (the staleness bound and the logged weight_version compare versions)."""
     accelerator.wait_for_everyone()
     version = [state.weight_version]
     hf_model = accelerator.unwrap_model(policy).model
     with torch.no_grad():
         if accelerator.is_main_process:
-            answers = _push(accelerator, loop, syncer, hf_model)
+            serve = None
+            if resync:
+                served = max(i.weight_version for i in loop.run(syncer.client.info()))
+                serve = state.weight_version if served < state.weight_version else None
+            answers = _push(accelerator, loop, syncer, hf_model, serve)
             version = [min(a.weight_version for a in answers)]
         else:
             syncer.follow(hf_model)
@@ -536,16 +552,21 @@ SYNC_ATTEMPTS = 3
 
 
 def _push(
-    accelerator: Accelerator, loop: EventLoopThread, syncer: WeightSyncer, hf_model: Any
+    accelerator: Accelerator,
+    loop: EventLoopThread,
+    syncer: WeightSyncer,
+    hf_model: Any,
+    version: int | None = None,
 ) -> list[Any]:
     """Push the weights; when a server could not be reached (it restarts, say), wait until the
     servers are ready and push again, up to ``SYNC_ATTEMPTS`` times. Not for NCCL (its group
-    would have to be formed again) nor under ZeRO-3 (the other ranks' gathers follow one push)."""
+    would have to be formed again) nor under ZeRO-3 (the other ranks' gathers follow one push).
+    A retry lets the servers number the version (another may have taken ``version`` already)."""
     ds = accelerator.state.deepspeed_plugin
     retry = syncer.cfg.sync != "nccl" and (ds is None or ds.zero_stage != 3)
     for attempt in range(1, SYNC_ATTEMPTS):
         try:
-            return loop.run(syncer.push(hf_model))
+            return loop.run(syncer.push(hf_model, version if attempt == 1 else None))
         except RolloutError as e:
             if not retry or not _server_went_away(e):
                 raise

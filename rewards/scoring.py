@@ -178,6 +178,42 @@ def check_kwargs(function: str, fn: Callable, kwargs: dict[str, Any]) -> None:
     )
 
 
+def check_signature(function: str, fn: Callable) -> None:
+    """Reject a function that cannot be called as ``fn(prompts, completions, ...)``."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # not introspectable (a builtin): the call will tell
+        return
+    try:
+        sig.bind_partial([], [])
+    except TypeError:
+        raise RewardSpecError(
+            function,
+            f"{getattr(fn, '__name__', fn)}{sig} cannot be called with (prompts, completions) "
+            f"as its first two positional arguments; define it as "
+            f"fn(prompts, completions, **columns)",
+        ) from None
+
+
+def required_columns(fn: Callable, kwargs: dict[str, Any]) -> list[str]:
+    """The parameters of ``fn`` after (prompts, completions) that have no default and are not
+    in the spec's kwargs: the dataset columns it cannot be called without."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    P = inspect.Parameter
+    positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    return [
+        p.name
+        for p in params
+        if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)
+        and p not in positional[:2]
+        and p.default is P.empty
+        and p.name not in kwargs
+    ]
+
+
 def _being_cancelled() -> bool:
     """Whether the current task is being cancelled (as opposed to seeing a CancelledError that
     user code raised)."""
@@ -225,10 +261,27 @@ class RewardRunner:
         funcs = funcs or {}
         self.funcs = {s.key: funcs.get(s.name) or load_reward(s.name) for s in self.specs}
         for s in self.specs:
+            check_signature(s.key, self.funcs[s.key])
             check_kwargs(s.key, self.funcs[s.key], s.kwargs)
         self.failure_counts = dict.fromkeys(keys, 0)
         self.max_abandoned = max_abandoned
         self._abandoned: dict[str, list[threading.Thread]] = {k: [] for k in keys}
+        self._warned_all_none: set[str] = set()
+
+    def check_columns(self, columns: Sequence[str]) -> None:
+        """Raise ``RewardSpecError`` for a function with a parameter (no default, not in its
+        kwargs) that names none of ``columns``: every call would fail with a TypeError."""
+        for s in self.specs:
+            if missing := [
+                c for c in required_columns(self.funcs[s.key], s.kwargs) if c not in columns
+            ]:
+                fn = self.funcs[s.key]
+                raise RewardSpecError(
+                    s.key,
+                    f"{getattr(fn, '__name__', fn)}() needs the column(s) {missing}, but the "
+                    f"data's columns are {sorted(columns)}: add them to the data, pass them in "
+                    f"the reward's kwargs, or give the parameters a default",
+                )
 
     def still_running(self, key: str) -> int:
         """How many abandoned (timed-out or cancelled) calls of ``key`` have not returned yet."""
@@ -313,6 +366,16 @@ class RewardRunner:
                 res = [None] * n if self.policy == "none" else [0.0] * n
             per_function[key] = res
             values = [v for v in res if v is not None]
+            if n and not values and key not in failures and key not in self._warned_all_none:
+                self._warned_all_none.add(key)
+                logger.warning(
+                    "reward %r returned None (abstained) for all %d completions of a batch, so it "
+                    "gives no signal there; if that is not meant, check the columns it reads "
+                    "(reward/%s/none_frac tracks it; this warning is shown once)",
+                    key,
+                    n,
+                    key,
+                )
             if values:
                 metrics[f"reward/{key}/mean"], metrics[f"reward/{key}/std"] = _stats(values)
             metrics[f"reward/{key}/none_frac"] = (n - len(values)) / n if n else 0.0

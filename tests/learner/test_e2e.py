@@ -180,6 +180,34 @@ def test_setup_errors_are_one_line_and_name_the_setting(tmp_path, override, mess
     assert "Loading weights" not in proc.stderr  # found before any model loads
 
 
+def _demo_with_rows(tmp_path: Path, rows: list[dict], *overrides: str):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [
+        "--set",
+        f'data.path="{data}"',
+        "--set",
+        "run.steps=1",
+        "--set",
+        "sampling.max_tokens=4",
+    ]
+    args += [a for o in overrides for a in ("--set", o)]
+    return subprocess.run(
+        _learner(tmp_path / "run", *args), env=_env(), capture_output=True, text=True, timeout=180
+    )
+
+
+def test_a_reward_parameter_that_names_no_column_stops_before_any_model_loads(tmp_path):
+    proc = _demo_with_rows(tmp_path, [{"prompt": "sing", "vowels": "aeiou"}] * 8)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1] == (
+        "error: reward function 'charset': charset_reward() needs the column(s) ['allowed'], but "
+        "the data's columns are ['completion_ids', 'vowels']: add them to the data, pass them in "
+        "the reward's kwargs, or give the parameters a default"
+    )
+    assert "Loading weights" not in proc.stderr
+
+
 def test_unreachable_server_fails_fast_and_clearly(tmp_path):
     from learner.embedded import free_port
 

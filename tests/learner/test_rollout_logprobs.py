@@ -1,19 +1,43 @@
-"""The learner asks the rollout server for log-probs only when its loss uses them (truncated IS):
-single-turn prompts and multi-turn episodes, against a real server on loopback."""
+"""Collecting a step's rollouts against a real server on loopback: log-probs are asked for only
+when the loss uses them (truncated IS), single-turn and multi-turn; every column reaches the
+rewards; failed episodes are warned about, and a step where all failed stops the run."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from learner.config import load_config
-from learner.rollouts import collect, collect_episodes, generate_request
+from learner.rollouts import (
+    EpisodesFailedError,
+    check_episodes,
+    collect,
+    collect_episodes,
+    generate_request,
+)
+from rewards.env import Environment, tool
 from rewards.scoring import RewardRunner
 from rollout_server.client import RolloutClient
 from rollout_server.settings import ServerSettings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "learner" / "configs"
+
+
+class Answer(BaseModel):
+    answer: str
+
+
+class StrResult(Environment):
+    """Its terminal tool returns a str, not a ToolResult: every episode fails."""
+
+    def get_prompt(self):
+        return "Say something."
+
+    @tool(terminal=True)
+    def grade(self, args: Answer):
+        return "right"
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +94,48 @@ async def test_rewards_get_the_sampled_token_ids(server):
             await collect(cfg, client, scorer, [{**r, "completion_ids": [1]} for r in rows])
     want = [max(0.0, 1 - abs(len(r.completion_ids) - target) / target) for r in step.rollouts]
     assert step.rewards.tolist() == pytest.approx(want)
+
+
+async def test_rows_with_different_columns_all_reach_the_rewards(server):
+    """JSONL rows may differ in their columns: a column that the batch's first row lacks still
+    reaches the reward functions (None for the rows without it)."""
+    cfg = load_config(CONFIGS / "demo.toml", ["sampling.max_tokens=4"])
+    rows = [{"prompt": "sing"}, {"prompt": "a song", "allowed": "aeiou"}]
+    scorer = RewardRunner([{"name": "charset"}])
+    async with RolloutClient(server.url) as client:
+        step = await collect(cfg, client, scorer, rows)
+    g = cfg.sampling.num_generations
+    assert step.metrics["reward/charset/none_frac"] == 0.5  # the first row's G abstain
+    assert len(step.rewards) == 2 * g
+
+
+async def test_failed_episodes_are_warned_about_and_all_failed_stops(
+    server, tiny_model_dir, caplog
+):
+    from transformers import AutoTokenizer
+
+    from rewards.chat import HFChatFormat
+
+    cfg = load_config(CONFIGS / "calculator.toml", ["environment.name='str_result'"])
+    chat = HFChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir), {})
+    async with RolloutClient(server.url) as client:
+        with caplog.at_level("WARNING", logger="learner.rollouts"):
+            step = await collect_episodes(cfg, client, StrResult, chat, [{}])
+    error = "TypeError: tool StrResult.grade returned str; return a rewards.env.ToolResult"
+    n = cfg.sampling.num_generations
+    assert step.first_error == error and step.metrics["episode/error_frac"] == 1.0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"environment 'str_result': {n} of {n} episodes failed (scored 0.0; "
+        f"episode/error_frac); first error: {error}"
+    ]
+
+    def with_rank_1(failed_frac: float):  # gather_object over ranks 0 (this one) and 1
+        return lambda mine: [*mine, failed_frac if isinstance(mine[0], float) else None]
+
+    with pytest.raises(EpisodesFailedError) as info:  # every episode of every rank failed
+        check_episodes(cfg, step, with_rank_1(1.0))
+    assert str(info.value) == (
+        "environment 'str_result': every episode of the step failed, so it has nothing to learn "
+        f"from; first error: {error}. Fix the environment"
+    )
+    check_episodes(cfg, step, with_rank_1(0.5))  # rank 1's episodes did not all fail: go on

@@ -242,3 +242,48 @@ async def test_builtins_resolve_through_the_registry():
     runner = RewardRunner([RewardSpec(name="length", kwargs={"target": 2, "unit": "chars"})])
     res = await runner.score(PROMPTS, COMPLETIONS)
     assert res.per_function["length"] == [0.5, 1.0, 0.5]
+
+
+def test_a_function_that_cannot_take_prompts_and_completions_fails_when_built():
+    def no_prompts(completions, **columns):
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardSpecError) as info:
+        RewardRunner([RewardSpec(name="np")], funcs={"np": no_prompts})
+    assert str(info.value) == (
+        "reward function 'np': no_prompts(completions, **columns) cannot be called with "
+        "(prompts, completions) as its first two positional arguments; define it as "
+        "fn(prompts, completions, **columns)"
+    )
+
+
+def test_a_parameter_that_names_no_column_fails_before_any_call():
+    def needs(prompts, completions, answer, *, scale, unit="words"):
+        return [1.0] * len(completions)
+
+    runner = RewardRunner([RewardSpec(name="needs", kwargs={"scale": 2})], funcs={"needs": needs})
+    runner.check_columns(["answer", "completion_ids"])  # `scale` comes from the kwargs
+    with pytest.raises(RewardSpecError) as info:
+        runner.check_columns(["allowed", "completion_ids"])
+    assert str(info.value) == (
+        "reward function 'needs': needs() needs the column(s) ['answer'], but the data's columns "
+        "are ['allowed', 'completion_ids']: add them to the data, pass them in the reward's "
+        "kwargs, or give the parameters a default"
+    )
+    RewardRunner([RewardSpec(name="length")], funcs={"length": length}).check_columns([])
+
+
+async def test_a_function_that_abstains_on_a_whole_batch_is_warned_about_once(caplog):
+    def never(prompts, completions):
+        return [None] * len(completions)
+
+    runner = RewardRunner([RewardSpec(name="never")], funcs={"never": never})
+    with caplog.at_level("WARNING", logger="rewards.scoring"):
+        await runner.score(PROMPTS, COMPLETIONS)
+        await runner.score(PROMPTS, COMPLETIONS)
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == [
+        "reward 'never' returned None (abstained) for all 3 completions of a batch, so it gives "
+        "no signal there; if that is not meant, check the columns it reads "
+        "(reward/never/none_frac tracks it; this warning is shown once)"
+    ]
