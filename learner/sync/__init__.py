@@ -168,12 +168,17 @@ class WeightSyncer:
             sync_specs(model, self._server_dtype), bucket_bytes=self.cfg.bucket_mb << 20
         )
 
-    async def push(self, model: nn.Module) -> list[WeightUpdateResponse]:
-        """Main process only. ``model`` is the HF model (under ZeRO-3: still partitioned)."""
+    async def push(
+        self, model: nn.Module, version: int | None = None
+    ) -> list[WeightUpdateResponse]:
+        """Main process only. ``model`` is the HF model (under ZeRO-3: still partitioned);
+        ``version``: the weight version the servers are to serve (default: theirs + 1)."""
         cfg = self.cfg
         bucket_bytes = cfg.bucket_mb << 20
         if cfg.sync == "http":
-            return await self.client.update_weights(sync_tensors(model), bucket_bytes=bucket_bytes)
+            return await self.client.update_weights(
+                sync_tensors(model), version=version, bucket_bytes=bucket_bytes
+            )
         if cfg.sync == "file":
             from safetensors.torch import save_file
 
@@ -185,12 +190,13 @@ class WeightSyncer:
             tensors = {n: t.contiguous().cpu() for n, t in sync_tensors(model)}
             save_file(tensors, str(tmp))
             tmp.replace(final)  # the server never sees a half-written file
-            return await self.client.load_weights_file(str(final.resolve()))
+            return await self.client.load_weights_file(str(final.resolve()), version)
         sender = await (self._ipc_sender() if cfg.sync == "ipc" else self._nccl_sender())
         return await sender.send(
             sync_specs(model, self._server_dtype),
             sync_tensors(model),
             bucket_bytes=bucket_bytes,
+            version=version,
         )
 
     def follow(self, model: nn.Module) -> None:

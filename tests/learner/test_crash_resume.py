@@ -6,6 +6,7 @@ nothing had happened.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -17,7 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from learner.config import load_config
+from learner.data import PromptStream, load_rows
 from learner.metrics import read_metrics
+from learner.trainer import rows_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "learner" / "configs" / "demo.toml"
@@ -161,3 +165,31 @@ def test_a_checkpoint_is_on_disk_before_its_name_appears(tmp_path):
     assert any(f"<{ckpts}>)" in c for c in calls[renamed:] if c.startswith("fsync(")), (
         "the checkpoints directory was not fsynced after the rename"
     )
+
+
+def test_a_run_killed_after_a_checkpoint_goes_on_with_its_steps_versions_and_data(tmp_path):
+    """Killed right after step 4's checkpoint appeared: the resumed run logs steps 5 and 6 once
+    each, on the prompts an uninterrupted run would train on, and its weight versions go on from
+    the checkpoint's (its fresh server, at version 0, used to make them 2 and 3)."""
+    run_dir = tmp_path / "run"
+    sets = ("run.steps=6", "run.checkpoint_every=2")
+    _kill_when(run_dir, sets, (run_dir / "checkpoints" / "step_000004").exists)
+    assert len(read_metrics(run_dir)) == 4
+
+    done = _resume(run_dir, *sets)
+    assert "step_000004 at step 4" in done.stderr
+    raw = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in raw] == [1, 2, 3, 4, 5, 6]
+    assert [r["weight_version"] for r in raw] == [1, 2, 3, 4, 5, 6]
+    assert [r["data/position"] for r in raw] == [8 * s for s in range(1, 7)]
+    assert [int(r["data/fingerprint"]) for r in raw] == _fingerprints(6)
+
+
+def _fingerprints(steps: int) -> list[int]:
+    """The demo's data order per step, from a fresh seeded stream."""
+    cfg = load_config(DEMO)
+    assert cfg.data is not None
+    stream = PromptStream(
+        load_rows(cfg.data.path, cfg.data.prompt_column), seed=cfg.data.seed, shuffle=True
+    )
+    return [rows_fingerprint(stream.take(cfg.grpo.prompts_per_step)) for _ in range(steps)]
