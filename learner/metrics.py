@@ -63,15 +63,31 @@ class MetricsLogger:
             self._bar.close()
 
 
+def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) for every record of a metrics file. A last line that does not parse is a
+    record cut off by a host crash (the file is flushed, not fsynced: its tail may be missing
+    or zeros) and is left out; one anywhere else is a damaged file and raises."""
+    lines = path.read_text(errors="replace").splitlines(keepends=True)
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append((line, json.loads(line)))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}:{i + 1} is not a JSON record: {line[:80]!r}") from None
+    return out
+
+
 def _drop_after(path: Path, step: int) -> None:
-    """Keep only the records of steps up to ``step`` (atomically)."""
+    """Keep only the records of steps up to ``step`` (atomically), and no cut-off last line."""
     if not path.is_file():
         return
-    lines = path.read_text().splitlines(keepends=True)
-    keep = [ln for ln in lines if ln.strip() and int(json.loads(ln)["step"]) <= step]
-    if len(keep) != len(lines):
+    keep = [line for line, rec in _records(path) if int(rec["step"]) <= step]
+    if "".join(keep) != path.read_text(errors="replace"):
         tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(keep))
+        tmp.write_text("".join(line if line.endswith("\n") else line + "\n" for line in keep))
         tmp.replace(path)
 
 
@@ -80,9 +96,5 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a learner run directory?")
-    by_step: dict[int, dict[str, float]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            by_step[int(rec["step"])] = rec
+    by_step = {int(rec["step"]): rec for _, rec in _records(path)}
     return [by_step[s] for s in sorted(by_step)]

@@ -20,7 +20,7 @@ import pytest
 
 from learner.config import load_config
 from learner.data import PromptStream, load_rows
-from learner.metrics import read_metrics
+from learner.metrics import MetricsLogger, read_metrics
 from learner.trainer import rows_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -193,3 +193,26 @@ def _fingerprints(steps: int) -> list[int]:
         load_rows(cfg.data.path, cfg.data.prompt_column), seed=cfg.data.seed, shuffle=True
     )
     return [rows_fingerprint(stream.take(cfg.grpo.prompts_per_step)) for _ in range(steps)]
+
+
+def test_a_metrics_record_cut_off_by_a_host_crash_is_dropped_on_resume(tmp_path):
+    """metrics.jsonl is flushed, not fsynced: after a host crash its tail may be a partial record
+    or zeros. The resumed run's logger used to fail on it (JSONDecodeError) before any step."""
+    path = tmp_path / "metrics.jsonl"
+    records = "".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in (1, 2, 3))
+    for tail in ('{"step": 4, "lo', "\0" * 40):
+        path.write_text(records + tail)
+        logger = MetricsLogger(
+            tmp_path, total_steps=5, start_step=2, tensorboard=False, progress_bar=False
+        )
+        logger.log(3, {"loss": 0.25})
+        logger.close()
+        assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [
+            (1, 0.5),
+            (2, 0.5),
+            (3, 0.25),
+        ]
+        assert len(path.read_text().splitlines()) == 3
+    path.write_text(records.replace("\n", "\n" + "\0" * 8 + "\n", 1))  # damage inside: an error
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not a JSON record"):
+        read_metrics(tmp_path)
