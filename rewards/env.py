@@ -22,6 +22,7 @@ from typing import Any, ClassVar, get_type_hints
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rewards._threads import call_maybe_async
+from rewards.registry import PluginError
 
 Prompt = str | list[dict[str, Any]]
 """A user message, or a full list of chat messages (``{"role": ..., "content": ...}``)."""
@@ -237,6 +238,21 @@ async def get_splits(env_cls: type[Environment]) -> list[str]:
     return list(await call_maybe_async(env_cls.list_splits))
 
 
+class UnknownSplitError(PluginError, ValueError):
+    """A split the environment does not list, or one that lists no tasks."""
+
+
 async def get_tasks(env_cls: type[Environment], split: str) -> list[dict[str, Any]]:
-    """``env_cls.list_tasks(split)``, awaited if async."""
-    return list(await call_maybe_async(env_cls.list_tasks, split))
+    """``env_cls.list_tasks(split)``, awaited if async, for a split that ``list_splits`` names
+    (not whatever ``list_tasks`` makes of another: an exception, or some other split's tasks)
+    and that has tasks; else ``UnknownSplitError``."""
+    splits = await get_splits(env_cls)
+    if split not in splits:
+        raise UnknownSplitError(
+            f"{split!r} is not a split of {env_cls.__name__}; its splits are "
+            f"{', '.join(map(repr, splits)) or '(none)'}: set environment.split to one of them"
+        )
+    tasks = list(await call_maybe_async(env_cls.list_tasks, split))
+    if not tasks:
+        raise UnknownSplitError(f"{env_cls.__name__} lists no tasks in split {split!r}")
+    return tasks

@@ -15,7 +15,10 @@ imported only when an adapter is used.
 
 What the model gets wrong (unknown tool, invalid arguments, a call after the episode finished)
 comes back as an error message it can read; a tool that raised on the server ends the episode
-with an error, as the SDK marks that session dead.
+with an error, as the SDK marks that session dead. What the user gets wrong (a bad target, a
+server that is not running, an environment name it does not serve) is an
+``OpenRewardAdapterError`` from the catalogue calls, a ``PluginError`` like the registry's, so
+the learner reports it in one line before any model loads.
 """
 
 from __future__ import annotations
@@ -24,13 +27,17 @@ import os
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
+import httpx
+
 from rewards.env import Environment, ToolResult, ToolSpec
+from rewards.registry import PluginError
 
 _MODEL_ERRORS = {"not_found", "name_collision", "input_validation", "bad_input_shape"}
 
 
-class OpenRewardAdapterError(RuntimeError):
-    """The remote environment cannot be used as asked (bad target, unsupported content)."""
+class OpenRewardAdapterError(PluginError, RuntimeError):
+    """The remote environment cannot be used as asked (bad target, a server that cannot be
+    reached or does not serve it, unsupported content)."""
 
 
 def _sdk() -> Any:
@@ -79,6 +86,7 @@ def _text(blocks: Any, what: str) -> str:
 class OpenRewardEnvironment(Environment):
     """Base of adapter classes; ``openreward_environment`` sets the class attributes."""
 
+    ors_target: ClassVar[str]
     ors_name: ClassVar[str]
     ors_variant: ClassVar[str | None] = None
     ors_base_url: ClassVar[str | None] = None
@@ -103,20 +111,52 @@ class OpenRewardEnvironment(Environment):
         return api, api.get(cls.ors_name, variant=cls.ors_variant, base_url=cls.ors_base_url)
 
     @classmethod
-    async def list_splits(cls) -> list[str]:  # type: ignore[override]
+    async def _catalogue(cls, what: str, call: Any) -> Any:
+        """``await call(env)`` on a fresh client; its failures become one-line errors."""
+        if cls.ors_base_url is not None:  # fail at once, not after the SDK's retries
+            try:
+                async with httpx.AsyncClient(timeout=10) as http:
+                    await http.get(f"{cls.ors_base_url}/health")
+            except httpx.TransportError as e:
+                raise OpenRewardAdapterError(
+                    f"openreward:{cls.ors_target}: cannot reach the server at "
+                    f"{cls.ors_base_url} ({type(e).__name__}: {e}); start it, or fix the URL"
+                ) from None
         api, env = cls._open()
         try:
-            return list(await env.list_splits())
+            return await call(env)
+        except Exception as e:
+            raise await cls._catalogue_error(what, e) from e
         finally:
             await api.aclose()
 
     @classmethod
+    async def _catalogue_error(cls, what: str, e: Exception) -> OpenRewardAdapterError:
+        where = f"openreward:{cls.ors_target}"
+        if getattr(e, "status", None) == 404 and cls.ors_base_url is not None:
+            try:
+                async with httpx.AsyncClient(timeout=10) as http:
+                    served = (await http.get(f"{cls.ors_base_url}/list_environments")).json()
+            except (httpx.HTTPError, ValueError):
+                served = "?"
+            return OpenRewardAdapterError(
+                f"{where}: the server at {cls.ors_base_url} does not serve an environment "
+                f"{cls.ors_variant!r} (it serves {served}); use "
+                f"openreward:{cls.ors_base_url}/<one of those>, or no path for its default"
+            )
+        detail = str(e).splitlines()[0] if str(e) else ""
+        return OpenRewardAdapterError(f"{where}: {what} failed: {type(e).__name__}: {detail}")
+
+    @classmethod
+    async def list_splits(cls) -> list[str]:  # type: ignore[override]
+        return list(await cls._catalogue("listing the splits", lambda env: env.list_splits()))
+
+    @classmethod
     async def list_tasks(cls, split: str) -> list[dict[str, Any]]:  # type: ignore[override]
-        api, env = cls._open()
-        try:
-            return [dict(t.task_spec) for t in await env.list_tasks(split)]
-        finally:
-            await api.aclose()
+        tasks = await cls._catalogue(
+            f"listing the tasks of split {split!r}", lambda env: env.list_tasks(split)
+        )
+        return [dict(t.task_spec) for t in tasks]
 
     async def setup(self) -> None:
         from openreward.api.environments.types import Task
@@ -193,6 +233,7 @@ def openreward_environment(target: str, *, api_key: str | None = None) -> type[E
     """An ``Environment`` class for the ORS environment at ``target`` (see the module doc)."""
     name, variant, base_url = parse_target(target)
     attrs = {
+        "ors_target": target,
         "ors_name": name,
         "ors_variant": variant,
         "ors_base_url": base_url,

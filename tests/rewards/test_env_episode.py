@@ -11,7 +11,14 @@ import pytest
 from pydantic import BaseModel, Field
 
 from rewards.chat import HFChatFormat
-from rewards.env import Environment, EnvironmentDefinitionError, ToolResult, get_tasks, tool
+from rewards.env import (
+    Environment,
+    EnvironmentDefinitionError,
+    ToolResult,
+    UnknownSplitError,
+    get_tasks,
+    tool,
+)
 from rewards.episode import (
     EnvironmentStuckError,
     GenerationFailed,
@@ -19,6 +26,7 @@ from rewards.episode import (
     reduce_rewards,
     run_episodes,
 )
+from rewards.registry import PluginError
 from rewards.toolcalls import MalformedCall, ToolCall, parse_tool_calls
 
 
@@ -121,6 +129,25 @@ def test_bad_tool_declarations_are_named():
         TwoArgs.list_tools()
     with pytest.raises(EnvironmentDefinitionError, match="several terminal tools"):
         TwoTerminals.list_tools()
+
+
+async def test_a_split_the_environment_does_not_list_is_named_with_the_ones_it_does():
+    """GuessEnv.list_tasks ignores its split: without the check, 'test' would train on 'train'."""
+    with pytest.raises(UnknownSplitError) as info:
+        await get_tasks(GuessEnv, "test")
+    assert str(info.value) == (
+        "'test' is not a split of GuessEnv; its splits are 'train': set environment.split to "
+        "one of them"
+    )
+    assert isinstance(info.value, PluginError)  # the learner reports it in one line
+
+    class Empty(GuessEnv):
+        @classmethod
+        def list_tasks(cls, split):
+            return []
+
+    with pytest.raises(UnknownSplitError, match="Empty lists no tasks in split 'train'"):
+        await get_tasks(Empty, "train")
 
 
 async def test_call_tool_reports_model_mistakes_as_text():

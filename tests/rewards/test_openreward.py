@@ -24,7 +24,7 @@ from openreward.environments import (  # noqa: E402
 from rewards.env import get_splits, get_tasks  # noqa: E402
 from rewards.episode import run_episodes  # noqa: E402
 from rewards.openreward_adapter import OpenRewardAdapterError, parse_target  # noqa: E402
-from rewards.registry import load_environment  # noqa: E402
+from rewards.registry import PluginError, load_environment  # noqa: E402
 
 CALLS: list[tuple[str, str, object]] = []  # (task key, tool, argument): what the server ran
 TEARDOWNS: list[str] = []
@@ -173,6 +173,32 @@ async def test_the_model_sees_the_servers_tools_but_not_the_terminal_one(server_
         assert late.is_error and "nope" in late.text
     finally:
         await env.teardown()
+
+
+async def test_a_server_that_does_not_serve_the_name_lists_what_it_serves(server_url):
+    env_cls = load_environment(f"openreward:{server_url}/wordle")
+    with pytest.raises(OpenRewardAdapterError) as info:
+        await get_tasks(env_cls, "train")
+    assert str(info.value) == (
+        f"openreward:{server_url}/wordle: the server at {server_url} does not serve an "
+        f"environment 'wordle' (it serves ['guessnumber']); use openreward:{server_url}/<one of "
+        f"those>, or no path for its default"
+    )
+    assert isinstance(info.value, PluginError)  # the learner reports it in one line
+
+
+async def test_a_server_that_is_not_running_fails_at_once_naming_the_url():
+    from learner.embedded import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(OpenRewardAdapterError) as info:
+        await get_splits(load_environment(f"openreward:{url}"))
+    assert time.monotonic() - t0 < 3  # not after the SDK's retries (6 s)
+    assert str(info.value).startswith(
+        f"openreward:{url}: cannot reach the server at {url} (ConnectError: "
+    )
+    assert str(info.value).endswith("); start it, or fix the URL")
 
 
 def test_parse_target():
