@@ -380,6 +380,15 @@ def _format_errors(err: ValidationError, source: str) -> str:
         msg = e["msg"]
         if isinstance(field_error := e.get("ctx", {}).get("error"), _FieldError):
             loc, msg = f"{loc}.{field_error.field}", field_error.message
+        elif (
+            e["type"] == "extra_forbidden"
+            and len(e["loc"]) == 2
+            and (e["loc"][1] in LearnerConfig.model_fields)
+        ):
+            msg = (
+                f"{e['loc'][1]!r} is a top-level key, not a field of [{e['loc'][0]}]: put it above "
+                f"the first [section] of the file (a TOML key belongs to the [section] above it)"
+            )
         elif e["type"] == "extra_forbidden":
             msg = "unknown field — check its spelling and section (see learner/config.py)"
         elif e["type"] == "missing":
@@ -404,6 +413,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     parts = key.strip().split(".")
     node = data
     for p in parts[:-1]:
+        if p == "environment" and isinstance(node.get(p), str):  # `environment = "name"`
+            node[p] = {"name": node[p]}
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {p!r} is not a section")

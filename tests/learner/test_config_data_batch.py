@@ -123,6 +123,24 @@ def test_environment_excludes_data_and_rewards(tmp_path):
         load_config(p)
 
 
+def test_a_top_level_key_under_a_section_says_where_it_belongs(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[model]\nname_or_path = "tiny"\nenvironment = "calculator"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert (
+        "  model.environment: 'environment' is a top-level key, not a field of [model]: put it "
+        "above the first [section] of the file (a TOML key belongs to the [section] above it)"
+    ) in str(e.value).splitlines()
+
+
+def test_the_one_line_environment_takes_field_overrides(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('environment = "calculator"\n')
+    env = load_config(p, ["environment.split=test", "environment.max_turns=2"]).environment
+    assert (env.name, env.split, env.max_turns) == ("calculator", "test", 2)
+
+
 def test_data_jsonl_errors_name_the_problem(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text('{"question": "x"}\n')
