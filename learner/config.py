@@ -198,6 +198,9 @@ class RewardConfig(_Section):
     name: str = Field(description="a registered reward (python -m rewards list)")
     weight: float = 1.0
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    label: str | None = Field(
+        None, description="its name in the metrics (default: name); set it to use one twice"
+    )
 
 
 class EnvironmentConfig(_Section):
@@ -365,6 +368,12 @@ class LearnerConfig(_Section):
         elif self.data is not None or self.rewards:
             raise ValueError(
                 "[environment] supplies both the tasks and the reward: remove [data] and [[rewards]]"
+            )
+        keys = [r.label or r.name for r in self.rewards]
+        if twice := sorted({k for k in keys if keys.count(k) > 1}):
+            raise ValueError(
+                f"[[rewards]] {twice} appear more than once: give each a distinct `label` "
+                f"(its name in the metrics)"
             )
         return self
 

@@ -232,7 +232,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         stream = PromptStream(rows, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     scorer = (
         RewardRunner(
-            [RewardSpec(name=r.name, weight=r.weight, kwargs=r.kwargs) for r in cfg.rewards],
+            [RewardSpec(**r.model_dump()) for r in cfg.rewards],
             timeout_s=cfg.scoring.timeout_s,
             policy=cfg.scoring.policy,
         )

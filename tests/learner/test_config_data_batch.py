@@ -141,6 +141,22 @@ def test_the_one_line_environment_takes_field_overrides(tmp_path):
     assert (env.name, env.split, env.max_turns) == ("calculator", "test", 2)
 
 
+def test_one_reward_twice_needs_a_label_and_the_label_reaches_the_runner():
+    from learner.config import RewardConfig
+    from rewards.scoring import RewardSpec
+
+    twice = 'rewards=[{name="charset"}, {name="charset", weight=0.5}]'
+    with pytest.raises(
+        ConfigError,
+        match=r"\[\[rewards\]\] \['charset'\] appear more than once: give each a distinct `label`",
+    ):
+        load_config(ROOT / "learner" / "configs" / "demo.toml", [twice])
+    labelled = 'rewards=[{name="charset"}, {name="charset", weight=0.5, label="half"}]'
+    cfg = load_config(ROOT / "learner" / "configs" / "demo.toml", [labelled])
+    assert [RewardSpec(**r.model_dump()).key for r in cfg.rewards] == ["charset", "half"]
+    assert set(RewardConfig.model_fields) == set(RewardSpec.model_fields)  # the trainer's copy
+
+
 def test_data_jsonl_errors_name_the_problem(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text('{"question": "x"}\n')
