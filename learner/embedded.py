@@ -122,7 +122,18 @@ def embedded_server(
         os.close(watch_fd)
     try:
         _wait_ready(proc, url, startup_timeout_s, log_path)
-        yield url
+        try:
+            yield url
+        except Exception as e:
+            if proc.poll() is None:
+                raise
+            # The learner's requests failed because the server had died: say so, not only
+            # "connection refused" after the retries.
+            raise EmbeddedServerError(
+                f"the embedded rollout server died during the run ({_exit_status(proc)}); "
+                f"its log ({log_path}) ends with:\n{_tail(log_path)}\nThe run stopped: "
+                "--resume continues it from its last checkpoint"
+            ) from e
     finally:
         _stop(proc)
         os.close(learner_fd)
@@ -133,10 +144,9 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log_p
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-2000:]
             raise EmbeddedServerError(
-                f"the embedded rollout server exited with code {proc.returncode}; "
-                f"its log ({log_path}) ends with:\n{tail}"
+                f"the embedded rollout server exited ({_exit_status(proc)}); "
+                f"its log ({log_path}) ends with:\n{_tail(log_path)}"
             )
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/ready", timeout=2.0).status_code == 200:
@@ -145,6 +155,18 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log_p
     raise EmbeddedServerError(
         f"the embedded rollout server was not ready after {timeout_s:.0f} s; see {log_path}"
     )
+
+
+def _exit_status(proc: subprocess.Popen[bytes]) -> str:
+    code = proc.returncode
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        return f"killed by {name}" + (": out of memory?" if name == "SIGKILL" else "")
+    return f"exit code {code}"
+
+
+def _tail(log_path: Path) -> str:
+    return log_path.read_text(errors="replace")[-2000:]
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:

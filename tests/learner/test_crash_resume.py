@@ -216,3 +216,33 @@ def test_a_metrics_record_cut_off_by_a_host_crash_is_dropped_on_resume(tmp_path)
     path.write_text(records.replace("\n", "\n" + "\0" * 8 + "\n", 1))  # damage inside: an error
     with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not a JSON record"):
         read_metrics(tmp_path)
+
+
+def test_a_killed_embedded_server_stops_the_run_with_a_named_error(tmp_path, proc_scan):
+    """The learner used to end with the client's 'All connection attempts failed' only."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        _cmd(run_dir, "run.steps=20"),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "no second step"
+        time.sleep(0.05)
+    (server,) = proc_scan(str(run_dir / "model"))
+    os.kill(server, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    last = stderr.strip().splitlines()
+    assert any(
+        line.startswith(
+            "learner.embedded.EmbeddedServerError: the embedded rollout server died "
+            "during the run (killed by SIGKILL: out of memory?)"
+        )
+        for line in last
+    ), stderr[-3000:]
+    assert "--resume continues it from its last checkpoint" in stderr
