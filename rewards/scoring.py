@@ -270,8 +270,15 @@ class RewardRunner:
 
     def check_columns(self, columns: Sequence[str]) -> None:
         """Raise ``RewardSpecError`` for a function with a parameter (no default, not in its
-        kwargs) that names none of ``columns``: every call would fail with a TypeError."""
+        kwargs) that names none of ``columns``, or kwargs that shadow a column: every call
+        would fail."""
         for s in self.specs:
+            if clash := sorted(set(s.kwargs) & set(columns)):
+                raise RewardSpecError(
+                    s.key,
+                    f"kwargs {clash} have the names of data columns, which reach the function "
+                    f"under those names: rename the kwargs (or the columns)",
+                )
             if missing := [
                 c for c in required_columns(self.funcs[s.key], s.kwargs) if c not in columns
             ]:

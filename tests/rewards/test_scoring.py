@@ -271,6 +271,12 @@ def test_a_parameter_that_names_no_column_fails_before_any_call():
         "kwargs, or give the parameters a default"
     )
     RewardRunner([RewardSpec(name="length")], funcs={"length": length}).check_columns([])
+    with pytest.raises(RewardSpecError) as info:
+        runner.check_columns(["answer", "scale"])
+    assert str(info.value) == (
+        "reward function 'needs': kwargs ['scale'] have the names of data columns, which reach "
+        "the function under those names: rename the kwargs (or the columns)"
+    )
 
 
 async def test_a_function_that_abstains_on_a_whole_batch_is_warned_about_once(caplog):
