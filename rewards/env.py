@@ -138,6 +138,22 @@ class Environment:
         raise NotImplementedError(f"{type(self).__name__} must implement get_prompt()")
 
     @classmethod
+    def check_definition(cls) -> None:
+        """Raise ``EnvironmentDefinitionError`` for what would fail in every episode: a method
+        that must be implemented and is not, a tool declared wrongly."""
+        missing = [
+            name
+            for name in ("list_splits", "list_tasks", "get_prompt")
+            if getattr(cls, name).__qualname__.startswith("Environment.")
+        ]
+        if missing:
+            raise EnvironmentDefinitionError(
+                f"{cls.__name__} does not implement {', '.join(f'{m}()' for m in missing)}; "
+                f"see the example in docs/rewards.md"
+            )
+        cls.list_tools()
+
+    @classmethod
     def list_tools(cls) -> list[ToolSpec]:
         """The tools declared with ``@tool`` on this class, terminal tool included (flagged)."""
         return cls._tools()[0]

@@ -224,7 +224,7 @@ def load_environment(name: str) -> type[Environment]:
             f"rewards.env.Environment; point the entry point at the class."
         )
     try:
-        cls.list_tools()
+        cls.check_definition()
     except EnvironmentDefinitionError as e:
         raise InvalidPluginError(
             f"environment {name!r} ({reg.target}, from {reg.dist}): {e}"

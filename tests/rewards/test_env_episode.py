@@ -131,6 +131,20 @@ def test_bad_tool_declarations_are_named():
         TwoTerminals.list_tools()
 
 
+def test_an_environment_that_misses_a_required_method_is_named_when_checked():
+    class NoCatalogue(Environment):
+        def get_prompt(self):
+            return "hi"
+
+    with pytest.raises(EnvironmentDefinitionError) as info:
+        NoCatalogue.check_definition()
+    assert str(info.value) == (
+        "NoCatalogue does not implement list_splits(), list_tasks(); see the example in "
+        "docs/rewards.md"
+    )
+    GuessEnv.check_definition()
+
+
 async def test_a_split_the_environment_does_not_list_is_named_with_the_ones_it_does():
     """GuessEnv.list_tasks ignores its split: without the check, 'test' would train on 'train'."""
     with pytest.raises(UnknownSplitError) as info:

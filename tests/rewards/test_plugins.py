@@ -80,6 +80,17 @@ def ok(prompts, completions, **columns):
 
 
 class BadTool(Environment):
+    @classmethod
+    def list_splits(cls):
+        return ["train"]
+
+    @classmethod
+    def list_tasks(cls, split):
+        return [{}]
+
+    def get_prompt(self):
+        return "Guess."
+
     @tool
     def guess(self, number: int) -> ToolResult:
         return ToolResult(text="?")
