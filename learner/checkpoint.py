@@ -12,6 +12,7 @@ before it, leaving empty or truncated files under a complete-looking name.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -156,6 +157,9 @@ def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)  # a directory too: that makes its entries durable
     try:
         os.fsync(fd)
+    except OSError as e:  # some file systems (FUSE, CIFS) cannot fsync a directory
+        if not (e.errno == errno.EINVAL and path.is_dir()):
+            raise
     finally:
         os.close(fd)
 
