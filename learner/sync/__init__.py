@@ -15,7 +15,6 @@ drop the tensors, so the whole model is never gathered at once on any rank.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,6 +112,12 @@ def sync_specs(model: nn.Module, dtype: str | None) -> list[Any]:
     return specs
 
 
+# One name, not one per process: a learner killed mid-write (a sync of a large model takes
+# seconds of every step) leaves at most this file, which the next push overwrites; per-process
+# names left one full copy of the weights on the shared disk per crash.
+FILE_SYNC_TMP = ".weights.safetensors.tmp"
+
+
 class WeightSyncer:
     """Pushes the policy's weights to every server with the configured transport."""
 
@@ -153,9 +158,13 @@ class WeightSyncer:
         """NCCL: form the weight-sync group now rather than at the first sync. A new group also
         ends whatever a previous run of this learner left prepared or committing on the servers
         (a crash after preparing), which would otherwise hold their generation paused until the
-        group's timeout. Other transports have nothing to form."""
+        group's timeout. File: delete what a learner killed mid-write left. Other transports
+        have nothing to form."""
         if self.cfg.sync == "nccl":
             await self._nccl_sender()
+        if self.cfg.sync == "file":
+            assert self.cfg.sync_dir is not None  # the config validator guarantees it
+            (Path(self.cfg.sync_dir) / FILE_SYNC_TMP).unlink(missing_ok=True)
 
     async def prepare(self, model: nn.Module) -> bool:
         """NCCL only: have the servers queue the next ``push``'s receives now (they hold
@@ -186,7 +195,7 @@ class WeightSyncer:
             sync_dir = Path(cfg.sync_dir)
             sync_dir.mkdir(parents=True, exist_ok=True)
             final = sync_dir / "weights.safetensors"
-            tmp = sync_dir / f".weights.{os.getpid()}.tmp"
+            tmp = sync_dir / FILE_SYNC_TMP
             tensors = {n: t.contiguous().cpu() for n, t in sync_tensors(model)}
             save_file(tensors, str(tmp))
             tmp.replace(final)  # the server never sees a half-written file

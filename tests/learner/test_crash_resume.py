@@ -253,3 +253,19 @@ def test_a_killed_embedded_server_stops_the_run_with_a_named_error(tmp_path, pro
         for line in last
     ), stderr[-3000:]
     assert "--resume continues it from its last checkpoint" in stderr
+
+
+def test_a_file_sync_cut_off_by_a_kill_leaves_no_copy_of_the_weights_behind(tmp_path):
+    """A learner killed while writing the weights file left ``.weights.<pid>.tmp`` (a full copy
+    of the weights) on the shared disk for good, one per crash. The write lasts too short on
+    the demo model to be hit by a kill reliably, so the test places what such a kill leaves."""
+    sync_dir = tmp_path / "sync"
+    sync_dir.mkdir()
+    (sync_dir / ".weights.safetensors.tmp").write_bytes(b"\0" * 4096)  # a cut-off write
+    run_dir = tmp_path / "run"
+    file_sync = ('rollout.sync="file"', f'rollout.sync_dir="{sync_dir}"', "run.steps=1")
+    done = subprocess.run(
+        _cmd(run_dir, *file_sync), env=_env(), capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in sync_dir.iterdir()) == ["weights.safetensors"]
