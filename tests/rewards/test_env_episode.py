@@ -131,6 +131,22 @@ def test_bad_tool_declarations_are_named():
         TwoTerminals.list_tools()
 
 
+def test_a_tool_argument_model_that_cannot_be_resolved_is_named():
+    class LocalArgs(BaseModel):  # local: the string annotation (PEP 563) cannot find it
+        x: int
+
+    class Local(Environment):
+        @tool
+        def f(self, args: LocalArgs) -> ToolResult: ...
+
+    with pytest.raises(EnvironmentDefinitionError) as info:
+        Local.list_tools()
+    assert str(info.value) == (
+        "tool Local.f: its annotations cannot be resolved (NameError: name 'LocalArgs' is not "
+        "defined); define or import the argument model at module level"
+    )
+
+
 def test_an_environment_that_misses_a_required_method_is_named_when_checked():
     class NoCatalogue(Environment):
         def get_prompt(self):
