@@ -222,6 +222,34 @@ class ScoringConfig(_Section):
     policy: Literal["raise", "none", "zero"] = "raise"
 
 
+class EvalConfig(_Section):
+    """Held-out prompts scored with the run's rewards every ``every`` steps (learner/evaluate.py)."""
+
+    data: str = Field(
+        description="held-out prompts: a .jsonl file or a datasets directory, columns as [data]"
+    )
+    prompt_column: str = "prompt"
+    every: int = Field(50, ge=1, description="evaluate every this many steps, and after the last")
+    at_start: bool = Field(False, description="also evaluate the starting weights, as step 0")
+    max_prompts: int | None = Field(None, ge=1, description="only the first this many rows")
+    num_generations: int = Field(1, ge=1, description="samples per prompt")
+    temperature: float = Field(0.0, ge=0, le=100, description="0: greedy")
+    max_tokens: int | None = Field(None, ge=1, description="default: sampling.max_tokens")
+    save_samples: bool = Field(
+        True, description="write every sample and its rewards to RUN_DIR/eval/step_N.jsonl"
+    )
+
+    @model_validator(mode="after")
+    def _greedy_once(self) -> EvalConfig:
+        if self.temperature == 0 and self.num_generations > 1:
+            raise _FieldError(
+                "num_generations",
+                f"greedy decoding (temperature = 0) gives {self.num_generations} identical "
+                f"samples: set eval.temperature > 0, or eval.num_generations = 1",
+            )
+        return self
+
+
 class GRPOConfig(_Section):
     prompts_per_step: int = Field(8, ge=1, description="prompts per optimizer step (all ranks)")
     num_iterations: int = Field(1, ge=1, description="optimizer passes over each batch")
@@ -344,6 +372,7 @@ class LearnerConfig(_Section):
     sft: SFTConfig | None = Field(
         None, description="supervised warm start: runs before GRPO (or alone: `learner sft`)"
     )
+    eval: EvalConfig | None = Field(None, description="held-out evaluation while training")
 
     @field_validator("environment", mode="before")
     @classmethod
@@ -368,6 +397,11 @@ class LearnerConfig(_Section):
         elif self.data is not None or self.rewards:
             raise ValueError(
                 "[environment] supplies both the tasks and the reward: remove [data] and [[rewards]]"
+            )
+        if self.eval is not None and self.environment is not None:
+            raise ValueError(
+                "[eval] scores held-out prompts with [[rewards]]; with an [environment] it is not "
+                "supported yet: remove [eval]"
             )
         keys = [r.label or r.name for r in self.rewards]
         if twice := sorted({k for k in keys if keys.count(k) > 1}):
@@ -445,7 +479,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     for o in overrides or []:
         apply_override(data, o)
     if isinstance(path, Path):  # relative data paths are relative to the config file
-        for section, key in (("data", "path"), ("sft", "data")):
+        for section, key in (("data", "path"), ("sft", "data"), ("eval", "data")):
             d = data.get(section)
             if isinstance(d, dict) and isinstance(d.get(key), str):
                 rel = path.parent / d[key]

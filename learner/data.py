@@ -18,14 +18,20 @@ class DataError(ValueError):
 
 
 def load_rows(
-    path: str | Path, prompt_column: str, *, allow_empty: bool = False
+    path: str | Path,
+    prompt_column: str,
+    *,
+    allow_empty: bool = False,
+    settings: tuple[str, str] = ("data.path", "data.prompt_column"),
 ) -> list[dict[str, Any]]:
     """The rows of a JSONL file or ``datasets`` directory, each with a prompt that the rollout
-    server would take (``allow_empty``: an empty prompt too, as SFT completions may have)."""
+    server would take (``allow_empty``: an empty prompt too, as SFT completions may have).
+    ``settings``: the config fields of the path and the column, for the messages."""
     path = Path(path)
+    path_setting, column_setting = settings
     if not path.exists():
         raise DataError(
-            f"data.path {path} does not exist (looked at {path.resolve()}; a relative path is "
+            f"{path_setting} {path} does not exist (looked at {path.resolve()}; a relative path is "
             "read next to the config file if it is there, else from the working directory)"
         )
     if path.is_dir():
@@ -61,7 +67,7 @@ def load_rows(
         if prompt is None:
             raise DataError(
                 f"{path} row {i} has no {prompt_column!r} column (columns: {sorted(row)}); "
-                "set data.prompt_column"
+                f"set {column_setting}"
             )
         if not isinstance(prompt, str | list):
             raise DataError(

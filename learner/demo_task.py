@@ -6,7 +6,8 @@ The reward is the fraction of the completion's characters that are allowed, so i
 rises as the policy moves probability onto those tokens: enough signal for GRPO to show
 learning within a few dozen steps, with no download and no pretrained weights.
 
-Regenerate the shipped data with ``python -m learner.demo_task learner/data/demo.jsonl``.
+Regenerate the shipped data with ``python -m learner.demo_task learner/data/demo.jsonl`` (it
+writes ``demo_eval.jsonl`` beside it: held-out subjects, for the ``[eval]`` section).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 SUBJECTS = ["the sea", "a cat", "the moon", "rain", "a bird", "the wind", "bread", "snow"]
+HELD_OUT = ["the sun", "a fish", "the stars", "a tree"]  # in the eval prompts only
 STYLES = ["Sing", "Hum", "Chant", "Whisper"]
 
 
@@ -46,11 +48,28 @@ def demo_rows(n: int = 64, seed: int = 0) -> list[dict[str, object]]:
     return rows
 
 
+def demo_eval_rows() -> list[dict[str, object]]:
+    """Every style with every held-out subject: prompts the training data never shows."""
+    return [
+        {
+            "prompt": [
+                {"role": "user", "content": f"{style} a song about {subject} using only vowels."}
+            ],
+            "allowed": "aeiou",
+        }
+        for style in STYLES
+        for subject in HELD_OUT
+    ]
+
+
 def main(argv: list[str]) -> None:
+    """Write the training rows to the path given, and the eval rows beside it (``*_eval``)."""
     path = Path(argv[0] if argv else "learner/data/demo.jsonl")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in demo_rows()))
-    print(path)
+    held_out = path.with_name(f"{path.stem}_eval{path.suffix}")
+    held_out.write_text("".join(json.dumps(r) + "\n" for r in demo_eval_rows()))
+    print(path, held_out)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from pathlib import Path
 from learner.metrics import read_metrics
 
 PANELS = [
-    ("reward", ["reward/mean"], "mean reward"),
+    ("reward", ["reward/mean", "eval/reward/mean"], "mean reward"),
     ("loss", ["loss"], "loss"),
     ("kl / entropy", ["kl", "entropy"], None),
     ("completion length", ["completion/len_mean"], "tokens"),

@@ -54,13 +54,20 @@ def load_sft_rows(cfg: SFTConfig) -> tuple[list[dict[str, Any]], RowFormat]:
     """The rows and their shape, decided by the first row's columns."""
     fmt: RowFormat = "messages"
     try:
-        rows = load_rows(cfg.data, cfg.messages_column)
+        rows = load_rows(
+            cfg.data, cfg.messages_column, settings=("sft.data", "sft.messages_column")
+        )
     except DataError as e:
         if f"row 0 has no {cfg.messages_column!r}" not in str(e):
             raise
         fmt = "prompt_completion"
         try:
-            rows = load_rows(cfg.data, cfg.prompt_column, allow_empty=True)
+            rows = load_rows(
+                cfg.data,
+                cfg.prompt_column,
+                allow_empty=True,
+                settings=("sft.data", "sft.prompt_column"),
+            )
         except DataError as e2:
             if f"row 0 has no {cfg.prompt_column!r}" not in str(e2):
                 raise

@@ -36,6 +36,7 @@ from learner.checkpoint import TrainerState, restore, save_checkpoint
 from learner.config import LearnerConfig
 from learner.data import PromptStream, data_columns, load_rows
 from learner.embedded import embedded_server
+from learner.evaluate import Evaluator
 from learner.loss import LossConfig
 from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
@@ -241,6 +242,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     )
     if scorer is not None and cfg.data is not None:  # a parameter that no column fills
         scorer.check_columns([*data_columns(rows, cfg.data.prompt_column), "completion_ids"])
+    evaluator = Evaluator(cfg, run_dir) if cfg.eval is not None else None
     model_path = _model_path(cfg, run_dir, accelerator)
     if cfg.sft is not None:  # warm start: SFT first, GRPO starts from its weights (learner/sft.py)
         from learner.sft import warm_start
@@ -317,6 +319,10 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             loop.run(client.wait_ready(cfg.rollout.ready_timeout_s))
             infos = loop.run(client.info())
             check_server_limits(cfg, infos, cfg.rollout.servers)
+            if evaluator is not None and (
+                problems := evaluator.check_limits(infos, cfg.rollout.servers)
+            ):
+                raise SetupError("; ".join(problems) + ": lower it, or raise the server's limit")
             syncer = WeightSyncer(cfg.rollout, client, device=accelerator.device)
             if accelerator.is_main_process:  # before the first generation: see connect()
                 loop.run(syncer.connect())
@@ -327,6 +333,10 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 resync = _main_decides(accelerator, lambda: _updated_by_another(infos))
             if resync:
                 _sync(accelerator, loop, syncer, policy, state, resync=True)
+            if evaluator is not None and state.step == 0 and evaluator.due(0):
+                ev = _evaluate(accelerator, loop, evaluator, client, 0, tokenizer)
+                if metrics_log is not None:
+                    metrics_log.log(0, ev)
             per_rank = cfg.grpo.prompts_per_step // world
             rank = accelerator.process_index
 
@@ -441,6 +451,10 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 if peak:
                     local["mfu"] = flops / max(t_train, 1e-9) / (peak * 1e12)
                 last = reduce_metrics(accelerator, local)
+                if evaluator is not None and evaluator.due(state.step):  # the weights just synced
+                    last.update(
+                        _evaluate(accelerator, loop, evaluator, client, state.step, tokenizer)
+                    )
                 if metrics_log is not None:
                     metrics_log.log(state.step, last)
                 if state.step % cfg.run.checkpoint_every == 0 or state.step == cfg.run.steps:
@@ -463,6 +477,21 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return last if accelerator.is_main_process else {}
+
+
+def _evaluate(
+    accelerator: Accelerator,
+    loop: EventLoopThread,
+    evaluator: Evaluator,
+    client: RolloutClient,
+    step: int,
+    tokenizer: Any,
+) -> dict[str, float]:
+    """Evaluate on the main process (the servers serve this step's weights); the other ranks
+    wait and get no metrics."""
+    out = loop.run(evaluator.run(client, step, tokenizer)) if accelerator.is_main_process else {}
+    accelerator.wait_for_everyone()
+    return out
 
 
 def _may_prepare(cfg: Any, accelerator: Accelerator, pending: Any) -> bool:

@@ -1,0 +1,172 @@
+"""Evaluation on held-out prompts while training (the ``[eval]`` section).
+
+Every ``eval.every`` steps, after the step's weights reached the servers, and after the last step
+(``eval.at_start``: also on the starting weights, as step 0), the main process asks the rollout
+servers for ``eval.num_generations`` completions of every held-out prompt (greedy by default:
+``eval.temperature = 0``), scores them with the run's own reward functions, and logs under
+``eval/…`` in the step's metrics line: the mean and std of the total reward, each function's
+mean, the best-of-n mean when n > 1, completion lengths and the time taken. With
+``eval.save_samples`` every sample is written with its rewards to ``RUN_DIR/eval/step_N.jsonl``.
+
+Nothing here trains: the samples are not importance-weighted or given advantages, and the other
+ranks wait for the main process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from learner.config import LearnerConfig
+from learner.data import data_columns, load_rows
+from learner.rollouts import truncate_prompts
+from learner.runtime import SetupError
+from rewards.scoring import RewardRunner, RewardSpec, RewardSpecError
+from rollout_server.client import RolloutClient
+from rollout_server.protocol import GenerateRequest, InfoResponse
+
+logger = logging.getLogger(__name__)
+
+
+class Evaluator:
+    """The held-out prompts and their scorer; ``run`` evaluates the weights the servers serve."""
+
+    def __init__(self, cfg: LearnerConfig, run_dir: Path) -> None:
+        assert cfg.eval is not None
+        self.cfg = cfg
+        self.e = cfg.eval
+        rows = load_rows(
+            self.e.data, self.e.prompt_column, settings=("eval.data", "eval.prompt_column")
+        )
+        self.rows = rows[: self.e.max_prompts] if self.e.max_prompts else rows
+        # its own runner: eval's failures and timeouts stay out of training's counts
+        self.scorer = RewardRunner(
+            [RewardSpec(**r.model_dump()) for r in cfg.rewards],
+            timeout_s=cfg.scoring.timeout_s,
+            policy=cfg.scoring.policy,
+        )
+        try:
+            self.scorer.check_columns(
+                [*data_columns(self.rows, self.e.prompt_column), "completion_ids"]
+            )
+        except RewardSpecError as e:
+            raise SetupError(f"eval.data {self.e.data}: {e}") from None
+        self.samples_dir = run_dir / "eval"
+        self.max_tokens = self.e.max_tokens or cfg.sampling.max_tokens
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` (just trained; 0 before training) is evaluated."""
+        if step == 0:
+            return self.e.at_start
+        return step % self.e.every == 0 or step == self.cfg.run.steps
+
+    def check_limits(self, infos: list[InfoResponse], where: list[str]) -> list[str]:
+        """What the servers would refuse of eval's requests, as setup messages."""
+        problems = []
+        for i, info in enumerate(infos):
+            server = f"the rollout server {where[i]}" if where else "the embedded rollout server"
+            for setting, value, limit in (
+                ("eval.num_generations", self.e.num_generations, info.limits.max_n),
+                ("eval.max_tokens", self.max_tokens, info.limits.max_tokens),
+            ):
+                if value > limit:
+                    problems.append(f"{setting} = {value} is over {server}'s limit {limit}")
+        return problems
+
+    def request(self, prompts: list[Any]) -> GenerateRequest:
+        s, e = self.cfg.sampling, self.e
+        sampled = e.temperature > 0
+        return GenerateRequest(
+            prompts=prompts,
+            n=e.num_generations,
+            max_tokens=self.max_tokens,
+            temperature=e.temperature,
+            top_p=s.top_p if sampled else 1.0,
+            top_k=s.top_k if sampled else -1,
+            min_p=s.min_p if sampled else 0.0,
+            repetition_penalty=s.repetition_penalty,
+            stop=s.stop,
+            chat_template_kwargs=s.chat_template_kwargs,
+            logprobs=False,
+        )
+
+    async def run(
+        self, client: RolloutClient, step: int, tokenizer: Any = None
+    ) -> dict[str, float]:
+        """Generate, score, write the samples; the ``eval/…`` metrics."""
+        t0 = time.perf_counter()
+        col = self.e.prompt_column
+        prompts: list[Any] = [r[col] for r in self.rows]
+        if self.cfg.grpo.max_prompt_tokens and tokenizer is not None:  # as in training
+            prompts, _ = await asyncio.to_thread(
+                truncate_prompts,
+                prompts,
+                tokenizer,
+                self.cfg.grpo.max_prompt_tokens,
+                self.cfg.sampling.chat_template_kwargs,
+            )
+        resp = await client.generate(self.request(prompts))
+        n = self.e.num_generations
+        texts, finish, lengths, flat_prompts = [], [], [], []
+        columns: dict[str, list[Any]] = {k: [] for k in data_columns(self.rows, col)}
+        columns["completion_ids"] = []
+        for row, result in zip(self.rows, resp.results, strict=True):
+            for s in result.samples:
+                texts.append(s.text)
+                finish.append(s.finish_reason)
+                lengths.append(len(s.token_ids))
+                flat_prompts.append(row[col])
+                for k in columns:
+                    columns[k].append(s.token_ids if k == "completion_ids" else row.get(k))
+        scored = await self.scorer.score(flat_prompts, texts, columns)
+        total = scored.total
+        metrics = {
+            f"eval/{k}": v
+            for k, v in scored.metrics.items()
+            if k.startswith("reward/") and k.rsplit("/", 1)[-1] in ("mean", "std", "failures")
+        }
+        mean = sum(total) / len(total)
+        metrics["eval/reward/mean"] = mean
+        metrics["eval/reward/std"] = (sum((x - mean) ** 2 for x in total) / len(total)) ** 0.5
+        if n > 1:
+            best = [max(total[i : i + n]) for i in range(0, len(total), n)]
+            metrics["eval/reward/best_of_n"] = sum(best) / len(best)
+        metrics["eval/completion/len_mean"] = sum(lengths) / len(lengths)
+        metrics["eval/completion/truncated_frac"] = sum(f == "length" for f in finish) / len(finish)
+        metrics["eval/prompts"] = float(len(self.rows))
+        metrics["eval/weight_version"] = float(resp.weight_version)
+        if self.e.save_samples:
+            await asyncio.to_thread(self._write, step, flat_prompts, texts, finish, scored)
+        metrics["eval/seconds"] = time.perf_counter() - t0
+        logger.info(
+            "eval at step %d: reward %.4f over %d prompts x %d (%.1f s)",
+            step,
+            mean,
+            len(self.rows),
+            n,
+            metrics["eval/seconds"],
+        )
+        return metrics
+
+    def _write(
+        self, step: int, prompts: list[Any], texts: list[str], finish: list[str], scored: Any
+    ) -> None:
+        self.samples_dir.mkdir(parents=True, exist_ok=True)
+        n = self.e.num_generations
+        path = self.samples_dir / f"step_{step}.jsonl"
+        with path.open("w") as f:
+            for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
+                record = {
+                    "row": i // n,
+                    "sample": i % n,
+                    "prompt": prompt,
+                    "completion": text,
+                    "finish_reason": finish[i],
+                    "reward": scored.total[i],
+                    "rewards": {k: v[i] for k, v in scored.per_function.items()},
+                }
+                f.write(json.dumps(record) + "\n")

@@ -1,0 +1,85 @@
+"""Held-out evaluation while training (``[eval]``): real learner runs on the demo task with its
+embedded rollout server, and the config's checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from learner.config import ConfigError, load_config
+from learner.metrics import read_metrics
+from tests.learner.test_e2e import DEMO, _env, _learner, _run_ok
+
+
+def test_eval_scores_held_out_prompts_and_writes_the_samples(tmp_path):
+    run = tmp_path / "run"
+    _run_ok(
+        run,
+        "run.steps=3",
+        "sampling.max_tokens=8",
+        "eval.every=2",
+        "eval.num_generations=3",
+        "eval.temperature=1.0",
+        "eval.max_prompts=4",
+        "eval.at_start=true",
+    )
+    records = {int(r["step"]): r for r in read_metrics(run)}
+    assert sorted(records) == [0, 1, 2, 3]  # step 0: the starting weights (at_start)
+    evaluated = [s for s, r in records.items() if "eval/reward/mean" in r]
+    assert evaluated == [0, 2, 3]  # every 2 steps, and after the last
+    assert "reward/mean" not in records[0]  # step 0 trained nothing
+    for step in evaluated:
+        r = records[step]
+        assert r["eval/prompts"] == 4.0
+        assert 0.0 <= r["eval/reward/mean"] <= r["eval/reward/best_of_n"] <= 1.0
+        assert r["eval/reward/charset/mean"] == pytest.approx(r["eval/reward/mean"])
+        assert 0 < r["eval/completion/len_mean"] <= 8
+        samples = [
+            json.loads(line)
+            for line in (run / "eval" / f"step_{step}.jsonl").read_text().splitlines()
+        ]
+        assert [(s["row"], s["sample"]) for s in samples] == [
+            (i, j) for i in range(4) for j in range(3)
+        ]
+        assert all(s["rewards"]["charset"] == s["reward"] for s in samples)
+        mean = sum(s["reward"] for s in samples) / len(samples)
+        assert mean == pytest.approx(r["eval/reward/mean"])
+        if step:  # the weights of that very step
+            assert r["eval/weight_version"] == r["weight_version"]
+    assert records[0]["eval/weight_version"] == 0.0
+
+
+def test_eval_data_the_rewards_cannot_use_stops_before_any_model_loads(tmp_path):
+    held_out = tmp_path / "held_out.jsonl"  # the demo's reward needs the 'allowed' column
+    held_out.write_text(json.dumps({"prompt": "Sing."}) + "\n")
+    for override, message in [
+        (f'eval.data="{held_out}"', f"eval.data {held_out}: reward function 'charset'"),
+        ('eval.data="missing.jsonl"', "eval.data missing.jsonl does not exist"),
+    ]:
+        proc = subprocess.run(
+            _learner(tmp_path / "run", "--set", override),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert message in proc.stderr.splitlines()[-1]
+        assert "Loading weights" not in proc.stderr
+
+
+def test_eval_config_checks(tmp_path):
+    cfg = load_config(DEMO)
+    assert cfg.eval is not None and Path(cfg.eval.data).is_absolute()  # next to the config
+    assert Path(cfg.eval.data).exists()
+    with pytest.raises(ConfigError, match=r"eval\.num_generations: greedy decoding"):
+        load_config(DEMO, ["eval.num_generations=4"])
+    load_config(DEMO, ["eval.num_generations=4", "eval.temperature=0.7"])
+    with pytest.raises(ConfigError, match=r"\[eval\] scores held-out prompts with \[\[rewards\]\]"):
+        load_config(
+            None,
+            ['environment="calculator"', 'eval.data="x.jsonl"', 'model.name_or_path="tiny"'],
+        )
