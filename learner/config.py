@@ -225,10 +225,13 @@ class ScoringConfig(_Section):
 class EvalConfig(_Section):
     """Held-out prompts scored with the run's rewards every ``every`` steps (learner/evaluate.py)."""
 
-    data: str = Field(
-        description="held-out prompts: a .jsonl file or a datasets directory, columns as [data]"
+    data: str | None = Field(
+        None,
+        description="held-out prompts: a .jsonl file or a datasets directory, columns as [data] "
+        "(with an [environment]: none, the tasks of `split`)",
     )
     prompt_column: str = "prompt"
+    split: str = Field("test", description="with an [environment]: the split whose tasks to play")
     every: int = Field(50, ge=1, description="evaluate every this many steps, and after the last")
     at_start: bool = Field(False, description="also evaluate the starting weights, as step 0")
     max_prompts: int | None = Field(None, ge=1, description="only the first this many rows")
@@ -398,10 +401,10 @@ class LearnerConfig(_Section):
             raise ValueError(
                 "[environment] supplies both the tasks and the reward: remove [data] and [[rewards]]"
             )
-        if self.eval is not None and self.environment is not None:
+        if self.eval is not None and (self.environment is None) == (self.eval.data is None):
             raise ValueError(
-                "[eval] scores held-out prompts with [[rewards]]; with an [environment] it is not "
-                "supported yet: remove [eval]"
+                "[eval] takes `data` (held-out prompts for the [[rewards]]) without an "
+                "[environment], and `split` (the environment's held-out tasks) with one"
             )
         keys = [r.label or r.name for r in self.rewards]
         if twice := sorted({k for k in keys if keys.count(k) > 1}):

@@ -8,6 +8,10 @@ servers for ``eval.num_generations`` completions of every held-out prompt (greed
 mean, the best-of-n mean when n > 1, completion lengths and the time taken. With
 ``eval.save_samples`` every sample is written with its rewards to ``RUN_DIR/eval/step_N.jsonl``.
 
+With an ``[environment]`` the held-out prompts are the tasks of its ``eval.split``, played as
+episodes like the training ones (same turn limit, timeout and reward reduction), with
+``eval/episode/…`` metrics and each episode's messages in the samples file.
+
 Nothing here trains: the samples are not importance-weighted or given advantages, and the other
 ranks wait for the main process.
 """
@@ -25,6 +29,8 @@ from learner.config import LearnerConfig
 from learner.data import data_columns, load_rows
 from learner.rollouts import truncate_prompts
 from learner.runtime import SetupError
+from rewards.env import Environment, get_tasks
+from rewards.episode import Generation, run_episodes
 from rewards.scoring import RewardRunner, RewardSpec, RewardSpecError
 from rollout_server.client import RolloutClient
 from rollout_server.protocol import GenerateRequest, InfoResponse
@@ -35,10 +41,21 @@ logger = logging.getLogger(__name__)
 class Evaluator:
     """The held-out prompts and their scorer; ``run`` evaluates the weights the servers serve."""
 
-    def __init__(self, cfg: LearnerConfig, run_dir: Path) -> None:
+    def __init__(
+        self, cfg: LearnerConfig, run_dir: Path, env_cls: type[Environment] | None = None
+    ) -> None:
         assert cfg.eval is not None
         self.cfg = cfg
         self.e = cfg.eval
+        self.env_cls = env_cls
+        self.samples_dir = run_dir / "eval"
+        self.max_tokens = self.e.max_tokens or cfg.sampling.max_tokens
+        self.scorer: RewardRunner | None = None
+        if env_cls is not None:
+            tasks = asyncio.run(get_tasks(env_cls, self.e.split))
+            self.rows = tasks[: self.e.max_prompts] if self.e.max_prompts else tasks
+            return
+        assert self.e.data is not None  # the config's validator
         rows = load_rows(
             self.e.data, self.e.prompt_column, settings=("eval.data", "eval.prompt_column")
         )
@@ -55,8 +72,6 @@ class Evaluator:
             )
         except RewardSpecError as e:
             raise SetupError(f"eval.data {self.e.data}: {e}") from None
-        self.samples_dir = run_dir / "eval"
-        self.max_tokens = self.e.max_tokens or cfg.sampling.max_tokens
 
     def due(self, step: int) -> bool:
         """Whether step ``step`` (just trained; 0 before training) is evaluated."""
@@ -95,10 +110,90 @@ class Evaluator:
         )
 
     async def run(
-        self, client: RolloutClient, step: int, tokenizer: Any = None
+        self, client: RolloutClient, step: int, tokenizer: Any = None, chat: Any = None
     ) -> dict[str, float]:
         """Generate, score, write the samples; the ``eval/…`` metrics."""
         t0 = time.perf_counter()
+        if self.env_cls is not None:
+            metrics = await self._episodes(client, step, chat)
+        else:
+            metrics = await self._prompts(client, step, tokenizer)
+        metrics["eval/seconds"] = time.perf_counter() - t0
+        metrics["eval/prompts"] = float(len(self.rows))
+        logger.info(
+            "eval at step %d: reward %.4f over %d prompts x %d (%.1f s)",
+            step,
+            metrics["eval/reward/mean"],
+            len(self.rows),
+            self.e.num_generations,
+            metrics["eval/seconds"],
+        )
+        return metrics
+
+    def _reward_metrics(self, total: list[float]) -> dict[str, float]:
+        n = self.e.num_generations
+        mean = sum(total) / len(total)
+        metrics = {
+            "eval/reward/mean": mean,
+            "eval/reward/std": (sum((x - mean) ** 2 for x in total) / len(total)) ** 0.5,
+        }
+        if n > 1:
+            best = [max(total[i : i + n]) for i in range(0, len(total), n)]
+            metrics["eval/reward/best_of_n"] = sum(best) / len(best)
+        return metrics
+
+    async def _episodes(self, client: RolloutClient, step: int, chat: Any) -> dict[str, float]:
+        assert self.env_cls is not None and self.cfg.environment is not None
+        env = self.cfg.environment
+        base = self.request([[0]]).model_copy(update={"n": 1})
+        versions: list[int] = []
+
+        async def generate(ids: list[int]) -> Generation:
+            resp = await client.generate(base.model_copy(update={"prompts": [ids]}))
+            s = resp.results[0].samples[0]
+            versions.append(s.weight_version)
+            return Generation(s.token_ids, [0.0] * len(s.token_ids), s.text, s.finish_reason)
+
+        n = self.e.num_generations
+        episodes = await run_episodes(
+            self.env_cls,
+            [t for t in self.rows for _ in range(n)],
+            generate,
+            chat,
+            max_turns=env.max_turns,
+            reward_reduce=env.reward_reduce,
+            max_tokens=env.max_episode_tokens,
+            episode_timeout_s=env.episode_timeout_s,
+        )
+        k = len(episodes)
+        sampled = [sum(ep.completion_mask) for ep in episodes]
+        metrics = {
+            **self._reward_metrics([ep.reward for ep in episodes]),
+            "eval/episode/finished_frac": sum(ep.finished for ep in episodes) / k,
+            "eval/episode/error_frac": sum(ep.error is not None for ep in episodes) / k,
+            "eval/episode/turns_mean": sum(ep.num_turns for ep in episodes) / k,
+            "eval/completion/len_mean": sum(sampled) / k,
+            "eval/weight_version": float(min(versions) if versions else 0),
+        }
+        if self.e.save_samples:
+            records = [
+                {
+                    "row": i // n,
+                    "sample": i % n,
+                    "task": self.rows[i // n],
+                    "messages": ep.messages,
+                    "reward": ep.reward,
+                    "step_rewards": ep.step_rewards,
+                    "stop_reason": ep.stop_reason,
+                    "error": ep.error,
+                }
+                for i, ep in enumerate(episodes)
+            ]
+            await asyncio.to_thread(self._write, step, records)
+        return metrics
+
+    async def _prompts(self, client: RolloutClient, step: int, tokenizer: Any) -> dict[str, float]:
+        assert self.scorer is not None
         col = self.e.prompt_column
         prompts: list[Any] = [r[col] for r in self.rows]
         if self.cfg.grpo.max_prompt_tokens and tokenizer is not None:  # as in training
@@ -123,44 +218,18 @@ class Evaluator:
                 for k in columns:
                     columns[k].append(s.token_ids if k == "completion_ids" else row.get(k))
         scored = await self.scorer.score(flat_prompts, texts, columns)
-        total = scored.total
         metrics = {
             f"eval/{k}": v
             for k, v in scored.metrics.items()
             if k.startswith("reward/") and k.rsplit("/", 1)[-1] in ("mean", "std", "failures")
         }
-        mean = sum(total) / len(total)
-        metrics["eval/reward/mean"] = mean
-        metrics["eval/reward/std"] = (sum((x - mean) ** 2 for x in total) / len(total)) ** 0.5
-        if n > 1:
-            best = [max(total[i : i + n]) for i in range(0, len(total), n)]
-            metrics["eval/reward/best_of_n"] = sum(best) / len(best)
+        metrics.update(self._reward_metrics(scored.total))
         metrics["eval/completion/len_mean"] = sum(lengths) / len(lengths)
         metrics["eval/completion/truncated_frac"] = sum(f == "length" for f in finish) / len(finish)
-        metrics["eval/prompts"] = float(len(self.rows))
         metrics["eval/weight_version"] = float(resp.weight_version)
         if self.e.save_samples:
-            await asyncio.to_thread(self._write, step, flat_prompts, texts, finish, scored)
-        metrics["eval/seconds"] = time.perf_counter() - t0
-        logger.info(
-            "eval at step %d: reward %.4f over %d prompts x %d (%.1f s)",
-            step,
-            mean,
-            len(self.rows),
-            n,
-            metrics["eval/seconds"],
-        )
-        return metrics
-
-    def _write(
-        self, step: int, prompts: list[Any], texts: list[str], finish: list[str], scored: Any
-    ) -> None:
-        self.samples_dir.mkdir(parents=True, exist_ok=True)
-        n = self.e.num_generations
-        path = self.samples_dir / f"step_{step}.jsonl"
-        with path.open("w") as f:
-            for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
-                record = {
+            records = [
+                {
                     "row": i // n,
                     "sample": i % n,
                     "prompt": prompt,
@@ -169,4 +238,12 @@ class Evaluator:
                     "reward": scored.total[i],
                     "rewards": {k: v[i] for k, v in scored.per_function.items()},
                 }
-                f.write(json.dumps(record) + "\n")
+                for i, (prompt, text) in enumerate(zip(flat_prompts, texts, strict=True))
+            ]
+            await asyncio.to_thread(self._write, step, records)
+        return metrics
+
+    def _write(self, step: int, records: list[dict[str, Any]]) -> None:
+        self.samples_dir.mkdir(parents=True, exist_ok=True)
+        with (self.samples_dir / f"step_{step}.jsonl").open("w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)

@@ -242,7 +242,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     )
     if scorer is not None and cfg.data is not None:  # a parameter that no column fills
         scorer.check_columns([*data_columns(rows, cfg.data.prompt_column), "completion_ids"])
-    evaluator = Evaluator(cfg, run_dir) if cfg.eval is not None else None
+    evaluator = Evaluator(cfg, run_dir, env_cls) if cfg.eval is not None else None
     model_path = _model_path(cfg, run_dir, accelerator)
     if cfg.sft is not None:  # warm start: SFT first, GRPO starts from its weights (learner/sft.py)
         from learner.sft import warm_start
@@ -334,7 +334,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             if resync:
                 _sync(accelerator, loop, syncer, policy, state, resync=True)
             if evaluator is not None and state.step == 0 and evaluator.due(0):
-                ev = _evaluate(accelerator, loop, evaluator, client, 0, tokenizer)
+                ev = _evaluate(accelerator, loop, evaluator, client, 0, tokenizer, chat)
                 if metrics_log is not None:
                     metrics_log.log(0, ev)
             per_rank = cfg.grpo.prompts_per_step // world
@@ -453,7 +453,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 last = reduce_metrics(accelerator, local)
                 if evaluator is not None and evaluator.due(state.step):  # the weights just synced
                     last.update(
-                        _evaluate(accelerator, loop, evaluator, client, state.step, tokenizer)
+                        _evaluate(accelerator, loop, evaluator, client, state.step, tokenizer, chat)
                     )
                 if metrics_log is not None:
                     metrics_log.log(state.step, last)
@@ -486,10 +486,12 @@ def _evaluate(
     client: RolloutClient,
     step: int,
     tokenizer: Any,
+    chat: Any,
 ) -> dict[str, float]:
     """Evaluate on the main process (the servers serve this step's weights); the other ranks
     wait and get no metrics."""
-    out = loop.run(evaluator.run(client, step, tokenizer)) if accelerator.is_main_process else {}
+    main = accelerator.is_main_process
+    out = loop.run(evaluator.run(client, step, tokenizer, chat)) if main else {}
     accelerator.wait_for_everyone()
     return out
 

@@ -78,8 +78,36 @@ def test_eval_config_checks(tmp_path):
     with pytest.raises(ConfigError, match=r"eval\.num_generations: greedy decoding"):
         load_config(DEMO, ["eval.num_generations=4"])
     load_config(DEMO, ["eval.num_generations=4", "eval.temperature=0.7"])
-    with pytest.raises(ConfigError, match=r"\[eval\] scores held-out prompts with \[\[rewards\]\]"):
-        load_config(
-            None,
-            ['environment="calculator"', 'eval.data="x.jsonl"', 'model.name_or_path="tiny"'],
-        )
+    with pytest.raises(ConfigError, match=r"\[eval\] takes `data` .* and `split` .* with one"):
+        load_config(None, ['environment="calculator"', 'eval.data="x.jsonl"'])
+    with pytest.raises(ConfigError, match=r"\[eval\] takes `data`"):
+        load_config(None, ['data.path="x.jsonl"', 'rewards=[{name="charset"}]', "eval.every=3"])
+
+
+def test_eval_plays_an_environments_held_out_split(tmp_path):
+    import sys
+
+    from tests.learner.test_e2e import ROOT
+
+    run = tmp_path / "calc"
+    sets = ["run.steps=2", "run.progress_bar=false", "eval.every=2", "eval.max_prompts=3"]
+    sets += ["eval.num_generations=2", "eval.temperature=1.0"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "learner", "--config", str(ROOT / "learner/configs/calculator.toml"),
+         "--run-dir", str(run), *(a for s in sets for a in ("--set", s))],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(run)
+    assert [("eval/reward/mean" in r) for r in records] == [False, True]
+    r = records[-1]
+    assert r["eval/prompts"] == 3.0 and r["eval/episode/error_frac"] == 0.0
+    assert 1.0 <= r["eval/episode/turns_mean"] <= 3.0
+    assert r["eval/reward/mean"] <= r["eval/reward/best_of_n"]
+    assert r["eval/weight_version"] == r["weight_version"]
+    samples = [json.loads(x) for x in (run / "eval" / "step_2.jsonl").read_text().splitlines()]
+    from rewards.builtin.calculator import CalculatorEnv
+
+    test_tasks = CalculatorEnv.list_tasks("test")[:3]
+    assert [s["task"] for s in samples] == [t for t in test_tasks for _ in range(2)]
+    assert all(s["messages"][0]["role"] in ("system", "user") for s in samples)
