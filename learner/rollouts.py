@@ -34,6 +34,9 @@ from rollout_server.protocol import GenerateRequest, Sample
 logger = logging.getLogger(__name__)
 
 
+_traceback_shown: set[str] = set()  # environments whose failure traceback was logged
+
+
 class EpisodesFailedError(RuntimeError):
     """Every episode of a step ended with an error raised by the environment."""
 
@@ -219,13 +222,17 @@ async def collect_episodes(
     t_gen = time.perf_counter() - t0
     failed = [ep.error for ep in episodes if ep.error is not None]
     if failed:
+        first = next(ep for ep in episodes if ep.error is not None)
+        shown = e.name in _traceback_shown or first.traceback is None
+        _traceback_shown.add(e.name)
         logger.warning(
             "environment %r: %d of %d episodes failed (scored 0.0; episode/error_frac); first "
-            "error: %s",
+            "error: %s%s",
             e.name,
             len(failed),
             len(episodes),
             failed[0],
+            "" if shown else f"\n(shown once per run) {first.traceback}",
         )
     version = min(versions) if versions else 0
     rollouts = [

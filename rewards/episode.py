@@ -33,6 +33,7 @@ import asyncio
 import inspect
 import itertools
 import threading
+import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -80,7 +81,8 @@ class EpisodeResult:
     """``completion_ids``: everything after ``prompt_ids`` (assistant and tool tokens);
     ``completion_mask``: 1 where the model sampled the token; ``completion_logprobs``: the
     sampler's log-probs there, 0.0 elsewhere. ``reward`` is 0.0 when no step was graded
-    (every entry of ``step_rewards`` None) or the episode failed (``error`` set)."""
+    (every entry of ``step_rewards`` None) or the episode failed (``error`` set; ``traceback``
+    holds where the environment raised it)."""
 
     prompt_ids: list[int] = field(default_factory=list)
     completion_ids: list[int] = field(default_factory=list)
@@ -93,6 +95,7 @@ class EpisodeResult:
     stop_reason: StopReason = "max_turns"
     messages: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+    traceback: str | None = None  # of ``error``, where the environment raised it
 
     def _extend(self, ids: list[int], sampled: bool, logprobs: list[float] | None = None) -> None:
         self.completion_ids += ids
@@ -310,6 +313,7 @@ async def _play_episode(
         raise
     except BaseException as e:  # environment code; SystemExit & co. must not kill the loop
         res.error = f"{type(e).__name__}: {e}"
+        res.traceback = traceback.format_exc()
         res.stop_reason = "error"
     finally:
         if env is not None:
@@ -320,7 +324,9 @@ async def _play_episode(
             except asyncio.CancelledError:
                 raise
             except BaseException as e:
-                res.error = res.error or f"teardown failed: {type(e).__name__}: {e}"
+                if res.error is None:
+                    res.error = f"teardown failed: {type(e).__name__}: {e}"
+                    res.traceback = traceback.format_exc()
     res.reward = 0.0 if res.error else reduce_rewards(res.step_rewards, reward_reduce)
     return res
 

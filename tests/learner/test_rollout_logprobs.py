@@ -121,13 +121,19 @@ async def test_failed_episodes_are_warned_about_and_all_failed_stops(
     async with RolloutClient(server.url) as client:
         with caplog.at_level("WARNING", logger="learner.rollouts"):
             step = await collect_episodes(cfg, client, StrResult, chat, [{}])
+            await collect_episodes(cfg, client, StrResult, chat, [{}])
     error = "TypeError: tool StrResult.grade returned str; return a rewards.env.ToolResult"
     n = cfg.sampling.num_generations
     assert step.first_error == error and step.metrics["episode/error_frac"] == 1.0
-    assert [r.getMessage() for r in caplog.records] == [
+    line = (
         f"environment 'str_result': {n} of {n} episodes failed (scored 0.0; "
         f"episode/error_frac); first error: {error}"
-    ]
+    )
+    first, second = (r.getMessage() for r in caplog.records)
+    # the first time, where it was raised (once per run), then one line a step
+    assert first.startswith(line + "\n(shown once per run) Traceback (most recent call last):")
+    assert 'rewards/env.py", line' in first and first.rstrip().endswith(error)
+    assert second == line
 
     def with_rank_1(failed_frac: float):  # gather_object over ranks 0 (this one) and 1
         return lambda mine: [*mine, failed_frac if isinstance(mine[0], float) else None]

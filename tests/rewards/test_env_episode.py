@@ -321,6 +321,9 @@ async def test_faults_are_per_episode_and_teardown_always_runs(chat, scripted):
     assert ok.error is None and ok.reward == 1.0
     assert bad_tool.error == "ValueError: the grader crashed" and bad_tool.reward == 0.0
     assert bad_tool.stop_reason == "error" and bad_tool.completion_mask
+    assert 'test_env_episode.py", line' in bad_tool.traceback  # the environment's own frame
+    assert bad_tool.traceback.rstrip().endswith("ValueError: the grader crashed")
+    assert ok.traceback is None
     assert bad_setup.error == "RuntimeError: no sandbox today" and bad_setup.completion_ids == []
     teardowns = {e[1] for e in GuessEnv.events if e[0] == "teardown"}
     assert teardowns == {"ok", "bad-tool", "bad-setup"}
