@@ -3,6 +3,7 @@
     python -m learner --config learner/configs/demo.toml [--run-dir DIR] [--resume] [--set k=v ...]
     python -m learner sft --config learner/configs/sft_demo.toml [--run-dir DIR] [--resume] ...
     python -m learner plot RUN_DIR [--out FILE]
+    python -m learner eval --config X [--model DIR] [--out DIR] [--set k=v ...]
 
 A GRPO config with an [sft] section runs the SFT first (into RUN_DIR/sft) and starts GRPO from it.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -28,7 +30,8 @@ def _train_parser(sft: bool = False) -> argparse.ArgumentParser:
         if sft
         else "GRPO learner. Without rollout.servers in the config it starts its own rollout "
         "server; an [sft] section runs a supervised warm start first. Subcommands: "
-        "`sft --config X` (SFT only), `plot RUN_DIR` (a run's curves).",
+        "`sft --config X` (SFT only), `plot RUN_DIR` (a run's curves), `eval --config X` "
+        "(the [eval] section on a saved model, no training).",
     )
     p.add_argument("--config", required=True, help="TOML config (see learner/configs/)")
     p.add_argument("--run-dir", help="overrides run.run_dir")
@@ -63,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
 
+    if argv and argv[0] == "eval":
+        return _eval(argv[1:])
     sft = bool(argv) and argv[0] == "sft"
     args = _train_parser(sft).parse_args(argv[1:] if sft else argv)
     from learner.config import ConfigError, load_config
@@ -75,8 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    return _guarded(lambda: _run(args, cfg, sft))
+
+
+def _guarded(run: Callable[[], int]) -> int:
+    """``run()``, with the errors that name a setting to change as one line (exit 2), and a
+    user's reward or environment code that failed as its own frames (exit 1)."""
     try:
-        return _run(args, cfg, sft)
+        return run()
     except Exception as e:
         from learner.data import DataError
         from learner.rollouts import EpisodesFailedError
@@ -91,6 +102,50 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)  # names the setting to change: no traceback
         return 2
+
+
+def _eval(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m learner eval",
+        description="Evaluate a model on the config's [eval] section, once, without training.",
+    )
+    p.add_argument("--config", required=True, help="TOML config with an [eval] section")
+    p.add_argument(
+        "--model",
+        help="a saved model or checkpoint dir (e.g. RUN_DIR/final) or hub id, served by an "
+        "embedded rollout server (default: model.name_or_path; not with rollout.servers)",
+    )
+    p.add_argument(
+        "--out", help="metrics.json and step_0.jsonl go here (default RUN_DIR/eval/standalone)"
+    )
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    args = p.parse_args(argv)
+    from pathlib import Path
+
+    from learner.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if cfg.eval is None:
+        print(f"{args.config} has no [eval] section: add one (README, Held-out evaluation)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    out = Path(args.out) if args.out else Path(cfg.run.run_dir) / "eval" / "standalone"
+
+    def run() -> int:
+        from learner.evaluate import evaluate_model
+
+        metrics = evaluate_model(cfg, args.model, out)
+        width = max(map(len, metrics))
+        for k, v in metrics.items():
+            print(f"{k:<{width}}  {v:.4g}")
+        print(f"samples and metrics in {out}")
+        return 0
+
+    return _guarded(run)
 
 
 def _user_traceback(e: BaseException | None) -> str:

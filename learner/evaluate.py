@@ -112,7 +112,7 @@ class Evaluator:
     async def run(
         self, client: RolloutClient, step: int, tokenizer: Any = None, chat: Any = None
     ) -> dict[str, float]:
-        """Generate, score, write the samples; the ``eval/…`` metrics."""
+        """Generate, score, write the samples (``step_<step>.jsonl``); the ``eval/…`` metrics."""
         t0 = time.perf_counter()
         if self.env_cls is not None:
             metrics = await self._episodes(client, step, chat)
@@ -221,7 +221,9 @@ class Evaluator:
         metrics = {
             f"eval/{k}": v
             for k, v in scored.metrics.items()
-            if k.startswith("reward/") and k.rsplit("/", 1)[-1] in ("mean", "std", "failures")
+            if k.startswith("reward/")
+            and not k.startswith("reward/total/")  # eval/reward/{mean,std} below
+            and k.rsplit("/", 1)[-1] in ("mean", "std", "failures")
         }
         metrics.update(self._reward_metrics(scored.total))
         metrics["eval/completion/len_mean"] = sum(lengths) / len(lengths)
@@ -247,3 +249,75 @@ class Evaluator:
         self.samples_dir.mkdir(parents=True, exist_ok=True)
         with (self.samples_dir / f"step_{step}.jsonl").open("w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def evaluate_model(cfg: LearnerConfig, model: str | None, out_dir: Path) -> dict[str, float]:
+    """``python -m learner eval``: one evaluation, no training. Without ``rollout.servers`` an
+    embedded rollout server serves ``model`` (default ``model.name_or_path``: a saved model or
+    checkpoint directory such as ``RUN_DIR/final``, or a hub id); with them, the weights they
+    serve are evaluated as they are. Writes ``OUT/metrics.json`` and ``OUT/step_0.jsonl``."""
+    from transformers import AutoTokenizer
+
+    from learner.embedded import embedded_server
+    from learner.trainer import _limit_args
+    from rollout_server.settings import check_model_ref
+
+    assert cfg.eval is not None
+    if cfg.rollout.servers and model is not None:
+        raise SetupError(
+            f"--model {model}: the config's rollout.servers serve the weights they hold, which "
+            "is what gets evaluated; drop --model, or drop rollout.servers to serve it here"
+        )
+    env_cls = None
+    if cfg.environment is not None:
+        from rewards.registry import load_environment
+
+        env_cls = load_environment(cfg.environment.name)
+    evaluator = Evaluator(cfg, out_dir, env_cls)
+    evaluator.samples_dir = out_dir
+    setting = "--model" if model else "model.name_or_path ="
+    model = model or cfg.model.name_or_path
+    if model == "tiny":
+        from rollout_server.tiny import save_tiny_model
+
+        model = str(out_dir / "model")
+        if not (out_dir / "model" / "config.json").exists():
+            save_tiny_model(model, seed=cfg.run.seed, **cfg.model.tiny)
+    else:
+        try:
+            check_model_ref(model)
+        except ValueError as e:
+            raise SetupError(f"{setting} {e}") from None
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    chat = None
+    if env_cls is not None:
+        from rewards.chat import HFChatFormat
+
+        chat = HFChatFormat(tokenizer, cfg.sampling.chat_template_kwargs)
+
+    async def run(urls: list[str]) -> dict[str, float]:
+        import os
+
+        key = cfg.rollout.api_key or os.environ.get("ROLLOUT_API_KEY")
+        async with RolloutClient(urls, api_key=key, timeout_s=cfg.rollout.timeout_s) as client:
+            await client.wait_ready(cfg.rollout.ready_timeout_s)
+            if problems := evaluator.check_limits(await client.info(), cfg.rollout.servers):
+                raise SetupError("; ".join(problems) + ": lower it, or raise the server's limit")
+            return await evaluator.run(client, 0, tokenizer, chat)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.rollout.servers:
+        metrics = asyncio.run(run(cfg.rollout.servers))
+    else:
+        e = cfg.rollout.embedded
+        with embedded_server(
+            model,
+            log_path=out_dir / "rollout_server.log",
+            engine=e.engine,
+            dtype=e.dtype,
+            startup_timeout_s=e.startup_timeout_s,
+            extra_args=[*_limit_args(cfg), *e.extra_args],
+        ) as url:
+            metrics = asyncio.run(run([url]))
+    (out_dir / "metrics.json").write_text(json.dumps({"model": model, **metrics}, indent=1))
+    return metrics

@@ -138,13 +138,16 @@ def _servers(
 
 
 def _limit_args(cfg: LearnerConfig) -> list[str]:
-    """Flags that raise the embedded server's limits to what this config asks of it."""
-    default, s = Limits(), cfg.sampling
+    """Flags that raise the embedded server's limits to what this config asks of it (training's
+    sampling and the [eval] section's)."""
+    default, s, e = Limits(), cfg.sampling, cfg.eval
+    n = max(s.num_generations, e.num_generations if e else 0)
+    max_tokens = max(s.max_tokens, (e.max_tokens or 0) if e else 0)
     args = []
-    if s.num_generations > default.max_n:
-        args += ["--max-n", str(s.num_generations)]
-    if s.max_tokens > default.max_tokens:
-        args += ["--max-tokens", str(s.max_tokens)]
+    if n > default.max_n:
+        args += ["--max-n", str(n)]
+    if max_tokens > default.max_tokens:
+        args += ["--max-tokens", str(max_tokens)]
     return args
 
 

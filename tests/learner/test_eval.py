@@ -111,3 +111,36 @@ def test_eval_plays_an_environments_held_out_split(tmp_path):
     test_tasks = CalculatorEnv.list_tasks("test")[:3]
     assert [s["task"] for s in samples] == [t for t in test_tasks for _ in range(2)]
     assert all(s["messages"][0]["role"] in ("system", "user") for s in samples)
+
+
+def test_learner_eval_evaluates_a_saved_model_without_training(tmp_path):
+    import sys
+
+    def learner_eval(*args: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "learner", "eval", "--config", str(DEMO), *args]
+        return subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=180)
+
+    out = tmp_path / "base"
+    proc = learner_eval("--out", str(out), "--set", "eval.max_prompts=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eval/reward/mean" in proc.stdout and f"samples and metrics in {out}" in proc.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["eval/prompts"] == 4.0 and metrics["model"] == str(out / "model")
+    first = (out / "step_0.jsonl").read_text().splitlines()
+    assert len(first) == 4
+    # the same weights again, named by --model: the same greedy samples
+    again = tmp_path / "again"
+    proc = learner_eval("--model", str(out / "model"), "--out", str(again), "--set",
+                        "eval.max_prompts=4")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    second = (again / "step_0.jsonl").read_text().splitlines()
+    assert [json.loads(x)["completion"] for x in second] == [
+        json.loads(x)["completion"] for x in first
+    ]
+    assert not list((tmp_path / "run").glob("*"))  # nothing trained, no run dir written
+    proc = learner_eval("--model", str(out / "model"), "--set",
+                        'rollout.servers=["http://127.0.0.1:9"]')  # fmt: skip
+    assert proc.returncode == 2 and "rollout.servers serve the weights they hold" in proc.stderr
+    proc = learner_eval("--model", str(tmp_path / "nope"))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1].startswith(f"error: --model '{tmp_path / 'nope'}': no such")
