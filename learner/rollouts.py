@@ -3,8 +3,10 @@
 Runs on every rank for that rank's share of the prompts (so nothing is generated twice); the
 advantages need the whole group, which always lives on one rank.
 
-An episode whose environment raised ends with ``error`` set and reward 0.0 (rewards.episode); the
-step logs a warning with the first error, and a step in which every episode (of every rank)
+An episode whose environment raised ends with ``error`` set and reward 0.0 (rewards.episode). It
+says nothing about the policy, so it stays out of the loss (its mask is zeroed) and out of its
+group's baseline (``group_advantages(valid=...)``). The step logs a warning with the first error
+(the first time with its traceback), and a step in which every episode (of every rank)
 failed stops the run with ``EpisodesFailedError`` (``check_episodes``): that is a broken or
 unreachable environment, and training on its zeros would only teach noise.
 """
@@ -226,8 +228,8 @@ async def collect_episodes(
         shown = e.name in _traceback_shown or first.traceback is None
         _traceback_shown.add(e.name)
         logger.warning(
-            "environment %r: %d of %d episodes failed (scored 0.0; episode/error_frac); first "
-            "error: %s%s",
+            "environment %r: %d of %d episodes failed (reward 0.0, left out of the loss and "
+            "their group's baseline; episode/error_frac); first error: %s%s",
             e.name,
             len(failed),
             len(episodes),
@@ -240,7 +242,8 @@ async def collect_episodes(
             prompt_ids=ep.prompt_ids,
             completion_ids=ep.completion_ids,
             sampling_logprobs=ep.completion_logprobs,
-            completion_mask=ep.completion_mask,
+            # a failed episode says nothing of the policy: out of the loss and the baseline
+            completion_mask=[0] * len(ep.completion_mask) if ep.error else ep.completion_mask,
             weight_version=version,
         )
         for ep in episodes
@@ -257,7 +260,8 @@ async def collect_episodes(
         "time/generate": t_gen,
         "time/score": 0.0,
     }
-    step = finish_step(cfg, rollouts, [ep.reward for ep in episodes], metrics)
+    valid = [ep.error is None for ep in episodes]
+    step = finish_step(cfg, rollouts, [ep.reward for ep in episodes], metrics, valid)
     step.first_error = failed[0] if failed else None
     return step
 
@@ -267,11 +271,16 @@ def finish_step(
     rollouts: list[Rollout],
     rewards_list: list[float],
     metrics: dict[str, float],
+    valid: list[bool] | None = None,
 ) -> StepRollouts:
-    """Attach group-relative advantages and add the rollout metrics shared by both paths."""
+    """Attach group-relative advantages and add the rollout metrics shared by both paths.
+    ``valid``: False for samples left out of their group's baseline (failed episodes)."""
     rewards = torch.tensor(rewards_list, dtype=torch.float32)  # [B*G]
     advantages, zero_groups = group_advantages(
-        rewards, cfg.sampling.num_generations, scale=cfg.grpo.scale_rewards
+        rewards,
+        cfg.sampling.num_generations,
+        scale=cfg.grpo.scale_rewards,
+        valid=None if valid is None else torch.tensor(valid),
     )
     for r, a in zip(rollouts, advantages.tolist(), strict=True):
         r.advantage = a

@@ -80,3 +80,32 @@ def test_group_size_one_gives_zero_and_counts_every_group():
 def test_bad_inputs_name_the_problem(rewards, group_size, scale, match):
     with pytest.raises(ValueError, match=match):
         group_advantages(rewards, group_size, scale=scale)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_invalid_samples_are_left_out_of_their_group(scale):
+    """A failed episode (invalid) gets 0 and does not move its siblings' baseline: the valid
+    samples get exactly what they would get as a group of their own."""
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.3, 0.3, 0.9, 0.1])
+    valid = torch.tensor([True, True, True, False, True, True, False, True])
+    adv, zero = group_advantages(rewards, group_size=4, scale=scale, valid=valid)
+    alone, _ = group_advantages(torch.tensor([1.0, 0.0, 0.5]), group_size=3, scale="group")
+    if scale == "group":
+        assert torch.allclose(adv[:3], alone, atol=1e-6)
+    if scale == "none":
+        assert torch.allclose(adv[:3], torch.tensor([0.5, -0.5, 0.0]))
+    if scale == "batch":  # the std over the 6 valid rewards
+        v = rewards[valid]
+        assert torch.allclose(adv[:3], (rewards[:3] - 0.5) / (v.std() + 1e-4), atol=1e-6)
+    assert adv[3] == 0 and adv[6] == 0
+    # the second group's valid rewards are 0.3, 0.3, 0.1: not all equal
+    assert adv[4] == adv[5] and adv[4] > 0 > adv[7]
+    assert zero == 0
+    one_valid = torch.tensor([True, False, False, False] * 2)
+    adv, zero = group_advantages(rewards, group_size=4, scale=scale, valid=one_valid)
+    assert zero == 2 and not adv.any()
+    everything = torch.ones(8, dtype=torch.bool)  # all valid: the unmasked result
+    assert torch.equal(
+        group_advantages(rewards, 4, scale, valid=everything)[0],
+        group_advantages(rewards, 4, scale)[0],
+    )

@@ -4,6 +4,7 @@ rewards; failed episodes are warned about, and a step where all failed stops the
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from learner.rollouts import (
     collect_episodes,
     generate_request,
 )
-from rewards.env import Environment, tool
+from rewards.env import Environment, ToolResult, tool
 from rewards.scoring import RewardRunner
 from rollout_server.client import RolloutClient
 from rollout_server.settings import ServerSettings
@@ -126,8 +127,8 @@ async def test_failed_episodes_are_warned_about_and_all_failed_stops(
     n = cfg.sampling.num_generations
     assert step.first_error == error and step.metrics["episode/error_frac"] == 1.0
     line = (
-        f"environment 'str_result': {n} of {n} episodes failed (scored 0.0; "
-        f"episode/error_frac); first error: {error}"
+        f"environment 'str_result': {n} of {n} episodes failed (reward 0.0, left out of the "
+        f"loss and their group's baseline; episode/error_frac); first error: {error}"
     )
     first, second = (r.getMessage() for r in caplog.records)
     # the first time, where it was raised (once per run), then one line a step
@@ -145,3 +146,45 @@ async def test_failed_episodes_are_warned_about_and_all_failed_stops(
         f"from; first error: {error}. Fix the environment"
     )
     check_episodes(cfg, step, with_rank_1(0.5))  # rank 1's episodes did not all fail: go on
+
+
+class EveryOtherFails(Environment):
+    """Its terminal tool raises on every other call and grades the rest 0.0, 0.5 or 1.0 in turn:
+    groups with failed and graded siblings."""
+
+    calls = itertools.count()
+
+    def get_prompt(self):
+        return "Say something."
+
+    @tool(terminal=True)
+    def grade(self, args: Answer) -> ToolResult:
+        i = next(self.calls)
+        if i % 2:
+            raise RuntimeError("the sandbox crashed")
+        return ToolResult(text="graded", reward=(i // 2 % 3) / 2, finished=True)
+
+
+async def test_failed_episodes_stay_out_of_the_loss_and_their_groups_baseline(
+    server, tiny_model_dir
+):
+    from transformers import AutoTokenizer
+
+    from rewards.chat import HFChatFormat
+
+    cfg = load_config(CONFIGS / "calculator.toml", ["environment.name='every_other_fails'"])
+    chat = HFChatFormat(AutoTokenizer.from_pretrained(tiny_model_dir), {})
+    async with RolloutClient(server.url) as client:
+        step = await collect_episodes(cfg, client, EveryOtherFails, chat, [{}, {}, {}])
+    g = cfg.sampling.num_generations
+    failed = [not any(r.completion_mask) for r in step.rollouts]
+    assert 0 < sum(failed) < len(failed) and step.metrics["episode/error_frac"] > 0
+    for k in range(0, len(step.rollouts), g):
+        group = step.rollouts[k : k + g]
+        bad = failed[k : k + g]
+        assert all(r.advantage == 0.0 for r, b in zip(group, bad, strict=True) if b)
+        graded = [float(step.rewards[k + j]) for j in range(g) if not bad[j]]
+        advantages = [r.advantage for r, b in zip(group, bad, strict=True) if not b]
+        if len(set(graded)) > 1:  # centred among the graded ones alone
+            assert sum(advantages) == pytest.approx(0.0, abs=1e-5)
+            assert advantages[graded.index(max(graded))] > 0
