@@ -27,10 +27,10 @@ from typing import Any
 
 from learner.config import LearnerConfig
 from learner.data import data_columns, load_rows
-from learner.rollouts import truncate_prompts
+from learner.rollouts import play_episodes, truncate_prompts
 from learner.runtime import SetupError
 from rewards.env import Environment, get_tasks
-from rewards.episode import Generation, run_episodes
+from rewards.episode import Generation
 from rewards.scoring import RewardRunner, RewardSpec, RewardSpecError
 from rollout_server.client import RolloutClient
 from rollout_server.protocol import GenerateRequest, InfoResponse
@@ -144,7 +144,6 @@ class Evaluator:
 
     async def _episodes(self, client: RolloutClient, step: int, chat: Any) -> dict[str, float]:
         assert self.env_cls is not None and self.cfg.environment is not None
-        env = self.cfg.environment
         base = self.request([[0]]).model_copy(update={"n": 1})
         versions: list[int] = []
 
@@ -155,15 +154,8 @@ class Evaluator:
             return Generation(s.token_ids, [0.0] * len(s.token_ids), s.text, s.finish_reason)
 
         n = self.e.num_generations
-        episodes = await run_episodes(
-            self.env_cls,
-            [t for t in self.rows for _ in range(n)],
-            generate,
-            chat,
-            max_turns=env.max_turns,
-            reward_reduce=env.reward_reduce,
-            max_tokens=env.max_episode_tokens,
-            episode_timeout_s=env.episode_timeout_s,
+        episodes = await play_episodes(
+            self.cfg.environment, self.env_cls, self.rows, n, generate, chat
         )
         k = len(episodes)
         sampled = [sum(ep.completion_mask) for ep in episodes]
@@ -258,8 +250,7 @@ def evaluate_model(cfg: LearnerConfig, model: str | None, out_dir: Path) -> dict
     serve are evaluated as they are. Writes ``OUT/metrics.json`` and ``OUT/step_0.jsonl``."""
     from transformers import AutoTokenizer
 
-    from learner.embedded import embedded_server
-    from learner.trainer import _limit_args
+    from learner.trainer import embedded_for
     from rollout_server.settings import check_model_ref
 
     assert cfg.eval is not None
@@ -309,15 +300,7 @@ def evaluate_model(cfg: LearnerConfig, model: str | None, out_dir: Path) -> dict
     if cfg.rollout.servers:
         metrics = asyncio.run(run(cfg.rollout.servers))
     else:
-        e = cfg.rollout.embedded
-        with embedded_server(
-            model,
-            log_path=out_dir / "rollout_server.log",
-            engine=e.engine,
-            dtype=e.dtype,
-            startup_timeout_s=e.startup_timeout_s,
-            extra_args=[*_limit_args(cfg), *e.extra_args],
-        ) as url:
+        with embedded_for(cfg, model, out_dir / "rollout_server.log") as url:
             metrics = asyncio.run(run([url]))
     (out_dir / "metrics.json").write_text(json.dumps({"model": model, **metrics}, indent=1))
     return metrics

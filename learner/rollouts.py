@@ -24,11 +24,11 @@ import torch
 
 from learner.advantages import group_advantages
 from learner.batch import Rollout
-from learner.config import LearnerConfig
+from learner.config import EnvironmentConfig, LearnerConfig
 from learner.data import data_columns
 from rewards.chat import ChatFormat
 from rewards.env import Environment
-from rewards.episode import Generation, run_episodes
+from rewards.episode import EpisodeResult, GenerateFn, Generation, run_episodes
 from rewards.scoring import RewardRunner
 from rollout_server.client import RolloutClient
 from rollout_server.protocol import GenerateRequest, Sample
@@ -209,18 +209,8 @@ async def collect_episodes(
         logprobs = _sampling_logprobs(base, sample)
         return Generation(sample.token_ids, logprobs, sample.text, sample.finish_reason)
 
-    g = cfg.sampling.num_generations
     t0 = time.perf_counter()
-    episodes = await run_episodes(
-        env_cls,
-        [t for t in tasks for _ in range(g)],
-        generate,
-        chat,
-        max_turns=e.max_turns,
-        reward_reduce=e.reward_reduce,
-        max_tokens=e.max_episode_tokens,
-        episode_timeout_s=e.episode_timeout_s,
-    )
+    episodes = await play_episodes(e, env_cls, tasks, cfg.sampling.num_generations, generate, chat)
     t_gen = time.perf_counter() - t0
     failed = [ep.error for ep in episodes if ep.error is not None]
     if failed:
@@ -264,6 +254,27 @@ async def collect_episodes(
     step = finish_step(cfg, rollouts, [ep.reward for ep in episodes], metrics, valid)
     step.first_error = failed[0] if failed else None
     return step
+
+
+async def play_episodes(
+    e: EnvironmentConfig,
+    env_cls: type[Environment],
+    tasks: list[dict[str, Any]],
+    n: int,
+    generate: GenerateFn,
+    chat: ChatFormat,
+) -> list[EpisodeResult]:
+    """``n`` episodes of each task, with the [environment] section's limits, in task order."""
+    return await run_episodes(
+        env_cls,
+        [t for t in tasks for _ in range(n)],
+        generate,
+        chat,
+        max_turns=e.max_turns,
+        reward_reduce=e.reward_reduce,
+        max_tokens=e.max_episode_tokens,
+        episode_timeout_s=e.episode_timeout_s,
+    )
 
 
 def finish_step(

@@ -24,6 +24,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterator
+from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -121,20 +122,26 @@ def _servers(
     urls: list[Any] = [None]
     with contextlib.ExitStack() as stack:
         if acc.is_main_process:
-            e = cfg.rollout.embedded
             urls[0] = stack.enter_context(
-                embedded_server(
-                    model,
-                    log_path=run_dir / "rollout_server.log",
-                    engine=e.engine,
-                    dtype=e.dtype,
-                    startup_timeout_s=e.startup_timeout_s,
-                    extra_args=[*_limit_args(cfg), *e.extra_args],
-                )
+                embedded_for(cfg, model, log_path=run_dir / "rollout_server.log")
             )
         broadcast_object_list(urls, from_process=0)
         yield [urls[0]]
         acc.wait_for_everyone()  # nobody may still be generating when the server stops
+
+
+def embedded_for(cfg: LearnerConfig, model: str, log_path: Path) -> ContextManager[str]:
+    """The embedded rollout server of ``rollout.embedded`` serving ``model``, with limits that
+    cover what the config asks of it; the context yields its URL."""
+    e = cfg.rollout.embedded
+    return embedded_server(
+        model,
+        log_path=log_path,
+        engine=e.engine,
+        dtype=e.dtype,
+        startup_timeout_s=e.startup_timeout_s,
+        extra_args=[*_limit_args(cfg), *e.extra_args],
+    )
 
 
 def _limit_args(cfg: LearnerConfig) -> list[str]:

@@ -22,29 +22,14 @@ from learner.config import load_config
 from learner.data import PromptStream, load_rows
 from learner.metrics import MetricsLogger, read_metrics
 from learner.trainer import rows_fingerprint
+from tests.learner.test_e2e import DEMO, _env, _learner
 
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "learner" / "configs" / "demo.toml"
 QUIET = ("run.progress_bar=false", "run.tensorboard=false", "run.save_final=false")
 
 
 def _cmd(run_dir: Path, *overrides: str, resume: bool = False) -> list[str]:
     sets = [a for o in (*QUIET, *overrides) for a in ("--set", o)]
-    return [
-        sys.executable,
-        "-m",
-        "learner",
-        "--config",
-        str(DEMO),
-        "--run-dir",
-        str(run_dir),
-        *sets,
-        *(["--resume"] if resume else []),
-    ]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return _learner(run_dir, *sets, *(["--resume"] if resume else []))
 
 
 def _kill_when(

@@ -168,8 +168,14 @@ def test_sigkill_then_resume_continues_same_data_order(tmp_path, proc_scan):
     ],
 )
 def test_setup_errors_are_one_line_and_name_the_setting(tmp_path, override, message):
+    assert_setup_error(tmp_path / "run", override, message)
+
+
+def assert_setup_error(run_dir: Path, override: str, message: str) -> None:
+    """The demo with ``--set override`` stops at setup: exit 2, ``message`` in one last line, no
+    traceback, before any model loads."""
     proc = subprocess.run(
-        _learner(tmp_path / "run", "--set", override),
+        _learner(run_dir, "--set", override),
         env=_env(),
         capture_output=True,
         text=True,
@@ -327,6 +333,9 @@ def test_environment_config_runs_multi_turn_episodes(tmp_path):
             "run.steps=2",
             "--set",
             "run.progress_bar=false",
+            # held-out evaluation on the test split, after the last step (tests/learner/test_eval.py)
+            *("--set", "eval.max_prompts=3", "--set", "eval.num_generations=2"),
+            *("--set", "eval.temperature=1.0"),
         ],
         env=_env(),
         capture_output=True,
@@ -341,6 +350,18 @@ def test_environment_config_runs_multi_turn_episodes(tmp_path):
         assert 1.0 <= r["episode/turns_mean"] <= 3.0
         # every episode's sampled tokens were trained on; tool/template tokens were not
         assert r["tokens/trained"] == r["tokens/generated"] > 0
+    assert [("eval/reward/mean" in r) for r in records] == [False, True]
+    r = records[-1]
+    assert r["eval/prompts"] == 3.0 and r["eval/episode/error_frac"] == 0.0
+    assert 1.0 <= r["eval/episode/turns_mean"] <= 3.0
+    assert r["eval/reward/mean"] <= r["eval/reward/best_of_n"]
+    assert r["eval/weight_version"] == r["weight_version"]
+    samples = [json.loads(x) for x in (run_dir / "eval" / "step_2.jsonl").read_text().splitlines()]
+    from rewards.builtin.calculator import CalculatorEnv
+
+    test_tasks = CalculatorEnv.list_tasks("test")[:3]  # eval.split's default
+    assert [s["task"] for s in samples] == [t for t in test_tasks for _ in range(2)]
+    assert all(s["messages"][0]["role"] in ("system", "user") for s in samples)
 
 
 @pytest.mark.parametrize("level", [1, 2])
