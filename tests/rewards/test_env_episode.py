@@ -448,25 +448,14 @@ async def test_an_episode_blocked_past_its_timeout_is_abandoned_and_counted(
 ):
     blocking_env.block_s = 60.0
     model = scripted({"task": [call("guess", number=1)]})
+
+    def episode(env, key, **kw):
+        task = {"key": key, "target": 1}
+        return run_episodes(env, [task], model, chat, max_turns=2, episode_timeout_s=0.3, **kw)
+
     t0 = time.perf_counter()
     blocked, ok = await asyncio.gather(
-        run_episodes(
-            blocking_env,
-            [{"key": "task-b", "target": 1}],
-            model,
-            chat,
-            max_turns=2,
-            episode_timeout_s=0.3,
-            max_abandoned=0,
-        ),
-        run_episodes(
-            GuessEnv,
-            [{"key": "task-ok", "target": 1}],
-            model,
-            chat,
-            max_turns=2,
-            episode_timeout_s=0.3,
-        ),
+        episode(blocking_env, "task-b", max_abandoned=0), episode(GuessEnv, "task-ok")
     )
     # the episode's own limit (0.3 s) + teardown's (0.3 s) + the caller's grace (1 s)
     assert time.perf_counter() - t0 < 3.0
@@ -475,15 +464,7 @@ async def test_an_episode_blocked_past_its_timeout_is_abandoned_and_counted(
     assert ok[0].error is None and ok[0].reward == 1.0
     assert abandoned_episodes(blocking_env) == 1
     with pytest.raises(EnvironmentStuckError, match=r"1 timed-out episodes of BlockingEnv"):
-        await run_episodes(
-            blocking_env,
-            [{"key": "task-b", "target": 1}],
-            model,
-            chat,
-            max_turns=2,
-            episode_timeout_s=0.3,
-            max_abandoned=0,
-        )
+        await episode(blocking_env, "task-b", max_abandoned=0)
     blocking_env.release.set()  # it wakes, sees its cancellation, tears down and ends
     deadline = time.monotonic() + 5
     while abandoned_episodes(blocking_env) and time.monotonic() < deadline:
