@@ -195,6 +195,11 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, keep: in
             if (m := _STEP_DIR.match(p.name)) and p.is_dir()
         )
         for _, old in steps[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            # renamed first, so a kill mid-delete leaves a temporary name (removed by the next
+            # run's restore), never a partly deleted directory under a checkpoint's name
+            doomed = root / f"{_TMP_PREFIX}{old.name}"
+            shutil.rmtree(doomed, ignore_errors=True)
+            old.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final

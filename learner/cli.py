@@ -86,8 +86,13 @@ def main(argv: list[str] | None = None) -> int:
 def _guarded(run: Callable[[], int]) -> int:
     """``run()``, with the errors that name a setting to change as one line (exit 2), and a
     user's reward or environment code that failed as its own frames (exit 1)."""
+    from learner.trainer import TrainingStopped
+
     try:
         return run()
+    except TrainingStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 143  # 128 + SIGTERM, as if it had ended the process: the run is not finished
     except Exception as e:
         from learner.data import DataError
         from learner.rollouts import EpisodesFailedError

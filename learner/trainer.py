@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import threading
 import time
 import zlib
@@ -71,6 +72,48 @@ from rollout_server.settings import check_model_ref
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class TrainingStopped(Exception):
+    """SIGTERM (a preemption, ``docker stop``) stopped the run after a step, with a checkpoint of
+    that step: ``--resume`` continues it."""
+
+    def __init__(self, step: int, steps: int, run_dir: Path) -> None:
+        super().__init__(
+            f"stopped by SIGTERM after step {step} of {steps}, with a checkpoint of it in "
+            f"{run_dir / 'checkpoints'}: run again with --resume to continue"
+        )
+        self.step = step
+
+
+class _StopOnSigterm:
+    """SIGTERM asks the loop to stop after the step in progress (the handler only sets a flag;
+    the previous handler is back on exit). Every rank stops at the same step: ``requested``
+    agrees over them (any rank's request counts)."""
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _StopOnSigterm:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self._flag:
+            logger.warning("SIGTERM: stopping after this step, with a checkpoint of it")
+        self._flag = True
+
+    def requested(self, accelerator: Accelerator) -> bool:
+        if accelerator.num_processes == 1:
+            return self._flag
+        flag = torch.tensor([float(self._flag)], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
 
 class StalenessError(RuntimeError):
@@ -318,8 +361,9 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     # each step's rollouts in flight, the fingerprint of its prompts, and the prompts
     pending: deque[tuple[concurrent.futures.Future[StepRollouts], int, list[dict[str, Any]]]]
     pending = deque()
+    stopped = False
     try:
-        with _servers(cfg, model_path, run_dir, accelerator) as urls:
+        with _StopOnSigterm() as stop, _servers(cfg, model_path, run_dir, accelerator) as urls:
             client = RolloutClient(
                 urls,
                 api_key=cfg.rollout.api_key or os.environ.get("ROLLOUT_API_KEY"),
@@ -467,8 +511,16 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     )
                 if metrics_log is not None:
                     metrics_log.log(state.step, last)
-                if state.step % cfg.run.checkpoint_every == 0 or state.step == cfg.run.steps:
+                stopping = stop.requested(accelerator)
+                if (
+                    stopping
+                    or state.step % cfg.run.checkpoint_every == 0
+                    or state.step == cfg.run.steps
+                ):
                     save_checkpoint(accelerator, run_dir, state.step, cfg.run.keep_checkpoints)
+                if stopping and state.step < cfg.run.steps:
+                    stopped = True
+                    break
             syncer.close()
             loop.run(client.aclose())
     finally:
@@ -477,6 +529,10 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         loop.close()
         if metrics_log is not None:
             metrics_log.close()
+    if stopped:
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+        raise TrainingStopped(state.step, cfg.run.steps, run_dir)
     _check_ranks_agree(accelerator, policy, run_dir)
     if accelerator.is_main_process and cfg.run.save_final:
         final = run_dir / "final"

@@ -254,3 +254,34 @@ def test_a_file_sync_cut_off_by_a_kill_leaves_no_copy_of_the_weights_behind(tmp_
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in sync_dir.iterdir()) == ["weights.safetensors"]
+
+
+def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp_path):
+    """A preemption (or ``docker stop``) sends SIGTERM: the step in progress ends, is saved,
+    the run exits 143, and ``--resume`` goes on from that very step, not from the last periodic
+    checkpoint (none here). Deleting older checkpoints leaves no half-deleted one."""
+    run_dir = tmp_path / "run"
+    sets = ("run.checkpoint_every=100", "run.keep_checkpoints=1", "sampling.max_tokens=8")
+    proc = subprocess.Popen(
+        _cmd(run_dir, "run.steps=40", *sets),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while len(_trained_steps(run_dir) if (run_dir / "metrics.jsonl").exists() else []) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    steps = _trained_steps(run_dir)
+    last = steps[-1]
+    assert steps == list(range(1, last + 1)) and last < 40
+    assert f"stopped by SIGTERM after step {last} of 40" in err.splitlines()[-1]
+    assert "--resume" in err.splitlines()[-1] and not (run_dir / "final").exists()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{last:06d}"]
+    _resume(run_dir, f"run.steps={last + 1}", *sets)
+    assert _trained_steps(run_dir) == list(range(1, last + 2))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{last + 1:06d}"]
