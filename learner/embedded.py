@@ -25,8 +25,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
+
+if TYPE_CHECKING:
+    from learner.config import LearnerConfig
 
 
 class EmbeddedServerError(RuntimeError):
@@ -180,3 +184,35 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def embedded_for(
+    cfg: LearnerConfig, model: str, log_path: Path
+) -> contextlib.AbstractContextManager[str]:
+    """The embedded rollout server of ``rollout.embedded`` serving ``model``, with limits that
+    cover what the config asks of it; the context yields its URL."""
+    e = cfg.rollout.embedded
+    return embedded_server(
+        model,
+        log_path=log_path,
+        engine=e.engine,
+        dtype=e.dtype,
+        startup_timeout_s=e.startup_timeout_s,
+        extra_args=[*_limit_args(cfg), *e.extra_args],
+    )
+
+
+def _limit_args(cfg: LearnerConfig) -> list[str]:
+    """Flags that raise the embedded server's limits to what this config asks of it (training's
+    sampling and the [eval] section's)."""
+    from rollout_server.protocol import Limits
+
+    default, s, e = Limits(), cfg.sampling, cfg.eval
+    n = max(s.num_generations, e.num_generations if e else 0)
+    max_tokens = max(s.max_tokens, (e.max_tokens or 0) if e else 0)
+    args = []
+    if n > default.max_n:
+        args += ["--max-n", str(n)]
+    if max_tokens > default.max_tokens:
+        args += ["--max-tokens", str(max_tokens)]
+    return args

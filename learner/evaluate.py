@@ -27,10 +27,10 @@ from typing import Any
 
 from learner.config import LearnerConfig
 from learner.data import data_columns, load_rows
-from learner.rollouts import play_episodes, truncate_prompts
+from learner.embedded import embedded_for
+from learner.rollouts import episode_generate, play_episodes, prompts_to_send
 from learner.runtime import SetupError
 from rewards.env import Environment, get_tasks
-from rewards.episode import Generation
 from rewards.scoring import RewardRunner, RewardSpec, RewardSpecError
 from rollout_server.client import RolloutClient
 from rollout_server.protocol import GenerateRequest, InfoResponse
@@ -42,13 +42,13 @@ class Evaluator:
     """The held-out prompts and their scorer; ``run`` evaluates the weights the servers serve."""
 
     def __init__(
-        self, cfg: LearnerConfig, run_dir: Path, env_cls: type[Environment] | None = None
+        self, cfg: LearnerConfig, samples_dir: Path, env_cls: type[Environment] | None = None
     ) -> None:
         assert cfg.eval is not None
         self.cfg = cfg
         self.e = cfg.eval
         self.env_cls = env_cls
-        self.samples_dir = run_dir / "eval"
+        self.samples_dir = samples_dir
         self.max_tokens = self.e.max_tokens or cfg.sampling.max_tokens
         self.scorer: RewardRunner | None = None
         if env_cls is not None:
@@ -144,15 +144,9 @@ class Evaluator:
 
     async def _episodes(self, client: RolloutClient, step: int, chat: Any) -> dict[str, float]:
         assert self.env_cls is not None and self.cfg.environment is not None
-        base = self.request([[0]]).model_copy(update={"n": 1})
         versions: list[int] = []
-
-        async def generate(ids: list[int]) -> Generation:
-            resp = await client.generate(base.model_copy(update={"prompts": [ids]}))
-            s = resp.results[0].samples[0]
-            versions.append(s.weight_version)
-            return Generation(s.token_ids, [0.0] * len(s.token_ids), s.text, s.finish_reason)
-
+        base = self.request([[0]]).model_copy(update={"n": 1})
+        generate = episode_generate(client, base, versions)
         n = self.e.num_generations
         episodes = await play_episodes(
             self.cfg.environment, self.env_cls, self.rows, n, generate, chat
@@ -187,15 +181,7 @@ class Evaluator:
     async def _prompts(self, client: RolloutClient, step: int, tokenizer: Any) -> dict[str, float]:
         assert self.scorer is not None
         col = self.e.prompt_column
-        prompts: list[Any] = [r[col] for r in self.rows]
-        if self.cfg.grpo.max_prompt_tokens and tokenizer is not None:  # as in training
-            prompts, _ = await asyncio.to_thread(
-                truncate_prompts,
-                prompts,
-                tokenizer,
-                self.cfg.grpo.max_prompt_tokens,
-                self.cfg.sampling.chat_template_kwargs,
-            )
+        prompts, _ = await prompts_to_send(self.cfg, self.rows, col, tokenizer)  # as in training
         resp = await client.generate(self.request(prompts))
         n = self.e.num_generations
         texts, finish, lengths, flat_prompts = [], [], [], []
@@ -250,7 +236,6 @@ def evaluate_model(cfg: LearnerConfig, model: str | None, out_dir: Path) -> dict
     serve are evaluated as they are. Writes ``OUT/metrics.json`` and ``OUT/step_0.jsonl``."""
     from transformers import AutoTokenizer
 
-    from learner.trainer import embedded_for
     from rollout_server.settings import check_model_ref
 
     assert cfg.eval is not None
@@ -265,7 +250,6 @@ def evaluate_model(cfg: LearnerConfig, model: str | None, out_dir: Path) -> dict
 
         env_cls = load_environment(cfg.environment.name)
     evaluator = Evaluator(cfg, out_dir, env_cls)
-    evaluator.samples_dir = out_dir
     setting = "--model" if model else "model.name_or_path ="
     model = model or cfg.model.name_or_path
     if model == "tiny":

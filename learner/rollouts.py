@@ -113,6 +113,41 @@ def truncate_prompts(
     return out, overlong
 
 
+async def prompts_to_send(
+    cfg: LearnerConfig, rows: list[dict[str, Any]], prompt_col: str, tokenizer: Any
+) -> tuple[list[Any], list[bool]]:
+    """The rows' prompts as the server gets them (cut to ``grpo.max_prompt_tokens``, as token
+    ids, when that is set) and which ones were cut."""
+    prompts: list[Any] = [r[prompt_col] for r in rows]
+    if not cfg.grpo.max_prompt_tokens:
+        return prompts, [False] * len(rows)
+    if tokenizer is None:
+        raise ValueError("grpo.max_prompt_tokens needs the tokenizer to count prompt tokens")
+    return await asyncio.to_thread(
+        truncate_prompts,
+        prompts,
+        tokenizer,
+        cfg.grpo.max_prompt_tokens,
+        cfg.sampling.chat_template_kwargs,
+    )
+
+
+def episode_generate(
+    client: RolloutClient, base: GenerateRequest, versions: list[int]
+) -> GenerateFn:
+    """An episode's ``generate``: one sample of ``base`` for the ids so far; each sample's
+    weight version is appended to ``versions``."""
+
+    async def generate(ids: list[int]) -> Generation:
+        resp = await client.generate(base.model_copy(update={"prompts": [ids]}))
+        sample = resp.results[0].samples[0]
+        versions.append(sample.weight_version)
+        logprobs = _sampling_logprobs(base, sample)
+        return Generation(sample.token_ids, logprobs, sample.text, sample.finish_reason)
+
+    return generate
+
+
 async def collect(
     cfg: LearnerConfig,
     client: RolloutClient,
@@ -125,18 +160,7 @@ async def collect(
     assert cfg.data is not None
     g = cfg.sampling.num_generations
     prompt_col = cfg.data.prompt_column
-    prompts_in: list[Any] = [r[prompt_col] for r in rows]
-    overlong = [False] * len(rows)
-    if cfg.grpo.max_prompt_tokens:
-        if tokenizer is None:
-            raise ValueError("grpo.max_prompt_tokens needs the tokenizer to count prompt tokens")
-        prompts_in, overlong = await asyncio.to_thread(
-            truncate_prompts,
-            prompts_in,
-            tokenizer,
-            cfg.grpo.max_prompt_tokens,
-            cfg.sampling.chat_template_kwargs,
-        )
+    prompts_in, overlong = await prompts_to_send(cfg, rows, prompt_col, tokenizer)
     t0 = time.perf_counter()
     req = generate_request(cfg, prompts_in)
     resp = await client.generate(req)
@@ -201,14 +225,7 @@ async def collect_episodes(
     e = cfg.environment
     base = generate_request(cfg, [[0]]).model_copy(update={"n": 1})
     versions: list[int] = []
-
-    async def generate(ids: list[int]) -> Generation:
-        resp = await client.generate(base.model_copy(update={"prompts": [ids]}))
-        sample = resp.results[0].samples[0]
-        versions.append(sample.weight_version)
-        logprobs = _sampling_logprobs(base, sample)
-        return Generation(sample.token_ids, logprobs, sample.text, sample.finish_reason)
-
+    generate = episode_generate(client, base, versions)
     t0 = time.perf_counter()
     episodes = await play_episodes(e, env_cls, tasks, cfg.sampling.num_generations, generate, chat)
     t_gen = time.perf_counter() - t0

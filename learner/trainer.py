@@ -25,7 +25,6 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterator
-from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,7 +36,7 @@ from transformers import AutoTokenizer
 from learner.checkpoint import TrainerState, restore, save_checkpoint
 from learner.config import LearnerConfig
 from learner.data import PromptStream, data_columns, load_rows
-from learner.embedded import embedded_server
+from learner.embedded import embedded_for
 from learner.evaluate import Evaluator
 from learner.loss import LossConfig
 from learner.metrics import MetricsLogger
@@ -67,7 +66,7 @@ from rollout_server.client import (
     RolloutHTTPError,
     RolloutUnavailableError,
 )
-from rollout_server.protocol import InfoResponse, Limits
+from rollout_server.protocol import InfoResponse
 from rollout_server.settings import check_model_ref
 
 logger = logging.getLogger(__name__)
@@ -173,34 +172,6 @@ def _servers(
         acc.wait_for_everyone()  # nobody may still be generating when the server stops
 
 
-def embedded_for(cfg: LearnerConfig, model: str, log_path: Path) -> ContextManager[str]:
-    """The embedded rollout server of ``rollout.embedded`` serving ``model``, with limits that
-    cover what the config asks of it; the context yields its URL."""
-    e = cfg.rollout.embedded
-    return embedded_server(
-        model,
-        log_path=log_path,
-        engine=e.engine,
-        dtype=e.dtype,
-        startup_timeout_s=e.startup_timeout_s,
-        extra_args=[*_limit_args(cfg), *e.extra_args],
-    )
-
-
-def _limit_args(cfg: LearnerConfig) -> list[str]:
-    """Flags that raise the embedded server's limits to what this config asks of it (training's
-    sampling and the [eval] section's)."""
-    default, s, e = Limits(), cfg.sampling, cfg.eval
-    n = max(s.num_generations, e.num_generations if e else 0)
-    max_tokens = max(s.max_tokens, (e.max_tokens or 0) if e else 0)
-    args = []
-    if n > default.max_n:
-        args += ["--max-n", str(n)]
-    if max_tokens > default.max_tokens:
-        args += ["--max-tokens", str(max_tokens)]
-    return args
-
-
 def check_server_limits(cfg: LearnerConfig, infos: list[InfoResponse], urls: list[str]) -> None:
     """Refuse, before any step, a config that asks more of a server than its limits allow
     (the server would refuse every generate request)."""
@@ -295,7 +266,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     )
     if scorer is not None and cfg.data is not None:  # a parameter that no column fills
         scorer.check_columns([*data_columns(rows, cfg.data.prompt_column), "completion_ids"])
-    evaluator = Evaluator(cfg, run_dir, env_cls) if cfg.eval is not None else None
+    evaluator = Evaluator(cfg, run_dir / "eval", env_cls) if cfg.eval is not None else None
     model_path = _model_path(cfg, run_dir, accelerator)
     if cfg.sft is not None:  # warm start: SFT first, GRPO starts from its weights (learner/sft.py)
         from learner.sft import warm_start

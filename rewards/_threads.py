@@ -35,6 +35,23 @@ class DaemonCall(Generic[T]):
     thread: threading.Thread
 
 
+class AbandonedCalls:
+    """Threads of calls abandoned at a timeout, by key (a reward function, an environment):
+    ``running(key)`` counts those that have not returned yet."""
+
+    def __init__(self) -> None:
+        self._threads: dict[Any, list[threading.Thread]] = {}
+
+    def add(self, key: Any, thread: threading.Thread) -> None:
+        self._threads.setdefault(key, []).append(thread)
+
+    def running(self, key: Any) -> int:
+        alive = [t for t in self._threads.pop(key, []) if t.is_alive()]
+        if alive:
+            self._threads[key] = alive
+        return len(alive)
+
+
 def _spawn(body: Callable[[], T], name: str) -> DaemonCall[T]:
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[T] = loop.create_future()

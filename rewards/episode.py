@@ -32,13 +32,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
-import threading
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rewards._threads import call_maybe_async, start_in_daemon_thread
+from rewards._threads import AbandonedCalls, call_maybe_async, start_in_daemon_thread
 from rewards.builtin._text import strip_reasoning
 from rewards.chat import ChatFormat, HFChatFormat
 from rewards.env import Environment
@@ -120,15 +119,12 @@ MAX_ABANDONED_EPISODES = 32
 ``run_episodes`` refuses to start more (``run_episodes(max_abandoned=...)``)."""
 
 _GRACE_S = 1.0  # the caller waits this much past the episode's own limits before abandoning it
-_abandoned: dict[Any, list[threading.Thread]] = {}
+_abandoned = AbandonedCalls()
 
 
 def abandoned_episodes(env_factory: EnvFactory) -> int:
     """How many timed-out episodes of ``env_factory`` are still blocked in their threads."""
-    alive = [t for t in _abandoned.pop(env_factory, []) if t.is_alive()]
-    if alive:
-        _abandoned[env_factory] = alive
-    return len(alive)
+    return _abandoned.running(env_factory)
 
 
 def _factory_name(env_factory: EnvFactory) -> str:
@@ -264,8 +260,7 @@ async def run_episode(
         timeout_s=timeout_s,
     )
     teardown = _teardown_limit(timeout_s)
-    limit = None if timeout_s is None or teardown is None else timeout_s + teardown + _GRACE_S
-    guard = asyncio.timeout(limit)
+    guard = asyncio.timeout(None if teardown is None else timeout_s + teardown + _GRACE_S)
     try:
         async with guard:
             return await call.future
@@ -273,7 +268,7 @@ async def run_episode(
         if not guard.expired():
             raise
     # its loop is blocked (its own timeout could not fire): cancelled there if it ever wakes
-    _abandoned.setdefault(env_factory, []).append(call.thread)
+    _abandoned.add(env_factory, call.thread)
     return EpisodeResult(
         error=(
             f"episode timed out after {timeout_s:g} s and was abandoned: its environment "

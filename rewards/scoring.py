@@ -24,7 +24,6 @@ import inspect
 import logging
 import math
 import numbers
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rewards._threads import start_in_daemon_thread
+from rewards._threads import AbandonedCalls, start_in_daemon_thread
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +264,7 @@ class RewardRunner:
             check_kwargs(s.key, self.funcs[s.key], s.kwargs)
         self.failure_counts = dict.fromkeys(keys, 0)
         self.max_abandoned = max_abandoned
-        self._abandoned: dict[str, list[threading.Thread]] = {k: [] for k in keys}
+        self._abandoned = AbandonedCalls()
         self._warned_all_none: set[str] = set()
 
     def check_columns(self, columns: Sequence[str]) -> None:
@@ -292,8 +291,7 @@ class RewardRunner:
 
     def still_running(self, key: str) -> int:
         """How many abandoned (timed-out or cancelled) calls of ``key`` have not returned yet."""
-        self._abandoned[key] = [t for t in self._abandoned[key] if t.is_alive()]
-        return len(self._abandoned[key])
+        return self._abandoned.running(key)
 
     async def _one(
         self, spec: RewardSpec, prompts: list, completions: list[str], columns: dict
@@ -321,7 +319,7 @@ class RewardRunner:
             raise RewardFunctionError(spec.key, f"raised {type(e).__name__}: {e}") from e
         finally:
             if call.future.cancelled():  # timed out or cancelled; its thread may run on
-                self._abandoned[spec.key].append(call.thread)
+                self._abandoned.add(spec.key, call.thread)
         return check_output(spec.key, out, len(completions))
 
     async def score(

@@ -462,7 +462,7 @@ def test_fresh_run_syncs_a_server_that_another_learner_updated(
 def test_a_config_over_the_servers_limits_stops_before_any_step(
     tmp_path, start_server, tiny_model_dir
 ):
-    from learner.trainer import _limit_args
+    from learner.embedded import _limit_args
     from rollout_server.protocol import Limits
     from rollout_server.settings import ServerSettings
 
