@@ -153,7 +153,7 @@ def _remove_unfinished(run_dir: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)  # a directory too: that makes its entries durable
     try:
         os.fsync(fd)
@@ -164,12 +164,12 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(top: Path) -> None:
+def fsync_tree(top: Path) -> None:
     """fsync every file under ``top``, then every directory, deepest first."""
     for dirpath, _, filenames in os.walk(top, topdown=False):
         for name in filenames:
-            _fsync(Path(dirpath) / name)
-        _fsync(Path(dirpath))
+            fsync_path(Path(dirpath) / name)
+        fsync_path(Path(dirpath))
 
 
 def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, keep: int) -> Path:
@@ -183,12 +183,12 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, keep: in
     accelerator.save_state(str(tmp), safe_serialization=True)
     accelerator.wait_for_everyone()
     if accelerator.is_local_main_process:  # one per host: its ranks' files are in its cache
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)  # the atomic step: a complete checkpoint appears at once
-        _fsync(root)  # the rename itself
+        fsync_path(root)  # the rename itself
         steps = sorted(
             (int(m.group(1)), p)
             for p in root.iterdir()

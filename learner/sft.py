@@ -18,15 +18,11 @@ by the SFT are merged into it, so GRPO's adapters start fresh on top.
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
-import json
 import logging
 import math
-import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -37,10 +33,11 @@ from learner.batch import TrainBatch, collate, micro_batches
 from learner.checkpoint import TrainerState, restore, save_checkpoint
 from learner.config import LearnerConfig
 from learner.data import PromptStream
+from learner.export import save_model
 from learner.logprobs import chunked_nll
 from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
-from learner.policy import PolicyLogprobs, is_peft
+from learner.policy import PolicyLogprobs
 from learner.runtime import (
     check_model_options,
     make_accelerator,
@@ -144,64 +141,6 @@ def sft_step(
         "tokens/trained": total,
         "tokens/padded": float(sum(b.input_ids.numel() for b in batches)),
     }
-
-
-def save_model(accelerator: Accelerator, policy: nn.Module, tokenizer: Any, path: Path) -> None:
-    """Write a plain Hugging Face model (LoRA merged) and the tokenizer, atomically: a complete
-    ``path`` appears at once, or none. Under ZeRO-3 every rank takes part in the gathers."""
-    from learner.sync.zero3 import is_partitioned, iter_gathered_params
-
-    model = accelerator.unwrap_model(policy).model
-    tmp = path.with_name(f".tmp-{path.name}")
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if any(is_partitioned(p) for p in model.parameters()):
-        if is_peft(model):
-            raise ValueError("saving a LoRA model under ZeRO-3 is not supported: use ZeRO-2")
-        with torch.no_grad():
-            state = {n: t.cpu() for n, t in iter_gathered_params(model)}
-        if accelerator.is_main_process:
-            model.save_pretrained(tmp, state_dict=state)
-    elif accelerator.is_main_process:
-        if is_peft(model) and getattr(model.config, "quantization_config", None) is not None:
-            _save_dense(model, tmp)  # QLoRA: a plain model, not a re-quantized one
-        else:
-            if is_peft(model):
-                model = model.merge_and_unload()  # the run is over: merging in place is fine
-            model.save_pretrained(tmp)
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(tmp)
-        _portable_tokenizer(tmp / "tokenizer_config.json")
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
-    accelerator.wait_for_everyone()
-
-
-def _save_dense(model: nn.Module, path: Path) -> None:
-    """QLoRA: the 4-bit base dequantized with the adapters merged (what the rollout servers
-    get), written as a plain checkpoint in the compute dtype, without the quantization config:
-    GRPO, vLLM and the transformers engine load it as any base model."""
-    from safetensors.torch import save_file
-
-    from learner.sync import merged_lora_weights
-
-    config = copy.deepcopy(model.get_base_model().config)
-    del config.quantization_config
-    state = {n: t.detach().contiguous().cpu() for n, t in merged_lora_weights(model)}
-    config.dtype = next(iter(state.values())).dtype
-    path.mkdir(parents=True)
-    config.save_pretrained(path)
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _portable_tokenizer(config_path: Path) -> None:
-    """transformers 5 saves a tokenizer built from tokenizer.json as ``TokenizersBackend``, which
-    transformers 4 (pinned by some vLLM releases, which serve this model next) cannot resolve."""
-    if config_path.is_file():
-        config = json.loads(config_path.read_text())
-        if config.get("tokenizer_class") == "TokenizersBackend":
-            config["tokenizer_class"] = "PreTrainedTokenizerFast"
-            config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def train_sft(

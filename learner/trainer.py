@@ -38,6 +38,7 @@ from learner.config import LearnerConfig
 from learner.data import PromptStream, data_columns, load_rows
 from learner.embedded import embedded_for
 from learner.evaluate import Evaluator
+from learner.export import save_model
 from learner.loss import LossConfig
 from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
@@ -505,10 +506,8 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         accelerator.end_training()
         raise TrainingStopped(state.step, cfg.run.steps, run_dir)
     _check_ranks_agree(accelerator, policy, run_dir)
-    if accelerator.is_main_process and cfg.run.save_final:
-        final = run_dir / "final"
-        accelerator.unwrap_model(policy).model.save_pretrained(final, safe_serialization=True)
-        tokenizer.save_pretrained(final)
+    if cfg.run.save_final:  # every rank: under ZeRO-3 the parameters are gathered
+        save_model(accelerator, policy, tokenizer, run_dir / "final")
     # Every rank must reach the process-group teardown together: a rank that tears down while
     # another is still saving leaves that one hanging in gloo's destructor at exit.
     accelerator.wait_for_everyone()

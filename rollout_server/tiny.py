@@ -192,18 +192,22 @@ def save_tiny_model(
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    _portable_tokenizer_class(path / "tokenizer_config.json")
+    portable_tokenizer_class(path / "tokenizer_config.json")
     return path
 
 
-def _portable_tokenizer_class(config_path: Path) -> None:
-    """transformers 5 writes ``TokenizersBackend``, which transformers 4 (still pinned by some
-    vLLM releases) cannot resolve; ``PreTrainedTokenizerFast`` loads in both."""
+def portable_tokenizer_class(config_path: Path) -> None:
+    """transformers 5 writes a tokenizer built from ``tokenizer.json`` as ``TokenizersBackend``,
+    which transformers 4 (still pinned by some vLLM releases, which serve the model next) cannot
+    resolve; ``PreTrainedTokenizerFast`` loads in both."""
     import json
 
+    if not config_path.is_file():
+        return
     config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:

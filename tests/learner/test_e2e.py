@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from learner.config import load_config
 from learner.data import PromptStream, load_rows
@@ -393,7 +394,15 @@ def test_lora_run_syncs_merged_weights_to_the_server(tmp_path):
     records = read_metrics(run_dir)
     assert [r["weight_version"] for r in records] == [1, 2, 3]
     assert all("kl" in r for r in records)
-    assert (run_dir / "final" / "adapter_config.json").exists()  # checkpoints hold the adapter
+    # final: a plain model with the adapter merged (what the servers got), and the adapter alone
+    from safetensors.torch import load_file
+
+    base = load_file(str(run_dir / "model" / "model.safetensors"))
+    final = load_file(str(run_dir / "final" / "model.safetensors"))
+    assert final.keys() == base.keys()
+    changed = [k for k in base if not torch.equal(base[k], final[k])]
+    assert changed and all(k.endswith("proj.weight") for k in changed), changed
+    assert (run_dir / "final" / "adapter" / "adapter_config.json").exists()
 
 
 @pytest.mark.slow

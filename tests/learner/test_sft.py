@@ -311,6 +311,7 @@ def test_lora_sft_saves_a_merged_plain_model(tmp_path, tiny_model_dir):
     assert final.keys() == base.keys()  # no adapter tensors: GRPO loads it as a base model
     changed = [k for k in base if not torch.equal(base[k], final[k])]
     assert changed and all(k.endswith("proj.weight") for k in changed), changed
+    assert (run / "final" / "adapter" / "adapter_model.safetensors").is_file()  # and alone
 
 
 def test_qlora_sft_saves_a_dense_merged_model_and_adapter_checkpoints(tmp_path, tiny_model_dir):
