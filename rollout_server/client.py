@@ -258,7 +258,10 @@ class RolloutClient:
         shards = _shards(len(request.prompts), len(self.servers))
 
         async def one(server: str, start: int, end: int) -> GenerateResponse:
-            sub = request.model_copy(update={"prompts": request.prompts[start:end]})
+            update: dict[str, Any] = {"prompts": request.prompts[start:end]}
+            if request.seed is not None:  # prompt k draws from seed + k * n on any server
+                update["seed"] = request.seed + start * request.n
+            sub = request.model_copy(update=update)
             out = await self._json(server, "POST", "/generate", GenerateResponse, body=sub)
             if len(out.results) != end - start:
                 raise RolloutError(

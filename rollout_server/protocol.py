@@ -54,7 +54,9 @@ class SamplingParams(_Model):
     stop_token_ids: list[int] = Field(default_factory=list, description="extra stop token ids")
     ignore_eos: bool = False
     seed: int | None = Field(
-        None, description="same seed + same weights + same request = same output"
+        None,
+        description="same seed + same weights + same request = same output; prompt k's "
+        "sample i draws from seed + k * n + i",
     )
     logprobs: bool = Field(
         True,

@@ -184,10 +184,13 @@ class TransformersEngine(HFTokenizerMixin, Engine):
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
         )
         rows = []
-        for prompt in prompts:
-            base = params.seed if params.seed is not None else None
-            for i in range(n):
-                seed = base + i if base is not None else self._rng.getrandbits(63)
+        for k, prompt in enumerate(prompts):
+            for i in range(n):  # prompt k's sample i: seed + k * n + i (docs/api.md)
+                seed = (
+                    params.seed + k * n + i
+                    if params.seed is not None
+                    else self._rng.getrandbits(63)
+                )
                 budget = min(params.max_tokens, self.max_model_len - len(prompt))
                 rows.append(Row(prompt, params, seed, max(budget, 1), stop_ids))
         job = _Job(len(rows))

@@ -331,10 +331,18 @@ class VLLMEngine(HFTokenizerMixin, Engine):
 
         if self._asleep:
             raise EngineError("the vllm engine is asleep; POST /wake_up first")
+        kwargs = served_sampling_kwargs(params, n)
         try:
-            sp = VLLMSamplingParams(
-                **served_sampling_kwargs(params, n), output_kind=RequestOutputKind.FINAL_ONLY
-            )
+            sp = VLLMSamplingParams(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)
+            per_prompt = [sp] * len(prompts)
+            if params.seed is not None:  # prompt k: seed + k * n; vLLM gives its sample i + i
+                per_prompt = [
+                    VLLMSamplingParams(
+                        **{**kwargs, "seed": params.seed + k * n},
+                        output_kind=RequestOutputKind.FINAL_ONLY,
+                    )
+                    for k in range(len(prompts))
+                ]
         except (ValueError, TypeError) as exc:  # e.g. vLLM's temperature limit (<= 2)
             from rollout_server.errors import BadRequest
 
@@ -342,7 +350,10 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         self._in_flight += 1
         try:
             async with asyncio.TaskGroup() as tg:  # one failure cancels (aborts) the rest
-                tasks = [tg.create_task(self._one(ids, sp)) for ids in prompts]
+                tasks = [
+                    tg.create_task(self._one(ids, p))
+                    for ids, p in zip(prompts, per_prompt, strict=True)
+                ]
         except ExceptionGroup as group:
             first = group.exceptions[0]
             if isinstance(first, ValueError):  # vLLM's request validation: the caller's mistake

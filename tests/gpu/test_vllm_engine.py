@@ -97,6 +97,17 @@ def test_logprobs_false_gives_the_same_samples_without_logprobs(server) -> None:
         assert all(len(s["logprobs"]) == len(s["token_ids"]) for s in a["samples"])
 
 
+def test_prompt_k_of_a_seeded_request_draws_from_seed_plus_k_times_n(server) -> None:
+    """A prompt repeated in a seeded request gets new samples, and the second copy's are what
+    a request of that prompt alone draws at seed + n (as on the transformers engine)."""
+    ids = PROMPTS[0]
+    both = server.generate(prompts=[ids, ids], n=3, max_tokens=24, temperature=1.0, seed=40)
+    alone = server.generate(prompts=[ids], n=3, max_tokens=24, temperature=1.0, seed=43)
+    first, second = ([s["token_ids"] for s in r["samples"]] for r in both["results"])
+    assert first != second
+    assert second == [s["token_ids"] for s in alone["results"][0]["samples"]]
+
+
 def test_ignore_eos_gives_exact_lengths(server) -> None:
     out = server.generate(prompts=PROMPTS, n=2, max_tokens=40, ignore_eos=True, temperature=1.0)
     for r in out["results"]:

@@ -91,6 +91,11 @@ async def test_seeds_reproduce_regardless_of_batching(engine):
     (shifted,) = await engine.generate([prompt], 1, params.model_copy(update={"seed": 124}))
     assert shifted[0].token_ids == alone[1].token_ids
     assert len({tuple(s.token_ids) for s in alone}) == 3  # the samples differ
+    # prompt k's sample i uses seed + k * n + i: a repeated prompt gets new samples
+    first, second = await engine.generate([prompt, prompt], 3, params)
+    assert [s.token_ids for s in first] == [s.token_ids for s in alone]
+    (later,) = await engine.generate([prompt], 3, params.model_copy(update={"seed": 126}))
+    assert [s.token_ids for s in second] == [s.token_ids for s in later]
 
 
 async def test_stop_token_ids_and_eos_end_the_sample_including_the_stop_token(engine):

@@ -66,6 +66,17 @@ async def test_generate_n4_shapes_logprobs_and_seeds(server, reference):
     assert again.model_dump() == resp.model_dump()  # same seed, same weights, same output
 
 
+async def test_a_seeded_request_spread_over_servers_draws_what_one_server_draws(server):
+    """The client shifts each shard's seed by its first prompt (prompt k: seed + k * n), so the
+    number of servers does not change a seeded batch: here the same server, listed twice."""
+    request = GenerateRequest(prompts=["a", "b", "c"], n=2, max_tokens=8, seed=5)
+    async with RolloutClient(server.url) as one, RolloutClient([server.url] * 2) as two:
+        alone, spread = await one.generate(request), await two.generate(request)
+    assert [[s.token_ids for s in r.samples] for r in spread.results] == [
+        [s.token_ids for s in r.samples] for r in alone.results
+    ]
+
+
 async def test_logprobs_false_returns_the_same_samples_without_logprobs(server):
     request = GenerateRequest(prompts=["hello world", [104, 105]], n=3, max_tokens=12, seed=7)
     async with RolloutClient(server.url) as client:
