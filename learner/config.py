@@ -192,6 +192,14 @@ class SamplingConfig(_Section):
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = Field(False, description="always generate max_tokens (benchmarks)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    seed: int | None = Field(
+        None,
+        ge=0,
+        description="seed every generation request from this, the step and the rank (and the "
+        "episode and turn): a rerun or a resumed run draws the same samples (exactly on the "
+        "transformers engine; vLLM's numerics depend on the batch, and its seeded sampling is "
+        "slower). None: unseeded",
+    )
 
 
 class RewardConfig(_Section):

@@ -28,7 +28,7 @@ from typing import Any
 from learner.config import LearnerConfig
 from learner.data import data_columns, load_rows
 from learner.embedded import embedded_for
-from learner.rollouts import episode_generate, play_episodes, prompts_to_send
+from learner.rollouts import episode_generators, play_episodes, prompts_to_send, request_seed
 from learner.runtime import SetupError
 from rewards.env import Environment, get_tasks
 from rewards.scoring import RewardRunner, RewardSpec, RewardSpecError
@@ -92,11 +92,12 @@ class Evaluator:
                     problems.append(f"{setting} = {value} is over {server}'s limit {limit}")
         return problems
 
-    def request(self, prompts: list[Any]) -> GenerateRequest:
+    def request(self, prompts: list[Any], step: int) -> GenerateRequest:
         s, e = self.cfg.sampling, self.e
         sampled = e.temperature > 0
         return GenerateRequest(
             prompts=prompts,
+            seed=request_seed(self.cfg, "eval", step) if sampled else None,
             n=e.num_generations,
             max_tokens=self.max_tokens,
             temperature=e.temperature,
@@ -145,9 +146,9 @@ class Evaluator:
     async def _episodes(self, client: RolloutClient, step: int, chat: Any) -> dict[str, float]:
         assert self.env_cls is not None and self.cfg.environment is not None
         versions: list[int] = []
-        base = self.request([[0]]).model_copy(update={"n": 1})
-        generate = episode_generate(client, base, versions)
+        base = self.request([[0]], step).model_copy(update={"n": 1})
         n = self.e.num_generations
+        generate = episode_generators(client, base, versions, len(self.rows) * n)
         episodes = await play_episodes(
             self.cfg.environment, self.env_cls, self.rows, n, generate, chat
         )
@@ -182,7 +183,7 @@ class Evaluator:
         assert self.scorer is not None
         col = self.e.prompt_column
         prompts, _ = await prompts_to_send(self.cfg, self.rows, col, tokenizer)  # as in training
-        resp = await client.generate(self.request(prompts))
+        resp = await client.generate(self.request(prompts, step))
         n = self.e.num_generations
         texts, finish, lengths, flat_prompts = [], [], [], []
         columns: dict[str, list[Any]] = {k: [] for k in data_columns(self.rows, col)}

@@ -14,9 +14,10 @@ unreachable environment, and training on its zeros would only teach noise.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,12 +70,30 @@ def check_episodes(
         )
 
 
-def generate_request(cfg: LearnerConfig, prompts: list[Any]) -> GenerateRequest:
+# An episode's turns draw from its seed + turn; episodes of a request lie this far apart.
+_EPISODE_SEED_STRIDE = 1 << 16
+
+
+def request_seed(cfg: LearnerConfig, kind: str, step: int, rank: int = 0) -> int | None:
+    """The seed of one step's generation (``sampling.seed`` set; else None): a hash of that
+    seed, ``kind`` ("train", "eval"), the step and the rank, below 2**40. The server draws
+    prompt k's sample i from seed + k*n + i, so requests far apart in the hash's range never
+    share draws, and a rerun or a resumed run draws each step's samples again."""
+    if cfg.sampling.seed is None:
+        return None
+    key = f"{cfg.sampling.seed}:{kind}:{step}:{rank}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=5).digest(), "big")
+
+
+def generate_request(
+    cfg: LearnerConfig, prompts: list[Any], seed: int | None = None
+) -> GenerateRequest:
     """The request for ``prompts``. It asks for the sampled tokens' log-probs only when the loss
     uses them (truncated IS, ``grpo.tis_cap``): without them vLLM's generation is faster."""
     s = cfg.sampling
     return GenerateRequest(
         prompts=prompts,
+        seed=seed,
         logprobs=cfg.grpo.tis_cap is not None,
         n=s.num_generations,
         max_tokens=s.max_tokens,
@@ -136,10 +155,16 @@ def episode_generate(
     client: RolloutClient, base: GenerateRequest, versions: list[int]
 ) -> GenerateFn:
     """An episode's ``generate``: one sample of ``base`` for the ids so far; each sample's
-    weight version is appended to ``versions``."""
+    weight version is appended to ``versions``. A seeded ``base`` seeds turn t with seed + t."""
+    turn = 0
 
     async def generate(ids: list[int]) -> Generation:
-        resp = await client.generate(base.model_copy(update={"prompts": [ids]}))
+        nonlocal turn
+        update: dict[str, Any] = {"prompts": [ids]}
+        if base.seed is not None:
+            update["seed"] = base.seed + turn
+        turn += 1
+        resp = await client.generate(base.model_copy(update=update))
         sample = resp.results[0].samples[0]
         versions.append(sample.weight_version)
         logprobs = _sampling_logprobs(base, sample)
@@ -155,14 +180,16 @@ async def collect(
     rows: list[dict[str, Any]],
     *,
     tokenizer: Any = None,
+    seed: int | None = None,
 ) -> StepRollouts:
-    """Generate, score and attach group-relative advantages for ``rows`` (this rank's prompts)."""
+    """Generate, score and attach group-relative advantages for ``rows`` (this rank's prompts);
+    ``seed``: the request's (``request_seed``)."""
     assert cfg.data is not None
     g = cfg.sampling.num_generations
     prompt_col = cfg.data.prompt_column
     prompts_in, overlong = await prompts_to_send(cfg, rows, prompt_col, tokenizer)
     t0 = time.perf_counter()
-    req = generate_request(cfg, prompts_in)
+    req = generate_request(cfg, prompts_in, seed)
     resp = await client.generate(req)
     t_gen = time.perf_counter() - t0
     mask_prompt = cfg.grpo.overlong_prompts == "mask"
@@ -219,15 +246,18 @@ async def collect_episodes(
     env_cls: type[Environment],
     chat: ChatFormat,
     tasks: list[dict[str, Any]],
+    seed: int | None = None,
 ) -> StepRollouts:
-    """G multi-turn episodes per task; tool output is in the sequence but masked out of the loss."""
+    """G multi-turn episodes per task; tool output is in the sequence but masked out of the loss.
+    ``seed``: the step's (``request_seed``), spread over the episodes and their turns."""
     assert cfg.environment is not None
     e = cfg.environment
-    base = generate_request(cfg, [[0]]).model_copy(update={"n": 1})
+    base = generate_request(cfg, [[0]], seed).model_copy(update={"n": 1})
     versions: list[int] = []
-    generate = episode_generate(client, base, versions)
+    g = cfg.sampling.num_generations
+    generate = episode_generators(client, base, versions, len(tasks) * g)
     t0 = time.perf_counter()
-    episodes = await play_episodes(e, env_cls, tasks, cfg.sampling.num_generations, generate, chat)
+    episodes = await play_episodes(e, env_cls, tasks, g, generate, chat)
     t_gen = time.perf_counter() - t0
     failed = [ep.error for ep in episodes if ep.error is not None]
     if failed:
@@ -273,15 +303,31 @@ async def collect_episodes(
     return step
 
 
+def episode_generators(
+    client: RolloutClient, base: GenerateRequest, versions: list[int], count: int
+) -> GenerateFn | list[GenerateFn]:
+    """``generate`` for ``count`` episodes: one shared, or with a seeded ``base`` one per
+    episode, episode j's turns drawn from seed + j * 2**16 + turn."""
+    if base.seed is None:
+        return episode_generate(client, base, versions)
+    return [
+        episode_generate(
+            client, base.model_copy(update={"seed": base.seed + j * _EPISODE_SEED_STRIDE}), versions
+        )
+        for j in range(count)
+    ]
+
+
 async def play_episodes(
     e: EnvironmentConfig,
     env_cls: type[Environment],
     tasks: list[dict[str, Any]],
     n: int,
-    generate: GenerateFn,
+    generate: GenerateFn | Sequence[GenerateFn],
     chat: ChatFormat,
 ) -> list[EpisodeResult]:
-    """``n`` episodes of each task, with the [environment] section's limits, in task order."""
+    """``n`` episodes of each task, with the [environment] section's limits, in task order
+    (``generate``: one for all, or one per episode)."""
     return await run_episodes(
         env_cls,
         [t for t in tasks for _ in range(n)],

@@ -43,7 +43,13 @@ from learner.loss import LossConfig
 from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
 from learner.perf import peak_tflops, profiled, train_flops_per_token
-from learner.rollouts import StepRollouts, check_episodes, collect, collect_episodes
+from learner.rollouts import (
+    StepRollouts,
+    check_episodes,
+    collect,
+    collect_episodes,
+    request_seed,
+)
 from learner.runtime import (
     SetupError,
     check_model_options,
@@ -370,11 +376,13 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 if rows is None:
                     rows = stream.take(cfg.grpo.prompts_per_step)
                 mine = rows[rank * per_rank : (rank + 1) * per_rank]
+                # the step these rows train, also when a restarted server makes them go again
+                seed = request_seed(cfg, "train", state.step + len(pending) + 1, rank)
                 if env_cls is not None:
-                    coro = collect_episodes(cfg, client, env_cls, chat, mine)
+                    coro = collect_episodes(cfg, client, env_cls, chat, mine, seed)
                 else:
                     assert scorer is not None
-                    coro = collect(cfg, client, scorer, mine, tokenizer=tokenizer)
+                    coro = collect(cfg, client, scorer, mine, tokenizer=tokenizer, seed=seed)
                 pending.append((loop.submit(coro), rows_fingerprint(rows), rows))
                 stream.pending = len(pending) * cfg.grpo.prompts_per_step
 

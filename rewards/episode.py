@@ -33,7 +33,7 @@ import asyncio
 import inspect
 import itertools
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -329,7 +329,7 @@ async def _play_episode(
 async def run_episodes(
     env_factory_or_cls: EnvFactory,
     tasks: list[dict[str, Any]],
-    generate: GenerateFn,
+    generate: GenerateFn | Sequence[GenerateFn],
     chat: ChatFormat,
     *,
     max_turns: int,
@@ -343,7 +343,8 @@ async def run_episodes(
     event loop of its own in a daemon thread.
 
     ``env_factory_or_cls``: an ``Environment`` subclass or a callable that builds one from a
-    task. ``max_turns``: generations per episode. ``max_tokens``: stop once the completion (tool
+    task. ``generate``: one function for every episode, or one per task (e.g. each seeded on
+    its own). ``max_turns``: generations per episode. ``max_tokens``: stop once the completion (tool
     tokens included) is this long. ``episode_timeout_s``: wall-clock limit of an episode (a hung
     environment ends its episode with an error instead of hanging the batch; generation time
     counts too; ``teardown`` then gets at most ``TEARDOWN_LIMIT_S`` more). ``max_abandoned``:
@@ -363,9 +364,12 @@ async def run_episodes(
         raise ValueError(f"max_turns={max_turns}; an episode needs at least one turn")
     if reward_reduce not in ("last", "sum", "mean"):
         raise ValueError(f"reward_reduce={reward_reduce!r}; use 'last', 'sum' or 'mean'")
+    generators = [generate] * len(tasks) if callable(generate) else list(generate)
+    if len(generators) != len(tasks):
+        raise ValueError(f"{len(generators)} generate functions for {len(tasks)} tasks")
     sem = asyncio.Semaphore(max_concurrency or len(tasks) or 1)
 
-    async def one(task: dict[str, Any]) -> EpisodeResult:
+    async def one(task: dict[str, Any], generate: GenerateFn) -> EpisodeResult:
         async with sem:
             return await run_episode(
                 env_factory_or_cls,
@@ -378,7 +382,9 @@ async def run_episodes(
                 timeout_s=episode_timeout_s,
             )
 
-    outcomes = await asyncio.gather(*(one(t) for t in tasks), return_exceptions=True)
+    outcomes = await asyncio.gather(
+        *(one(t, g) for t, g in zip(tasks, generators, strict=True)), return_exceptions=True
+    )
     for out in outcomes:
         if isinstance(out, BaseException):
             raise out

@@ -157,26 +157,6 @@ def test_a_checkpoint_is_on_disk_before_its_name_appears(tmp_path):
     )
 
 
-@pytest.mark.slow
-def test_a_run_killed_after_a_checkpoint_goes_on_with_its_steps_versions_and_data(tmp_path):
-    """Killed right after step 2's checkpoint appeared: the resumed run logs steps 3 and 4 once
-    each, on the prompts an uninterrupted run would train on, and its weight versions go on from
-    the checkpoint's (its fresh server, at version 0, used to make them 2 and 3)."""
-    run_dir = tmp_path / "run"
-    sets = ("run.steps=4", "run.checkpoint_every=2")
-    _kill_when(run_dir, sets, (run_dir / "checkpoints" / "step_000002").exists)
-    assert _trained_steps(run_dir) == [1, 2]
-
-    done = _resume(run_dir, *sets)
-    assert "step_000002 at step 2" in done.stderr
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    raw = [r for r in map(json.loads, lines) if r["step"] > 0]  # step 0: an evaluation, if any
-    assert [r["step"] for r in raw] == [1, 2, 3, 4]
-    assert [r["weight_version"] for r in raw] == [1, 2, 3, 4]
-    assert [r["data/position"] for r in raw] == [8, 16, 24, 32]
-    assert [int(r["data/fingerprint"]) for r in raw] == _fingerprints(4)
-
-
 def _fingerprints(steps: int) -> list[int]:
     """The demo's data order per step, from a fresh seeded stream."""
     cfg = load_config(DEMO)

@@ -113,6 +113,9 @@ def test_demo_learns_within_five_minutes(tmp_path, proc_scan):
 
 @pytest.mark.slow
 def test_sigkill_then_resume_continues_same_data_order(tmp_path, proc_scan):
+    """Killed after step 3's checkpoint and step 4's metrics: the resumed run logs every step
+    once, on the prompts, weight versions and data positions of an uninterrupted run, and with
+    sampling.seed it draws step 4's samples again: the same rewards and loss as the killed run."""
     run_dir = tmp_path / "run"
     args = [
         "--set",
@@ -121,26 +124,33 @@ def test_sigkill_then_resume_continues_same_data_order(tmp_path, proc_scan):
         "run.checkpoint_every=3",
         "--set",
         "run.progress_bar=false",
+        "--set",
+        "sampling.seed=11",
     ]
     proc = subprocess.Popen(
         _learner(run_dir, *args), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     ckpt = run_dir / "checkpoints" / "step_000003"
     deadline = time.monotonic() + 240
-    while not ckpt.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.1)
-    assert ckpt.exists(), "no checkpoint at step 3"
+
+    def killable() -> bool:
+        metrics = run_dir / "metrics.jsonl"
+        return ckpt.exists() and metrics.exists() and len(read_metrics(run_dir)) >= 4
+
+    while not killable() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert killable(), "no checkpoint at step 3 and metrics of step 4"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    killed_at = len(read_metrics(run_dir))
-    assert 3 <= killed_at < 8
+    killed = read_metrics(run_dir)
+    assert 4 <= len(killed) < 8
     # PR_SET_PDEATHSIG: the embedded server dies with the learner, even on SIGKILL.
     assert not _wait_gone(proc_scan, str(run_dir / "model")), "orphan rollout server after SIGKILL"
 
     again = subprocess.run(_learner(run_dir, *args), env=_env(), capture_output=True, text=True)
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-3000:]
     assert "already holds a run (step_000003): pass --resume" in again.stderr
-    assert len(read_metrics(run_dir)) == killed_at  # nothing written
+    assert len(read_metrics(run_dir)) == len(killed)  # nothing written
 
     done = subprocess.run(
         _learner(run_dir, "--resume", *args),
@@ -155,8 +165,13 @@ def test_sigkill_then_resume_continues_same_data_order(tmp_path, proc_scan):
     assert [r["step"] for r in records] == list(range(1, 9))
     raw = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in raw] == list(range(1, 9))  # no step twice
-
     assert [int(r["data/fingerprint"]) for r in records] == _expected_fingerprints(8)
+    # the weight versions go on from the checkpoint's (a fresh server starts at 0)
+    assert [r["weight_version"] for r in records] == list(range(1, 9))
+    assert [r["data/position"] for r in records] == [8 * s for s in range(1, 9)]
+    for before, after in zip(killed[3:], records[3:], strict=False):  # steps 4.. trained twice
+        for key in ("reward/mean", "loss", "completion/len_mean"):
+            assert after[key] == before[key], (before["step"], key)
 
 
 @pytest.mark.parametrize(
@@ -337,6 +352,7 @@ def test_environment_config_runs_multi_turn_episodes(tmp_path):
             # held-out evaluation on the test split, after the last step (tests/learner/test_eval.py)
             *("--set", "eval.max_prompts=3", "--set", "eval.num_generations=2"),
             *("--set", "eval.temperature=1.0"),
+            *("--set", "sampling.seed=3"),  # each episode's turns seeded on their own
         ],
         env=_env(),
         capture_output=True,

@@ -281,6 +281,20 @@ async def test_turn_limit(chat, scripted):
     assert res.completion_mask[-1] == 1
 
 
+async def test_each_episode_can_have_its_own_generate(chat, scripted):
+    """One generate function per task (the learner's seeded episodes): episode j calls its own."""
+    task = {"key": "task1", "target": 1}
+    right, wrong = (
+        scripted({"task1": [call("guess", number=1)]}),
+        scripted({"task1": [call("guess", number=2)]}),
+    )
+    hit, miss = await run_episodes(GuessEnv, [task, task], [right, wrong], chat, max_turns=1)
+    assert (hit.reward, miss.reward) == (1.0, 0.0)
+    assert len(right.calls) == len(wrong.calls) == 1
+    with pytest.raises(ValueError, match="1 generate functions for 2 tasks"):
+        await run_episodes(GuessEnv, [task, task], [right], chat, max_turns=1)
+
+
 @pytest.mark.parametrize("how,expected", [("last", 1.0), ("sum", 1.0), ("mean", 1 / 3)])
 async def test_reward_reduce_is_applied(chat, scripted, how, expected):
     model = scripted({"task1": [call("guess", number=n) for n in (5, 7, 1)]})
