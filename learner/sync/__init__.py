@@ -154,6 +154,23 @@ class WeightSyncer:
             self._server_dtype = (await self.client.info())[0].dtype
         return self._ipc
 
+    async def _cast_for_server(
+        self, tensors: Iterator[tuple[str, Any]]
+    ) -> Iterator[tuple[str, Any]]:
+        """HTTP and file syncs: the tensors in the servers' dtype, cast one at a time (a learner
+        in bf16 under DeepSpeed, a server in float32: the server refuses other dtypes)."""
+        import torch
+
+        if self._server_dtype is None:
+            self._server_dtype = (await self.client.info())[0].dtype
+        dtype = getattr(torch, self._server_dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            return tensors
+        return (
+            (n, t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
+            for n, t in tensors
+        )
+
     async def connect(self) -> None:
         """NCCL: form the weight-sync group now rather than at the first sync. A new group also
         ends whatever a previous run of this learner left prepared or committing on the servers
@@ -186,7 +203,9 @@ class WeightSyncer:
         bucket_bytes = cfg.bucket_mb << 20
         if cfg.sync == "http":
             return await self.client.update_weights(
-                sync_tensors(model), version=version, bucket_bytes=bucket_bytes
+                await self._cast_for_server(sync_tensors(model)),
+                version=version,
+                bucket_bytes=bucket_bytes,
             )
         if cfg.sync == "file":
             from safetensors.torch import save_file
@@ -196,7 +215,8 @@ class WeightSyncer:
             sync_dir.mkdir(parents=True, exist_ok=True)
             final = sync_dir / "weights.safetensors"
             tmp = sync_dir / FILE_SYNC_TMP
-            tensors = {n: t.contiguous().cpu() for n, t in sync_tensors(model)}
+            cast = await self._cast_for_server(sync_tensors(model))
+            tensors = {n: t.contiguous().cpu() for n, t in cast}
             save_file(tensors, str(tmp))
             tmp.replace(final)  # the server never sees a half-written file
             return await self.client.load_weights_file(str(final.resolve()), version)
