@@ -197,8 +197,7 @@ class SamplingConfig(_Section):
         ge=0,
         description="seed every generation request from this, the step and the rank (and the "
         "episode and turn): a rerun or a resumed run draws the same samples (exactly on the "
-        "transformers engine; vLLM's numerics depend on the batch, and its seeded sampling is "
-        "slower). None: unseeded",
+        "transformers engine; on vLLM up to its batch-dependent numerics). None: unseeded",
     )
 
 
