@@ -8,9 +8,13 @@ resumed run sees exactly the same prompts in the same order as an uninterrupted 
 from __future__ import annotations
 
 import json
+import logging
 import random
+import zlib
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
@@ -118,6 +122,17 @@ class PromptStream:
         self.pending = 0  # rows taken for generations not trained on yet (overlap)
         self._order_epoch = -1
         self._order: list[int] = []
+        self._fingerprint: int | None = None
+
+    @property
+    def fingerprint(self) -> int:
+        """A CRC-32 of every row (computed once), so a resume can tell the data changed."""
+        if self._fingerprint is None:
+            crc = 0
+            for row in self.rows:
+                crc = zlib.crc32(json.dumps(row, sort_keys=True, default=str).encode(), crc)
+            self._fingerprint = crc
+        return self._fingerprint
 
     @property
     def epoch(self) -> int:
@@ -141,7 +156,12 @@ class PromptStream:
 
     def state_dict(self) -> dict[str, int]:
         # Rows prefetched for generation but not trained on are replayed after a resume.
-        return {"position": self.position - self.pending, "seed": self.seed}
+        return {
+            "position": self.position - self.pending,
+            "seed": self.seed,
+            "rows": len(self.rows),
+            "fingerprint": self.fingerprint,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("seed", self.seed) != self.seed:
@@ -150,3 +170,13 @@ class PromptStream:
             )
         self.position = int(state["position"])
         self.pending = 0
+        if "fingerprint" in state and state["fingerprint"] != self.fingerprint:
+            logger.warning(
+                "the data changed since the checkpoint (%d rows then, %d now; their CRC-32s "
+                "differ): the run goes on at row %d of the new data's order, so the prompts from "
+                "here differ from an uninterrupted run's. Restore the old data to continue as "
+                "that run would",
+                state["rows"],
+                len(self.rows),
+                self.position,
+            )

@@ -205,6 +205,19 @@ def test_stream_is_seeded_epochal_and_resumable():
         PromptStream(rows, seed=4, shuffle=True).load_state_dict(b.state_dict())
 
 
+def test_a_resume_on_changed_data_says_so(caplog):
+    rows = [{"prompt": str(i)} for i in range(5)]
+    old = PromptStream(rows, seed=3, shuffle=True)
+    old.take(4)
+    with caplog.at_level("WARNING", logger="learner.data"):
+        PromptStream(list(rows), seed=3, shuffle=True).load_state_dict(old.state_dict())
+        assert not caplog.records  # the same rows: nothing to say
+        edited = [*rows[:2], {"prompt": "2, fixed"}, *rows[3:], {"prompt": "5"}]
+        PromptStream(edited, seed=3, shuffle=True).load_state_dict(old.state_dict())
+    (record,) = caplog.records
+    assert "data changed since the checkpoint (5 rows then, 6 now" in record.getMessage()
+
+
 def test_collate_aligns_targets_by_hand():
     # prompt [5, 6] + completion [7, 8, 9] with tool token 8 masked out.
     r = Rollout([5, 6], [7, 8, 9], [-0.1, 0.0, -0.3], [1, 0, 1], advantage=1.5)
