@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 def _guarded(run: Callable[[], int]) -> int:
     """``run()``, with the errors that name a setting to change as one line (exit 2), and a
     user's reward or environment code that failed as its own frames (exit 1)."""
-    from learner.trainer import TrainingStopped
+    from learner.runtime import TrainingStopped
 
     try:
         return run()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -148,3 +150,45 @@ def optimizer_and_schedule(
         schedule, optimizer, num_warmup_steps=warmup_steps, num_training_steps=steps
     )
     return optimizer, scheduler
+
+
+class TrainingStopped(Exception):
+    """SIGTERM (a preemption, ``docker stop``) stopped the run after a step, with a checkpoint of
+    that step: ``--resume`` continues it."""
+
+    def __init__(self, step: int, steps: int, run_dir: Path) -> None:
+        super().__init__(
+            f"stopped by SIGTERM after step {step} of {steps}, with a checkpoint of it in "
+            f"{run_dir / 'checkpoints'}: run again with --resume to continue"
+        )
+        self.step = step
+
+
+class StopOnSigterm:
+    """SIGTERM asks the loop to stop after the step in progress (the handler only sets a flag;
+    the previous handler is back on exit). Every rank stops at the same step: ``requested``
+    agrees over them (any rank's request counts)."""
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._previous: Any = None
+
+    def __enter__(self) -> StopOnSigterm:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self._flag:
+            log.warning("SIGTERM: stopping after this step, with a checkpoint of it")
+        self._flag = True
+
+    def requested(self, accelerator: Accelerator) -> bool:
+        if accelerator.num_processes == 1:
+            return self._flag
+        flag = torch.tensor([float(self._flag)], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)

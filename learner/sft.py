@@ -39,6 +39,8 @@ from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
 from learner.policy import PolicyLogprobs
 from learner.runtime import (
+    StopOnSigterm,
+    TrainingStopped,
     check_model_options,
     make_accelerator,
     optimizer_and_schedule,
@@ -205,44 +207,55 @@ def train_sft(
     per_rank = s.batch_size // world
     rank = accelerator.process_index
     last: dict[str, float] = {}
-    try:
-        guard = NonFiniteGuard()
-        while state.step < steps:
-            t0 = time.perf_counter()
-            mine = stream.take(s.batch_size)[rank * per_rank : (rank + 1) * per_rank]
-            examples = [
-                tokenize_row(tokenizer, r, s, fmt, cfg.sampling.chat_template_kwargs) for r in mine
-            ]
-            truncated = sum(len(e.input_ids) > s.max_length for e in examples)
-            examples = [e.truncate(s.max_length) for e in examples]
-            empty = sum(e.num_targets == 0 for e in examples)
-            rollouts = [e.to_rollout(pad_id) for e in examples]
-            batches = [
-                collate(mb, pad_id, cfg.grpo.pad_to_multiple_of)
-                for mb in micro_batches(rollouts, s.micro_batch_size)
-            ]
-            m = sft_step(accelerator, policy, optimizer, batches, cfg.optim.max_grad_norm)
-            guard.check(state.step + 1, m)
-            scheduler.step()
-            state.step += 1
-            seconds = time.perf_counter() - t0
-            local = {
-                **m,
-                "lr": scheduler.get_last_lr()[0],
-                "time/step": seconds,
-                "throughput/train_tokens_per_s": m["tokens/trained"] / max(seconds, 1e-9),
-                "data/truncated_fraction": truncated / len(examples),
-                "data/no_target_fraction": empty / len(examples),
-                "epoch": stream.position / len(rows),
-            }
-            last = reduce_metrics(accelerator, local)
+    stopped = False
+    with StopOnSigterm() as stop:  # SIGTERM: end the step, checkpoint it, stop
+        try:
+            guard = NonFiniteGuard()
+            while state.step < steps:
+                t0 = time.perf_counter()
+                mine = stream.take(s.batch_size)[rank * per_rank : (rank + 1) * per_rank]
+                examples = [
+                    tokenize_row(tokenizer, r, s, fmt, cfg.sampling.chat_template_kwargs)
+                    for r in mine
+                ]
+                truncated = sum(len(e.input_ids) > s.max_length for e in examples)
+                examples = [e.truncate(s.max_length) for e in examples]
+                empty = sum(e.num_targets == 0 for e in examples)
+                rollouts = [e.to_rollout(pad_id) for e in examples]
+                batches = [
+                    collate(mb, pad_id, cfg.grpo.pad_to_multiple_of)
+                    for mb in micro_batches(rollouts, s.micro_batch_size)
+                ]
+                m = sft_step(accelerator, policy, optimizer, batches, cfg.optim.max_grad_norm)
+                guard.check(state.step + 1, m)
+                scheduler.step()
+                state.step += 1
+                seconds = time.perf_counter() - t0
+                local = {
+                    **m,
+                    "lr": scheduler.get_last_lr()[0],
+                    "time/step": seconds,
+                    "throughput/train_tokens_per_s": m["tokens/trained"] / max(seconds, 1e-9),
+                    "data/truncated_fraction": truncated / len(examples),
+                    "data/no_target_fraction": empty / len(examples),
+                    "epoch": stream.position / len(rows),
+                }
+                last = reduce_metrics(accelerator, local)
+                if log is not None:
+                    log.log(state.step, last)
+                stopping = stop.requested(accelerator)
+                if stopping or state.step % cfg.run.checkpoint_every == 0 or state.step == steps:
+                    save_checkpoint(accelerator, out, state.step, cfg.run.keep_checkpoints)
+                if stopping and state.step < steps:
+                    stopped = True
+                    break
+        finally:
             if log is not None:
-                log.log(state.step, last)
-            if state.step % cfg.run.checkpoint_every == 0 or state.step == steps:
-                save_checkpoint(accelerator, out, state.step, cfg.run.keep_checkpoints)
-    finally:
-        if log is not None:
-            log.close()
+                log.close()
+    if stopped:
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+        raise TrainingStopped(state.step, steps, out)
     save_model(accelerator, policy, tokenizer, out / "final")
     accelerator.wait_for_everyone()  # no rank leaves (and tears down) while another still saves
     accelerator.free_memory()

@@ -19,7 +19,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import threading
 import time
 import zlib
@@ -52,6 +51,8 @@ from learner.rollouts import (
 )
 from learner.runtime import (
     SetupError,
+    StopOnSigterm,
+    TrainingStopped,
     check_model_options,
     make_accelerator,
     optimizer_and_schedule,
@@ -78,48 +79,6 @@ from rollout_server.settings import check_model_ref
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class TrainingStopped(Exception):
-    """SIGTERM (a preemption, ``docker stop``) stopped the run after a step, with a checkpoint of
-    that step: ``--resume`` continues it."""
-
-    def __init__(self, step: int, steps: int, run_dir: Path) -> None:
-        super().__init__(
-            f"stopped by SIGTERM after step {step} of {steps}, with a checkpoint of it in "
-            f"{run_dir / 'checkpoints'}: run again with --resume to continue"
-        )
-        self.step = step
-
-
-class _StopOnSigterm:
-    """SIGTERM asks the loop to stop after the step in progress (the handler only sets a flag;
-    the previous handler is back on exit). Every rank stops at the same step: ``requested``
-    agrees over them (any rank's request counts)."""
-
-    def __init__(self) -> None:
-        self._flag = False
-        self._previous: Any = None
-
-    def __enter__(self) -> _StopOnSigterm:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if not self._flag:
-            logger.warning("SIGTERM: stopping after this step, with a checkpoint of it")
-        self._flag = True
-
-    def requested(self, accelerator: Accelerator) -> bool:
-        if accelerator.num_processes == 1:
-            return self._flag
-        flag = torch.tensor([float(self._flag)], device=accelerator.device)
-        return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
 
 
 class StalenessError(RuntimeError):
@@ -341,7 +300,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     pending = deque()
     stopped = False
     try:
-        with _StopOnSigterm() as stop, _servers(cfg, model_path, run_dir, accelerator) as urls:
+        with StopOnSigterm() as stop, _servers(cfg, model_path, run_dir, accelerator) as urls:
             client = RolloutClient(
                 urls,
                 api_key=cfg.rollout.api_key or os.environ.get("ROLLOUT_API_KEY"),

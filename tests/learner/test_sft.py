@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -349,14 +351,31 @@ def test_qlora_sft_saves_a_dense_merged_model_and_adapter_checkpoints(tmp_path, 
     train_sft(_sft_cfg(run, tiny_model_dir, "sft.steps=3", *qlora), resume=True)
 
 
-def test_resume_continues_exactly(tmp_path, tiny_model_dir, caplog):
+def test_sigterm_then_resume_continues_exactly(tmp_path, tiny_model_dir, caplog, monkeypatch):
+    """SIGTERM during step 2 (a preemption) ends that step, checkpoints it (no periodic
+    checkpoint is due) and stops; the resume ends where an uninterrupted run does."""
+    import learner.sft
     from learner.metrics import read_metrics
+    from learner.runtime import TrainingStopped
     from learner.sft import train_sft
 
     common = ("run.checkpoint_every=3", "sft.batch_size=4", "sft.micro_batch_size=2")
     whole, split = tmp_path / "whole", tmp_path / "split"
     train_sft(_sft_cfg(whole, tiny_model_dir, "sft.steps=6", *common))
-    train_sft(_sft_cfg(split, tiny_model_dir, "sft.steps=3", *common))
+    real_step, calls = learner.sft.sft_step, []
+
+    def step_then_sigterm_at_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # a real SIGTERM to this process, mid-step
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(learner.sft, "sft_step", step_then_sigterm_at_2)
+    with pytest.raises(TrainingStopped, match="after step 2 of 6"):
+        train_sft(_sft_cfg(split, tiny_model_dir, "sft.steps=6", *common))
+    monkeypatch.setattr(learner.sft, "sft_step", real_step)
+    assert (split / "checkpoints" / "step_000002").is_dir() and not (split / "final").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
     train_sft(_sft_cfg(split, tiny_model_dir, "sft.steps=6", *common), resume=True)
     assert [r["step"] for r in read_metrics(split)] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in read_metrics(split)] == [r["loss"] for r in read_metrics(whole)]
