@@ -465,7 +465,14 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as e:
         print(f"bench_grpo_e2e: error: {e}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # `timeout` -> clean up the process groups
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # `timeout` -> clean up
+    try:
+        return _run_modes(args, modes)
+    finally:
+        signal.signal(signal.SIGTERM, previous)  # called in-process (tests): put it back
+
+
+def _run_modes(args: argparse.Namespace, modes: list[str]) -> int:
     logs = args.log_dir or args.out.parent / "e2e_logs"
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="grpo-e2e-"))
     results: dict[str, Any] = {

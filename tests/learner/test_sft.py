@@ -371,11 +371,12 @@ def test_sigterm_then_resume_continues_exactly(tmp_path, tiny_model_dir, caplog,
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(learner.sft, "sft_step", step_then_sigterm_at_2)
+    handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(TrainingStopped, match="after step 2 of 6"):
         train_sft(_sft_cfg(split, tiny_model_dir, "sft.steps=6", *common))
     monkeypatch.setattr(learner.sft, "sft_step", real_step)
     assert (split / "checkpoints" / "step_000002").is_dir() and not (split / "final").exists()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
+    assert signal.getsignal(signal.SIGTERM) is handler  # the one before is put back
     train_sft(_sft_cfg(split, tiny_model_dir, "sft.steps=6", *common), resume=True)
     assert [r["step"] for r in read_metrics(split)] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in read_metrics(split)] == [r["loss"] for r in read_metrics(whole)]
