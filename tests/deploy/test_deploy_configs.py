@@ -112,6 +112,8 @@ def test_healthcheck_and_startup_order(compose: dict) -> None:
     script = test[2].removeprefix("/app/")
     assert (ROOT / script).is_file(), "the healthcheck script must ship in the image"
     assert learner["depends_on"] == {"rollout": {"condition": "service_healthy"}}
+    # time for the SIGTERM path (step, checkpoint) within torchrun's 30 s, not docker's 10 s
+    assert learner["stop_grace_period"] == "45s"
 
 
 @pytest.mark.parametrize("missing", sorted(REQUIRED))
