@@ -502,8 +502,10 @@ class FusedLinearLoss(torch.autograd.Function):
                 g_ent = None if g_ent_all is None else g_ent_all[s:e]
             elif closed is not None:
                 g_lp, g_ent = closed(logp, ent, s, e)
-            elif graphed is not None and (s > 0 or graphed.ready):  # else eager: the warm-up
+            elif graphed is not None and (s > 0 or graphed.ready):
                 g_lp, g_ent = graphed(s, e)
+            elif graphed is not None:  # eager: the warm-up, which also looks for host syncs
+                g_lp, g_ent = graphed.warm_up(s, e)
             else:
                 g_lp, g_ent = _token_grads(token_loss, logp, ent, s, e)
             if e == n:  # every token filled: the exact loss and metrics, queued before the
@@ -687,6 +689,36 @@ class _GraphedTokenGrads:
             graphed._capture()
         return graphed
 
+    def warm_up(self, s: int, e: int) -> tuple[Tensor | None, Tensor | None]:
+        """The eager first chunk, run with CUDA's sync debug mode on: a token loss that syncs
+        with the host (``.item()``, ``.cpu()``, data-dependent shapes) cannot be captured, and
+        a capture that fails part way leaves the process's CUDA RNG marked as capturing (every
+        later ``torch.randint(device="cuda")`` raised "Offset increment outside graph capture")
+        and its memory pool behind. Such a loss is found here, before any capture."""
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return _token_grads(self.token_loss, self.logp, self.ent, s, e)
+        except RuntimeError as err:
+            if "synchronizing" not in str(err):
+                raise
+            self._give_up(err)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        return _token_grads(self.token_loss, self.logp, self.ent, s, e)
+
+    def _give_up(self, err: BaseException) -> None:
+        self.failed = True
+        name = type(self.token_loss).__qualname__
+        if name not in _GRAPH_WARNED:
+            _GRAPH_WARNED.add(name)
+            warnings.warn(
+                f"fused_grpo_loss: {name} could not be captured in a CUDA graph ({err}); "
+                "differentiating it eagerly once per chunk (slower; cuda_graph=False "
+                "silences this)",
+                stacklevel=5,
+            )
+
     def __call__(self, s: int, e: int) -> tuple[Tensor | None, Tensor | None]:
         if self.graph is None and not self.failed:
             self._capture()
@@ -710,16 +742,7 @@ class _GraphedTokenGrads:
                 finally:
                     graph.capture_end()
         except RuntimeError as err:
-            self.failed = True
-            name = type(token_loss).__qualname__
-            if name not in _GRAPH_WARNED:
-                _GRAPH_WARNED.add(name)
-                warnings.warn(
-                    f"fused_grpo_loss: {name} could not be captured in a CUDA graph ({err}); "
-                    "differentiating it eagerly once per chunk (slower; cuda_graph=False "
-                    "silences this)",
-                    stacklevel=4,
-                )
+            self._give_up(err)
             return
         finally:
             torch.cuda.current_stream(logp.device).wait_stream(side)
