@@ -184,7 +184,10 @@ class StopOnSigterm:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if not self._flag:
-            log.warning("SIGTERM: stopping after this step, with a checkpoint of it")
+            log.warning(
+                "SIGTERM: stopping after this step, with a checkpoint of it (under torchrun "
+                "this also follows another rank's failure: look for that rank's error)"
+            )
         self._flag = True
 
     def requested(self, accelerator: Accelerator) -> bool:
