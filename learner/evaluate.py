@@ -28,10 +28,17 @@ from typing import Any
 from learner.config import LearnerConfig
 from learner.data import data_columns, load_rows
 from learner.embedded import embedded_for
-from learner.rollouts import episode_generators, play_episodes, prompts_to_send, request_seed
-from learner.runtime import SetupError
+from learner.rollouts import (
+    episode_generators,
+    generate_request,
+    play_episodes,
+    prompts_to_send,
+    request_seed,
+    reward_runner,
+)
+from learner.runtime import SetupError, resolve_model
 from rewards.env import Environment, get_tasks
-from rewards.scoring import RewardRunner, RewardSpec, RewardSpecError
+from rewards.scoring import RewardRunner, RewardSpecError
 from rollout_server.client import RolloutClient
 from rollout_server.protocol import GenerateRequest, InfoResponse
 
@@ -60,16 +67,8 @@ class Evaluator:
             self.e.data, self.e.prompt_column, settings=("eval.data", "eval.prompt_column")
         )
         self.rows = rows[: self.e.max_prompts] if self.e.max_prompts else rows
-        # its own runner: eval's failures and timeouts stay out of training's counts
-        self.scorer = RewardRunner(
-            [RewardSpec(**r.model_dump()) for r in cfg.rewards],
-            timeout_s=cfg.scoring.timeout_s,
-            policy=cfg.scoring.policy,
-        )
-        try:
-            self.scorer.check_columns(
-                [*data_columns(self.rows, self.e.prompt_column), "completion_ids"]
-            )
+        try:  # its own runner: eval's failures and timeouts stay out of training's counts
+            self.scorer = reward_runner(cfg, self.rows, self.e.prompt_column)
         except RewardSpecError as e:
             raise SetupError(f"eval.data {self.e.data}: {e}") from None
 
@@ -93,22 +92,20 @@ class Evaluator:
         return problems
 
     def request(self, prompts: list[Any], step: int) -> GenerateRequest:
-        s, e = self.cfg.sampling, self.e
+        """Training's request with eval's n, length and temperature; greedy: no filters."""
+        e = self.e
         sampled = e.temperature > 0
-        return GenerateRequest(
-            prompts=prompts,
-            seed=request_seed(self.cfg, "eval", step) if sampled else None,
-            n=e.num_generations,
-            max_tokens=self.max_tokens,
-            temperature=e.temperature,
-            top_p=s.top_p if sampled else 1.0,
-            top_k=s.top_k if sampled else -1,
-            min_p=s.min_p if sampled else 0.0,
-            repetition_penalty=s.repetition_penalty,
-            stop=s.stop,
-            chat_template_kwargs=s.chat_template_kwargs,
-            logprobs=False,
-        )
+        seed = request_seed(self.cfg, "eval", step) if sampled else None
+        update: dict[str, Any] = {
+            "n": e.num_generations,
+            "max_tokens": self.max_tokens,
+            "temperature": e.temperature,
+            "logprobs": False,
+            "ignore_eos": False,
+        }
+        if not sampled:
+            update.update(top_p=1.0, top_k=-1, min_p=0.0)
+        return generate_request(self.cfg, prompts, seed).model_copy(update=update)
 
     async def run(
         self, client: RolloutClient, step: int, tokenizer: Any = None, chat: Any = None
@@ -237,8 +234,6 @@ def evaluate_model(cfg: LearnerConfig, model: str | None, out_dir: Path) -> dict
     serve are evaluated as they are. Writes ``OUT/metrics.json`` and ``OUT/step_0.jsonl``."""
     from transformers import AutoTokenizer
 
-    from rollout_server.settings import check_model_ref
-
     assert cfg.eval is not None
     if cfg.rollout.servers and model is not None:
         raise SetupError(
@@ -252,18 +247,7 @@ def evaluate_model(cfg: LearnerConfig, model: str | None, out_dir: Path) -> dict
         env_cls = load_environment(cfg.environment.name)
     evaluator = Evaluator(cfg, out_dir, env_cls)
     setting = "--model" if model else "model.name_or_path ="
-    model = model or cfg.model.name_or_path
-    if model == "tiny":
-        from rollout_server.tiny import save_tiny_model
-
-        model = str(out_dir / "model")
-        if not (out_dir / "model" / "config.json").exists():
-            save_tiny_model(model, seed=cfg.run.seed, **cfg.model.tiny)
-    else:
-        try:
-            check_model_ref(model)
-        except ValueError as e:
-            raise SetupError(f"{setting} {e}") from None
+    model = resolve_model(cfg, model or cfg.model.name_or_path, out_dir / "model", setting=setting)
     tokenizer = AutoTokenizer.from_pretrained(model)
     chat = None
     if env_cls is not None:

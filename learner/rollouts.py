@@ -30,7 +30,7 @@ from learner.data import data_columns
 from rewards.chat import ChatFormat
 from rewards.env import Environment
 from rewards.episode import EpisodeResult, GenerateFn, Generation, run_episodes
-from rewards.scoring import RewardRunner
+from rewards.scoring import RewardRunner, RewardSpec
 from rollout_server.client import RolloutClient
 from rollout_server.protocol import GenerateRequest, Sample
 
@@ -68,6 +68,21 @@ def check_episodes(
             f"environment {name!r}: every episode of the step failed, so it has nothing to "
             f"learn from; first error: {first}. Fix the environment"
         )
+
+
+def reward_runner(
+    cfg: LearnerConfig, rows: list[dict[str, Any]], prompt_column: str
+) -> RewardRunner:
+    """The run's ``[[rewards]]`` with its ``[scoring]`` timeout and failure policy, for prompts
+    from ``rows``: a reward parameter that none of their columns fills is a ``RewardSpecError``
+    now, not at the first step."""
+    runner = RewardRunner(
+        [RewardSpec(**r.model_dump()) for r in cfg.rewards],
+        timeout_s=cfg.scoring.timeout_s,
+        policy=cfg.scoring.policy,
+    )
+    runner.check_columns([*data_columns(rows, prompt_column), "completion_ids"])
+    return runner
 
 
 # An episode's turns draw from its seed + turn; episodes of a request lie this far apart.
@@ -305,14 +320,16 @@ async def collect_episodes(
 
 def episode_generators(
     client: RolloutClient, base: GenerateRequest, versions: list[int], count: int
-) -> GenerateFn | list[GenerateFn]:
-    """``generate`` for ``count`` episodes: one shared, or with a seeded ``base`` one per
-    episode, episode j's turns drawn from seed + j * 2**16 + turn."""
-    if base.seed is None:
-        return episode_generate(client, base, versions)
+) -> list[GenerateFn]:
+    """One ``generate`` per episode (``episode_generate``); with a seeded ``base``, episode j's
+    turns draw from seed + j * 2**16 + turn."""
     return [
         episode_generate(
-            client, base.model_copy(update={"seed": base.seed + j * _EPISODE_SEED_STRIDE}), versions
+            client,
+            base
+            if base.seed is None
+            else base.model_copy(update={"seed": base.seed + j * _EPISODE_SEED_STRIDE}),
+            versions,
         )
         for j in range(count)
     ]
@@ -323,11 +340,11 @@ async def play_episodes(
     env_cls: type[Environment],
     tasks: list[dict[str, Any]],
     n: int,
-    generate: GenerateFn | Sequence[GenerateFn],
+    generate: Sequence[GenerateFn],
     chat: ChatFormat,
 ) -> list[EpisodeResult]:
     """``n`` episodes of each task, with the [environment] section's limits, in task order
-    (``generate``: one for all, or one per episode)."""
+    (``generate``: one per episode)."""
     return await run_episodes(
         env_cls,
         [t for t in tasks for _ in range(n)],

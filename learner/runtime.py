@@ -13,10 +13,10 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from pydantic import BaseModel
 
-from learner.checkpoint import latest_checkpoint
+from learner.checkpoint import latest_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:
-    from learner.config import ModelConfig
+    from learner.config import LearnerConfig, ModelConfig, RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,36 @@ def start_run(
     set_seed(seed)
 
 
+def resolve_model(
+    cfg: LearnerConfig,
+    ref: str,
+    tiny_dir: Path,
+    *,
+    setting: str = "model.name_or_path =",
+    accelerator: Accelerator | None = None,
+) -> str:
+    """The model to load for ``ref``: a directory or hub id, checked (a ``SetupError`` naming
+    ``setting`` otherwise), or for ``"tiny"`` the demo's random-weight model, written once to
+    ``tiny_dir`` by the main process."""
+    if ref != "tiny":
+        from rollout_server.settings import check_model_ref
+
+        try:
+            check_model_ref(ref)
+        except ValueError as e:
+            raise SetupError(f"{setting} {e}") from None
+        return ref
+    if (accelerator is None or accelerator.is_main_process) and not (
+        tiny_dir / "config.json"
+    ).exists():
+        from rollout_server.tiny import save_tiny_model
+
+        save_tiny_model(tiny_dir, seed=cfg.run.seed, **cfg.model.tiny)
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    return str(tiny_dir)
+
+
 def optimizer_and_schedule(
     policy: torch.nn.Module,
     optim: Any,
@@ -189,6 +219,16 @@ class StopOnSigterm:
                 "this also follows another rank's failure: look for that rank's error)"
             )
         self._flag = True
+
+    def checkpoint(
+        self, accelerator: Accelerator, run_dir: Path, step: int, steps: int, run: RunConfig
+    ) -> bool:
+        """After step ``step`` of ``steps``: a checkpoint when one is due (``run.checkpoint_every``,
+        the last step) or SIGTERM asked to stop. Returns whether the loop stops here."""
+        stopping = self.requested(accelerator)
+        if stopping or step % run.checkpoint_every == 0 or step == steps:
+            save_checkpoint(accelerator, run_dir, step, run.keep_checkpoints)
+        return stopping and step < steps
 
     def requested(self, accelerator: Accelerator) -> bool:
         if accelerator.num_processes == 1:

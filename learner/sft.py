@@ -30,7 +30,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from learner.batch import TrainBatch, collate, micro_batches
-from learner.checkpoint import TrainerState, restore, save_checkpoint
+from learner.checkpoint import TrainerState, restore
 from learner.config import LearnerConfig
 from learner.data import PromptStream
 from learner.export import save_model
@@ -44,6 +44,7 @@ from learner.runtime import (
     check_model_options,
     make_accelerator,
     optimizer_and_schedule,
+    resolve_model,
     start_run,
     use_fused_adamw,
 )
@@ -163,9 +164,9 @@ def train_sft(
     start_run(accelerator, out, cfg, cfg.run.seed, s.batch_size, "sft.batch_size", resume=resume)
     check_model_options(accelerator, cfg.model)
     if model_path is None:
-        from learner.trainer import _model_path
-
-        model_path = _model_path(cfg, out, accelerator)
+        model_path = resolve_model(
+            cfg, cfg.model.name_or_path, out / "model", accelerator=accelerator
+        )
     rows, fmt = load_sft_rows(s)
     steps = sft_steps(cfg, len(rows))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -243,10 +244,7 @@ def train_sft(
                 last = reduce_metrics(accelerator, local)
                 if log is not None:
                     log.log(state.step, last)
-                stopping = stop.requested(accelerator)
-                if stopping or state.step % cfg.run.checkpoint_every == 0 or state.step == steps:
-                    save_checkpoint(accelerator, out, state.step, cfg.run.keep_checkpoints)
-                if stopping and state.step < steps:
+                if stop.checkpoint(accelerator, out, state.step, steps, cfg.run):
                     stopped = True
                     break
         finally:

@@ -32,9 +32,9 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers import AutoTokenizer
 
-from learner.checkpoint import TrainerState, restore, save_checkpoint
+from learner.checkpoint import TrainerState, restore
 from learner.config import LearnerConfig
-from learner.data import PromptStream, data_columns, load_rows
+from learner.data import PromptStream, load_rows
 from learner.embedded import embedded_for
 from learner.evaluate import Evaluator
 from learner.export import save_model
@@ -48,6 +48,7 @@ from learner.rollouts import (
     collect,
     collect_episodes,
     request_seed,
+    reward_runner,
 )
 from learner.runtime import (
     SetupError,
@@ -56,6 +57,7 @@ from learner.runtime import (
     check_model_options,
     make_accelerator,
     optimizer_and_schedule,
+    resolve_model,
     start_run,
     use_fused_adamw,
 )
@@ -67,7 +69,6 @@ from learner.train_step import (
     reduce_metrics,
     train_on,
 )
-from rewards.scoring import RewardRunner, RewardSpec
 from rollout_server.client import (
     RolloutClient,
     RolloutError,
@@ -75,7 +76,6 @@ from rollout_server.client import (
     RolloutUnavailableError,
 )
 from rollout_server.protocol import InfoResponse
-from rollout_server.settings import check_model_ref
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,22 +102,6 @@ class EventLoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
-
-
-def _model_path(cfg: LearnerConfig, run_dir: Path, accelerator: Accelerator) -> str:
-    if cfg.model.name_or_path != "tiny":
-        try:
-            check_model_ref(cfg.model.name_or_path)
-        except ValueError as e:
-            raise SetupError(f"model.name_or_path = {e}") from None
-        return cfg.model.name_or_path
-    path = run_dir / "model"
-    if accelerator.is_main_process and not (path / "config.json").exists():
-        from rollout_server.tiny import save_tiny_model
-
-        save_tiny_model(path, seed=cfg.run.seed, **cfg.model.tiny)
-    accelerator.wait_for_everyone()
-    return str(path)
 
 
 @contextlib.contextmanager
@@ -221,19 +205,13 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         assert cfg.data is not None  # the config validator guarantees data or environment
         rows = load_rows(cfg.data.path, cfg.data.prompt_column)
         stream = PromptStream(rows, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    scorer = (
-        RewardRunner(
-            [RewardSpec(**r.model_dump()) for r in cfg.rewards],
-            timeout_s=cfg.scoring.timeout_s,
-            policy=cfg.scoring.policy,
-        )
-        if cfg.rewards
-        else None
-    )
-    if scorer is not None and cfg.data is not None:  # a parameter that no column fills
-        scorer.check_columns([*data_columns(rows, cfg.data.prompt_column), "completion_ids"])
+    scorer = None
+    if cfg.data is not None:  # [[rewards]] go with [data] (the config's validator)
+        scorer = reward_runner(cfg, rows, cfg.data.prompt_column)
     evaluator = Evaluator(cfg, run_dir / "eval", env_cls) if cfg.eval is not None else None
-    model_path = _model_path(cfg, run_dir, accelerator)
+    model_path = resolve_model(
+        cfg, cfg.model.name_or_path, run_dir / "model", accelerator=accelerator
+    )
     if cfg.sft is not None:  # warm start: SFT first, GRPO starts from its weights (learner/sft.py)
         from learner.sft import warm_start
 
@@ -450,14 +428,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     )
                 if metrics_log is not None:
                     metrics_log.log(state.step, last)
-                stopping = stop.requested(accelerator)
-                if (
-                    stopping
-                    or state.step % cfg.run.checkpoint_every == 0
-                    or state.step == cfg.run.steps
-                ):
-                    save_checkpoint(accelerator, run_dir, state.step, cfg.run.keep_checkpoints)
-                if stopping and state.step < cfg.run.steps:
+                if stop.checkpoint(accelerator, run_dir, state.step, cfg.run.steps, cfg.run):
                     stopped = True
                     break
             syncer.close()
