@@ -18,11 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from learner.config import load_config
-from learner.data import PromptStream, load_rows
 from learner.metrics import MetricsLogger, read_metrics
-from learner.trainer import rows_fingerprint
-from tests.learner.test_e2e import DEMO, _env, _learner
+from tests.learner.test_e2e import _env, _learner
 
 QUIET = ("run.progress_bar=false", "run.tensorboard=false", "run.save_final=false")
 
@@ -155,16 +152,6 @@ def test_a_checkpoint_is_on_disk_before_its_name_appears(tmp_path):
     assert any(f"<{ckpts}>)" in c for c in calls[renamed:] if c.startswith("fsync(")), (
         "the checkpoints directory was not fsynced after the rename"
     )
-
-
-def _fingerprints(steps: int) -> list[int]:
-    """The demo's data order per step, from a fresh seeded stream."""
-    cfg = load_config(DEMO)
-    assert cfg.data is not None
-    stream = PromptStream(
-        load_rows(cfg.data.path, cfg.data.prompt_column), seed=cfg.data.seed, shuffle=True
-    )
-    return [rows_fingerprint(stream.take(cfg.grpo.prompts_per_step)) for _ in range(steps)]
 
 
 def test_a_metrics_record_cut_off_by_a_host_crash_is_dropped_on_resume(tmp_path):
