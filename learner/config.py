@@ -114,11 +114,46 @@ class ModelConfig(_Section):
     )
 
 
+_DATA_PATH = (
+    "a .jsonl, .parquet, .csv or .json file, a datasets directory (save_to_disk, or data files "
+    "laid out as on the Hub), or a Hugging Face Hub dataset id such as openai/gsm8k"
+)
+
+
 class DataConfig(_Section):
-    path: str = Field(description="a .jsonl file, or a directory saved by datasets.save_to_disk")
+    path: str = Field(description=_DATA_PATH)
+    split: str = Field("train", description="for a Hub id or a dataset directory: the split")
+    subset: str | None = Field(
+        None, description="for a Hub id or a dataset directory: the config name (gsm8k: main)"
+    )
     prompt_column: str = "prompt"
+    prompt_template: str | None = Field(
+        None,
+        description="builds each prompt from the row's columns, str.format syntax: "
+        "'Solve: {question}' ({{ and }} for literal braces); the result goes to prompt_column",
+    )
+    system_prompt: str | None = Field(None, description="a system message put before each prompt")
+    chat: bool = Field(
+        True,
+        description="with prompt_template: true makes the prompt a user message (the model's chat "
+        "template applies), false plain text (a base model)",
+    )
     shuffle: bool = True
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _prompt_format(self) -> DataConfig:
+        from learner.data import template_error
+
+        if self.prompt_template is not None and (err := template_error(self.prompt_template)):
+            raise _FieldError("prompt_template", err)
+        if self.system_prompt is not None and not self.chat:
+            raise _FieldError(
+                "system_prompt",
+                "plain-text prompts (chat = false) have no system message: put the instructions "
+                "in prompt_template, or set chat = true",
+            )
+        return self
 
 
 class EmbeddedServerConfig(_Section):
@@ -234,11 +269,21 @@ class EvalConfig(_Section):
 
     data: str | None = Field(
         None,
-        description="held-out prompts: a .jsonl file or a datasets directory, columns as [data] "
-        "(with an [environment]: none, the tasks of `split`)",
+        description="held-out prompts, read as data.path, columns as [data] and prompts built as "
+        "[data]'s (prompt_template, system_prompt); with an [environment]: none, the tasks of "
+        "`split`",
     )
     prompt_column: str = "prompt"
-    split: str = Field("test", description="with an [environment]: the split whose tasks to play")
+    split: str = Field(
+        "test",
+        description="the split to evaluate: an [environment]'s tasks, or a Hub id's or dataset "
+        "directory's rows",
+    )
+    subset: str | None = Field(
+        None,
+        description="the config name of a Hub id or dataset directory (default: data.subset "
+        "when eval.data is data.path)",
+    )
     every: int = Field(50, ge=1, description="evaluate every this many steps, and after the last")
     at_start: bool = Field(False, description="also evaluate the starting weights, as step 0")
     max_prompts: int | None = Field(None, ge=1, description="only the first this many rows")
@@ -342,7 +387,9 @@ class SFTConfig(_Section):
     ``completion`` (the loss covers the completion only). Optimizer betas, weight decay and the
     gradient-norm clip come from [optim]; checkpoint cadence, seed and logging from [run]."""
 
-    data: str = Field(description="a .jsonl file, or a directory saved by datasets.save_to_disk")
+    data: str = Field(description=_DATA_PATH)
+    split: str = Field("train", description="for a Hub id or a dataset directory: the split")
+    subset: str | None = Field(None, description="for a Hub id or a dataset directory: its config")
     messages_column: str = "messages"
     prompt_column: str = "prompt"
     completion_column: str = "completion"

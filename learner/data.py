@@ -1,4 +1,4 @@
-"""Prompt data: JSONL files or local Hugging Face ``datasets`` directories.
+"""Prompt data: JSONL, Parquet, CSV or JSON files, ``datasets`` directories, Hugging Face Hub ids.
 
 The stream is a pure function of (seed, position): epoch ``e`` visits the rows in the order of a
 permutation seeded with ``seed + e``. A checkpoint stores only ``position`` (rows consumed), so a
@@ -10,15 +10,89 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
+import shutil
+import string
+import tempfile
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
+# Files that ``datasets`` reads with one of its packaged builders (any other file is JSONL).
+_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".arrow": "arrow"}
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+_FILE_SUFFIXES = {*_BUILDERS, ".jsonl"}  # a path ending so is a file, never a Hub id
+
 
 class DataError(ValueError):
     """The dataset cannot be read or lacks what the config asks for."""
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How each row's prompt is built (``[data]``'s ``prompt_template``, ``system_prompt`` and
+    ``chat``): the template is filled with the row's columns (``str.format`` syntax) and becomes
+    a user message (``chat``) or plain text; a system prompt goes first in a chat prompt."""
+
+    template: str | None = None
+    system_prompt: str | None = None
+    chat: bool = True
+
+    @classmethod
+    def of(cls, cfg: Any) -> PromptFormat:
+        """From a ``DataConfig``."""
+        return cls(cfg.prompt_template, cfg.system_prompt, cfg.chat)
+
+    def apply(self, rows: list[dict[str, Any]], prompt_column: str, where: str) -> None:
+        """Write each row's built prompt into ``prompt_column`` (in place)."""
+        if self.template is None and self.system_prompt is None:
+            return
+        for i, row in enumerate(rows):
+            if self.template is not None:
+                try:
+                    prompt: Any = self.template.format_map(row)
+                except KeyError as e:
+                    raise DataError(
+                        f"{where} row {i} has no {e.args[0]!r} column, which data.prompt_template "
+                        f"names (columns: {sorted(row)})"
+                    ) from None
+                except (IndexError, AttributeError, TypeError, ValueError) as e:
+                    raise DataError(f"{where} row {i}: data.prompt_template: {e}") from None
+                if self.chat:
+                    prompt = [{"role": "user", "content": prompt}]
+            elif prompt_column not in row:
+                continue  # load_rows names the missing column
+            else:
+                prompt = row[prompt_column]
+                if isinstance(prompt, str):
+                    prompt = [{"role": "user", "content": prompt}]
+            if self.system_prompt is not None and isinstance(prompt, list):
+                if prompt and isinstance(prompt[0], dict) and prompt[0].get("role") == "system":
+                    raise DataError(
+                        f"{where} row {i}: {prompt_column!r} already starts with a system "
+                        "message; unset data.system_prompt or drop the row's own"
+                    )
+                prompt = [{"role": "system", "content": self.system_prompt}, *prompt]
+            row[prompt_column] = prompt
+
+
+def template_error(template: str) -> str | None:
+    """What is wrong with a ``prompt_template``'s syntax, or None."""
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        return f"{e} (write {{{{ and }}}} for literal braces)"
+    for field in fields:
+        column = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if not column or column.isdigit():
+            return (
+                f"{{{field}}} names no column: fields are column names, as in {{question}}; "
+                "write {{ and }} for literal braces, e.g. \\boxed{{}}"
+            )
+    return None
 
 
 def load_rows(
@@ -27,51 +101,40 @@ def load_rows(
     *,
     allow_empty: bool = False,
     settings: tuple[str, str] = ("data.path", "data.prompt_column"),
+    split: str = "train",
+    subset: str | None = None,
+    prompt_format: PromptFormat | None = None,
 ) -> list[dict[str, Any]]:
-    """The rows of a JSONL file or ``datasets`` directory, each with a prompt that the rollout
-    server would take (``allow_empty``: an empty prompt too, as SFT completions may have).
-    ``settings``: the config fields of the path and the column, for the messages."""
-    path = Path(path)
+    """The rows of a dataset, each with a prompt that the rollout server would take
+    (``allow_empty``: an empty prompt too, as SFT completions may have). ``path``: a JSONL,
+    Parquet, CSV or JSON file, a ``datasets`` directory (saved by ``save_to_disk``, or data files
+    laid out as on the Hub), or a Hub dataset id; ``split`` and ``subset`` (the dataset's config
+    name) pick from the last two. ``settings``: the config fields of the path and the column,
+    for the messages. ``prompt_format`` builds the prompts from the other columns first."""
     path_setting, column_setting = settings
-    if not path.exists():
-        raise DataError(
-            f"{path_setting} {path} does not exist (looked at {path.resolve()}; a relative path is "
-            "read next to the config file if it is there, else from the working directory)"
-        )
-    if path.is_dir():
-        try:
-            import datasets
-        except ImportError as e:  # pragma: no cover - datasets is a dev dependency
-            raise DataError(f"{path} is a directory: install `datasets` to read it") from e
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise DataError(f"{path} holds splits {list(ds)}; expected a 'train' split")
-            ds = ds["train"]
-        rows = [dict(r) for r in ds]
-    else:
-        rows = []
-        with path.open() as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno} is not valid JSON: {e}") from e
-                if not isinstance(row, dict):
-                    raise DataError(
-                        f"{path}:{lineno} must be a JSON object, got {type(row).__name__}"
-                    )
-                rows.append(row)
-    if not rows:
-        raise DataError(f"{path} holds no rows")
+    rows = read_rows(str(path), path_setting, split=split, subset=subset)
+    if prompt_format is not None:
+        prompt_format.apply(rows, prompt_column, str(path))
+    check_prompts(rows, path, prompt_column, column_setting, allow_empty=allow_empty)
+    return rows
+
+
+def check_prompts(
+    rows: list[dict[str, Any]],
+    path: str | Path,
+    prompt_column: str,
+    column_setting: str,
+    *,
+    allow_empty: bool = False,
+) -> None:
+    """That every row has a prompt the rollout server would take (see ``load_rows``)."""
     for i, row in enumerate(rows):
         prompt = row.get(prompt_column)
         if prompt is None:
             raise DataError(
                 f"{path} row {i} has no {prompt_column!r} column (columns: {sorted(row)}); "
                 f"set {column_setting}"
+                + ("" if column_setting.startswith("sft.") else ", or data.prompt_template")
             )
         if not isinstance(prompt, str | list):
             raise DataError(
@@ -79,6 +142,91 @@ def load_rows(
             )
         if prompt or not allow_empty:
             _check_prompt(prompt, f"{path} row {i}: {prompt_column!r}")
+
+
+def read_rows(
+    source: str, path_setting: str, *, split: str = "train", subset: str | None = None
+) -> list[dict[str, Any]]:
+    """The rows of ``source`` as they are (see ``load_rows``); at least one."""
+    rows = _read(source, path_setting, split, subset)
+    if not rows:
+        raise DataError(f"{path_setting} {source} holds no rows")
+    return rows
+
+
+def _read(source: str, path_setting: str, split: str, subset: str | None) -> list[dict[str, Any]]:
+    path = Path(source)
+    section = path_setting.split(".")[0]
+    if path.is_file() and path.suffix.lower() not in _BUILDERS:
+        return _read_jsonl(path)
+    try:
+        import datasets
+    except ImportError as e:  # pragma: no cover - datasets is a dependency
+        raise DataError(f"{path_setting} {source}: install `datasets` to read it") from e
+    if path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise DataError(
+                    f"{path_setting} {source} holds splits {list(ds)}, not {split!r}: set "
+                    f"{section}.split"
+                )
+            ds = ds[split]
+        return ds.to_list()
+    if path.is_file():  # one file: datasets names its only split "train"
+        kwargs: dict[str, Any] = {"data_files": str(path), "split": "train"}
+        builder = _BUILDERS[path.suffix.lower()]
+    elif path.is_dir() or (_HUB_ID.fullmatch(source) and path.suffix.lower() not in _FILE_SUFFIXES):
+        kwargs, builder = {"name": subset, "split": split}, source
+    else:
+        raise DataError(
+            f"{path_setting} {source} does not exist (looked at {path.resolve()}; a relative path "
+            "is read next to the config file if it is there, else from the working directory)"
+        )
+    # A local source is converted afresh into a cache of its own: datasets' cache key for a
+    # local directory ignores where it lies and what it holds (two directories of one name
+    # read as the first one's rows), and ranks reading at once must not share a half-written
+    # cache. Hub datasets use the shared cache (keyed by the repository's commit).
+    cache_dir = tempfile.mkdtemp(prefix="grpo-data-") if path.exists() else None
+    try:
+        return datasets.load_dataset(builder, cache_dir=cache_dir, **kwargs).to_list()
+    except Exception as e:  # datasets raises many kinds; each becomes one line naming the fix
+        raise DataError(_load_error(source, path, path_setting, section, e)) from e
+    finally:
+        if cache_dir is not None:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def _load_error(source: str, path: Path, path_setting: str, section: str, e: Exception) -> str:
+    lines = [line.strip() for line in str(e).strip().splitlines()] or [type(e).__name__]
+    message = lines[0]
+    if "Config name is missing" in message or "BuilderConfig" in message:
+        return f"{path_setting} {source}: {' '.join(lines[:2])} Set {section}.subset"
+    if "Unknown split" in message:
+        return f"{path_setting} {source}: {message} Set {section}.split"
+    if path.exists():
+        return f"{path_setting} {source} could not be read: {type(e).__name__}: {message}"
+    return (
+        f"{path_setting} {source} is not a local file or directory (looked at {path.resolve()}) "
+        f"and could not be loaded from the Hugging Face Hub ({type(e).__name__}: {message}); "
+        "fix the path, or reach the Hub (HF_HUB_OFFLINE unset, network, HF_TOKEN for a gated "
+        "dataset), or download it first and give its directory"
+    )
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno} is not valid JSON: {e}") from e
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno} must be a JSON object, got {type(row).__name__}")
+            rows.append(row)
     return rows
 
 

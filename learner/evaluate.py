@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from learner.config import LearnerConfig
-from learner.data import data_columns, load_rows
+from learner.data import PromptFormat, data_columns, load_rows
 from learner.embedded import embedded_for
 from learner.rollouts import (
     episode_generators,
@@ -63,8 +63,17 @@ class Evaluator:
             self.rows = tasks[: self.e.max_prompts] if self.e.max_prompts else tasks
             return
         assert self.e.data is not None  # the config's validator
+        d = cfg.data
+        assert d is not None  # [eval] data goes with [data] (the config's validator)
         rows = load_rows(
-            self.e.data, self.e.prompt_column, settings=("eval.data", "eval.prompt_column")
+            self.e.data,
+            self.e.prompt_column,
+            settings=("eval.data", "eval.prompt_column"),
+            split=self.e.split,
+            subset=self.e.subset
+            if self.e.subset is not None or self.e.data != d.path
+            else d.subset,
+            prompt_format=PromptFormat.of(d),
         )
         self.rows = rows[: self.e.max_prompts] if self.e.max_prompts else rows
         try:  # its own runner: eval's failures and timeouts stay out of training's counts

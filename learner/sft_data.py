@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from learner.batch import Rollout
 from learner.config import SFTConfig
-from learner.data import DataError, load_rows
+from learner.data import DataError, check_prompts, read_rows
 
 RowFormat = Literal["messages", "prompt_completion"]
 
@@ -53,29 +53,22 @@ class SFTExample:
 def load_sft_rows(cfg: SFTConfig) -> tuple[list[dict[str, Any]], RowFormat]:
     """The rows and their shape, decided by the first row's columns."""
     fmt: RowFormat = "messages"
+    rows = read_rows(cfg.data, "sft.data", split=cfg.split, subset=cfg.subset)
     try:
-        rows = load_rows(
-            cfg.data, cfg.messages_column, settings=("sft.data", "sft.messages_column")
-        )
+        check_prompts(rows, cfg.data, cfg.messages_column, "sft.messages_column")
     except DataError as e:
         if f"row 0 has no {cfg.messages_column!r}" not in str(e):
             raise
         fmt = "prompt_completion"
         try:
-            rows = load_rows(
-                cfg.data,
-                cfg.prompt_column,
-                allow_empty=True,
-                settings=("sft.data", "sft.prompt_column"),
-            )
+            check_prompts(rows, cfg.data, cfg.prompt_column, "sft.prompt_column", allow_empty=True)
         except DataError as e2:
             if f"row 0 has no {cfg.prompt_column!r}" not in str(e2):
                 raise
-            columns = str(e2).split("(columns: ")[-1].split(")")[0]
             raise DataError(
                 f"sft.data {cfg.data}: row 0 has neither {cfg.messages_column!r} nor "
-                f"{cfg.prompt_column!r} (columns: {columns}); set sft.messages_column, or "
-                "sft.prompt_column and sft.completion_column"
+                f"{cfg.prompt_column!r} (columns: {sorted(rows[0])}); set sft.messages_column, "
+                "or sft.prompt_column and sft.completion_column"
             ) from None
     for i, row in enumerate(rows):
         if fmt == "messages" and not isinstance(row[cfg.messages_column], list):

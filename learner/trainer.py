@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 
 from learner.checkpoint import TrainerState, restore
 from learner.config import LearnerConfig
-from learner.data import PromptStream, load_rows
+from learner.data import PromptFormat, PromptStream, load_rows
 from learner.embedded import embedded_for
 from learner.evaluate import Evaluator
 from learner.export import save_model
@@ -203,8 +203,15 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
         stream = PromptStream(rows, seed=cfg.run.seed, shuffle=True)
     else:
         assert cfg.data is not None  # the config validator guarantees data or environment
-        rows = load_rows(cfg.data.path, cfg.data.prompt_column)
-        stream = PromptStream(rows, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        d = cfg.data
+        rows = load_rows(
+            d.path,
+            d.prompt_column,
+            split=d.split,
+            subset=d.subset,
+            prompt_format=PromptFormat.of(d),
+        )
+        stream = PromptStream(rows, seed=d.seed, shuffle=d.shuffle)
     scorer = None
     if cfg.data is not None:  # [[rewards]] go with [data] (the config's validator)
         scorer = reward_runner(cfg, rows, cfg.data.prompt_column)

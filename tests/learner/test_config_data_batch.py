@@ -11,7 +11,7 @@ import torch
 
 from learner.batch import Rollout, collate, micro_batches
 from learner.config import ConfigError, load_config
-from learner.data import DataError, PromptStream, load_rows
+from learner.data import DataError, PromptFormat, PromptStream, load_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "learner" / "configs").glob("*.toml"))
@@ -22,8 +22,11 @@ def test_configs_are_shipped():
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
-def test_every_shipped_config_parses(path):
+def test_every_shipped_config_parses(path, tmp_path):
     cfg = load_config(path)
+    if cfg.data is not None and cfg.data.path == "openai/gsm8k":  # from the Hub: check it on
+        gsm8k_config_reads_gsm8k_and_grades_it(cfg, tmp_path)  # a copy of GSM8K's layout
+        return
     if cfg.environment is not None:
         from rewards.registry import load_environment
 
@@ -35,6 +38,31 @@ def test_every_shipped_config_parses(path):
     for r in cfg.rewards:
         load_reward(r.name)
     assert Path(cfg.data.path).exists(), f"{path.name}: data.path {cfg.data.path} missing"
+
+
+def gsm8k_config_reads_gsm8k_and_grades_it(cfg, tmp_path: Path) -> None:
+    """learner/configs/gsm8k.toml on a local dataset laid out as openai/gsm8k on the Hub (its
+    subsets, splits and columns): the prompts it builds and the reward's grades."""
+    from rewards.registry import load_reward
+
+    solved = {"question": "What is 6 times 7?", "answer": "6 * 7 = <<6*7=42>>42\n#### 42"}
+    held_out = {"question": "What is 2 plus 3?", "answer": "2 + 3 = <<2+3=5>>5\n#### 5"}
+    hub = write_hub_layout(tmp_path / "gsm8k", {"train": [solved], "test": [held_out]})
+    d = cfg.data
+    rows = load_rows(hub, d.prompt_column, split=d.split, subset=d.subset,
+                     prompt_format=PromptFormat.of(d))  # fmt: skip
+    system, user = rows[0]["prompt"]
+    assert system == {"role": "system", "content": d.system_prompt}
+    assert user["role"] == "user" and user["content"].startswith("What is 6 times 7?\nThink")
+    assert cfg.eval is not None and cfg.eval.data == d.path and cfg.eval.subset is None
+    test = load_rows(hub, "prompt", split=cfg.eval.split, subset=d.subset,
+                     prompt_format=PromptFormat.of(d))  # fmt: skip
+    assert test[0]["question"] == held_out["question"]
+    [reward] = cfg.rewards
+    fn = load_reward(reward.name)
+    completions = ["6 * 7 is 42.\n#### 42", "It is 6 + 7 = 13.\n#### 13"]
+    prompts = [rows[0]["prompt"]] * 2
+    assert fn(prompts, completions, answer=[solved["answer"]] * 2) == [1.0, 0.0]
 
 
 def test_override_parses_toml_values_and_strings():
@@ -181,13 +209,121 @@ def test_data_jsonl_errors_name_the_problem(tmp_path):
     assert len(load_rows(p, "prompt", allow_empty=True)) == 3  # SFT: completion-only rows
 
 
-def test_data_reads_datasets_directory(tmp_path):
-    datasets = pytest.importorskip("datasets")
-    datasets.Dataset.from_list(
-        [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
-    ).save_to_disk(str(tmp_path / "ds"))
-    rows = load_rows(tmp_path / "ds", "prompt")
-    assert rows == [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+def write_hub_layout(root: Path, splits: dict[str, list[dict]]) -> Path:
+    """A dataset directory laid out as a Hub repository: two subsets (configs), ``main`` with
+    ``splits`` and ``other`` with one row, Parquet files declared in the README's metadata (what
+    ``load_dataset("owner/name", subset, split=...)`` reads after the download)."""
+    import datasets
+
+    meta = ["---", "configs:"]
+    for subset, parts in (("main", splits), ("other", {"train": [{"prompt": "other"}]})):
+        meta += [f"- config_name: {subset}", "  data_files:"]
+        for split, rows in parts.items():
+            (root / subset).mkdir(parents=True, exist_ok=True)
+            datasets.Dataset.from_list(rows).to_parquet(str(root / subset / f"{split}.parquet"))
+            meta += [f"  - split: {split}", f"    path: {subset}/{split}.parquet"]
+    (root / "README.md").write_text("\n".join([*meta, "---", ""]))
+    return root
+
+
+def test_data_reads_files_datasets_directories_and_hub_layouts(tmp_path):
+    import datasets
+
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    assert load_rows(tmp_path / "ds", "prompt") == rows
+    ds = datasets.Dataset.from_list(rows)
+    datasets.DatasetDict({"train": ds, "test": ds.select([1])}).save_to_disk(str(tmp_path / "dd"))
+    assert load_rows(tmp_path / "dd", "prompt", split="test") == rows[1:]
+    with pytest.raises(
+        DataError, match=r"holds splits \['train', 'test'\], not 'dev': set data\.split"
+    ):
+        load_rows(tmp_path / "dd", "prompt", split="dev")
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.to_csv(str(tmp_path / "d.csv"), index=False)
+    (tmp_path / "d.json").write_text(json.dumps(rows))  # a JSON array, not JSON lines
+    for name in ("d.parquet", "d.csv", "d.json"):  # one file: its split and subset are moot
+        got = load_rows(tmp_path / name, "prompt", split="test", subset="main")
+        assert [(r["prompt"], str(r["answer"])) for r in got] == [("a", "1"), ("b", "2")], name
+    hub = write_hub_layout(tmp_path / "hub", {"train": rows, "test": rows[:1]})
+    assert load_rows(hub, "prompt", subset="main") == rows
+    assert load_rows(hub, "prompt", subset="main", split="test") == rows[:1]
+    assert load_rows(hub, "prompt", subset="other") == [{"prompt": "other"}]
+    # another directory of the same name: its own rows (datasets' cache would serve the first's)
+    again = write_hub_layout(tmp_path / "b" / "hub", {"train": rows[::-1], "test": rows[:1]})
+    assert load_rows(again, "prompt", subset="main") == rows[::-1]
+    for kwargs, message in [
+        ({}, "Config name is missing. Please pick one among the available configs: "
+             "['main', 'other'] Set data.subset"),
+        ({"subset": "mian"}, "'mian' not found. Available: ['main', 'other'] Set data.subset"),
+        ({"subset": "main", "split": "dev"}, 'Unknown split "dev". Should be one of '
+             "['train', 'test']. Set data.split"),
+    ]:  # fmt: skip
+        with pytest.raises(
+            DataError, match=re.escape(f"data.path {hub}: ") + ".*" + re.escape(message)
+        ):
+            load_rows(hub, "prompt", **kwargs)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataError, match=r"data\.path .*empty\.jsonl holds no rows"):
+        load_rows(tmp_path / "empty.jsonl", "prompt")
+
+
+def test_a_hub_id_is_loaded_from_the_hub_and_its_failure_names_the_fix(tmp_path, monkeypatch):
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no cached copy to fall back on
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as e:
+        load_rows("openai/gsm8k", "prompt", subset="main")
+    assert str(e.value).startswith(
+        "data.path openai/gsm8k is not a local file or directory (looked at "
+        f"{tmp_path / 'openai' / 'gsm8k'}) and could not be loaded from the Hugging Face Hub "
+        "(ConnectionError: Couldn't reach 'openai/gsm8k' on the Hub"
+    )
+    assert "HF_HUB_OFFLINE unset" in str(e.value)
+    # a path with a data file's suffix is a missing file, never a Hub id
+    with pytest.raises(DataError, match=r"data\.path data/train\.jsonl does not exist"):
+        load_rows("data/train.jsonl", "prompt")
+
+
+def test_prompt_template_and_system_prompt_build_the_prompts(tmp_path):
+    rows = [{"question": "2+2?", "answer": "#### 4", "n": 3}]
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def built(template=None, system=None, chat=True, path=p):
+        got = load_rows(path, "prompt", prompt_format=PromptFormat(template, system, chat))
+        return got[0]["prompt"]
+
+    assert built("Q{n}: {question}") == [{"role": "user", "content": "Q3: 2+2?"}]
+    assert built("Q: {question} \\boxed{{}}", chat=False) == "Q: 2+2? \\boxed{}"
+    assert built("{question}", "Think.") == [
+        {"role": "system", "content": "Think."},
+        {"role": "user", "content": "2+2?"},
+    ]
+    with pytest.raises(DataError, match=r"row 0 has no 'questoin' column, which data\.prompt_"):
+        built("{questoin}")
+    text = tmp_path / "text.jsonl"  # no template: the prompt column gets the system prompt
+    text.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    assert built(system="Be brief.", path=text)[0] == {"role": "system", "content": "Be brief."}
+    chat = tmp_path / "chat.jsonl"
+    message = {"role": "system", "content": "own"}
+    chat.write_text(json.dumps({"prompt": [message, {"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(DataError, match=r"already starts with a system message; unset data\.sys"):
+        built(system="Be brief.", path=chat)
+    base = ['data.path="d.jsonl"', 'rewards=[{name="charset"}]']
+    for override, message in [
+        ('data.prompt_template="Answer in \\\\boxed{}: {question}"', "data.prompt_template: {} names no column"),
+        ('data.prompt_template="{question"', "data.prompt_template: expected '}' before end"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(None, [*base, override])
+    with pytest.raises(ConfigError, match=r"data\.system_prompt: plain-text prompts \(chat = f"):
+        load_config(None, [*base, 'data.system_prompt="x"', "data.chat=false"])
+    load_config(None, [*base, 'data.system_prompt="x"', 'data.prompt_template="{question}"'])
 
 
 def test_stream_is_seeded_epochal_and_resumable():

@@ -11,13 +11,38 @@ import pytest
 
 from learner.config import ConfigError, load_config
 from learner.metrics import read_metrics
+from tests.learner.test_config_data_batch import write_hub_layout
 from tests.learner.test_e2e import DEMO, _env, _run_ok, assert_setup_error
+
+DEMO_EVAL = DEMO.parent.parent / "data" / "demo_eval.jsonl"
+
+
+def _demo_as_hub_layout(root: Path) -> Path:
+    """The demo's training and held-out rows as the ``main`` subset's train and test splits of a
+    Hub-layout directory, each prompt's text in an ``instruction`` column (no ``prompt``)."""
+
+    def rows(name: str) -> list[dict]:
+        out = []
+        for line in (DEMO_EVAL.parent / name).read_text().splitlines():
+            row = json.loads(line)
+            out.append({"instruction": row.pop("prompt")[-1]["content"], **row})
+        return out
+
+    return write_hub_layout(root, {"train": rows("demo.jsonl"), "test": rows("demo_eval.jsonl")})
 
 
 def test_eval_scores_held_out_prompts_and_writes_the_samples(tmp_path):
+    # The data comes as from the Hub (a subset with train and test splits), and the prompts are
+    # built by a template and a system prompt: the run trains on one split, evaluates the other.
+    hub = _demo_as_hub_layout(tmp_path / "hub")
     run = tmp_path / "run"
     _run_ok(
         run,
+        f'data.path="{hub}"',
+        'data.subset="main"',
+        'data.prompt_template="{instruction}"',
+        'data.system_prompt="You sing."',
+        f'eval.data="{hub}"',  # eval.split "test" by default, the subset data's
         "run.steps=3",
         "sampling.max_tokens=8",
         "eval.every=2",
@@ -26,6 +51,9 @@ def test_eval_scores_held_out_prompts_and_writes_the_samples(tmp_path):
         "eval.max_prompts=4",
         "eval.at_start=true",
     )
+    held_out = [
+        json.loads(x)["prompt"][-1]["content"] for x in DEMO_EVAL.read_text().split("\n") if x
+    ]
     records = {int(r["step"]): r for r in read_metrics(run)}
     assert sorted(records) == [0, 1, 2, 3]  # step 0: the starting weights (at_start)
     evaluated = [s for s, r in records.items() if "eval/reward/mean" in r]
@@ -43,6 +71,10 @@ def test_eval_scores_held_out_prompts_and_writes_the_samples(tmp_path):
         ]
         assert [(s["row"], s["sample"]) for s in samples] == [
             (i, j) for i in range(4) for j in range(3)
+        ]
+        assert [s["prompt"] for s in samples[::3]] == [
+            [{"role": "system", "content": "You sing."}, {"role": "user", "content": text}]
+            for text in held_out[:4]
         ]
         assert all(s["rewards"]["charset"] == s["reward"] for s in samples)
         mean = sum(s["reward"] for s in samples) / len(samples)

@@ -160,6 +160,19 @@ def test_data_errors_name_the_columns(tmp_path):
         load_sft_rows(SFTConfig(data=str(path)))
 
 
+def test_sft_data_from_a_hub_layout_subset_and_split(tmp_path):
+    from tests.learner.test_config_data_batch import write_hub_layout
+
+    chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    other = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    splits = {"train": [{"messages": other}], "test": [{"messages": chat}]}
+    hub = write_hub_layout(tmp_path / "hub", splits)
+    rows, fmt = load_sft_rows(SFTConfig(data=str(hub), subset="main", split="test"))
+    assert fmt == "messages" and rows == [{"messages": chat}]
+    with pytest.raises(DataError, match=r"Unknown split \"dev\".* Set sft\.split"):
+        load_sft_rows(SFTConfig(data=str(hub), subset="main", split="dev"))
+
+
 # --- the loss --------------------------------------------------------------------------------
 
 
