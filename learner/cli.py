@@ -86,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
 def _guarded(run: Callable[[], int]) -> int:
     """``run()``, with the errors that name a setting to change as one line (exit 2), and a
     user's reward or environment code that failed as its own frames (exit 1)."""
-    from learner.runtime import TrainingStopped
+    from learner.runtime import StoppedBeforeTraining, TrainingStopped
 
     try:
         return run()
-    except TrainingStopped as e:
+    except (TrainingStopped, StoppedBeforeTraining) as e:
         print(f"error: {e}", file=sys.stderr)
         return 143  # 128 + SIGTERM, as if it had ended the process: the run is not finished
     except Exception as e:

@@ -194,14 +194,35 @@ class TrainingStopped(Exception):
         self.step = step
 
 
+class StoppedBeforeTraining(BaseException):
+    """SIGTERM before the first step (while the rollout servers start, the weights first go to
+    them or the starting weights are evaluated): nothing was trained, so the learner stops at
+    once. A ``BaseException``, as ``KeyboardInterrupt``: no ``except Exception`` on the way may
+    swallow it, and every ``finally`` (the embedded server's stop) runs."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "stopped by SIGTERM before the first step, while the rollout servers started: "
+            "nothing was trained since the learner started, so there was nothing to checkpoint; "
+            "run the same command again to go on"
+        )
+
+
 class StopOnSigterm:
     """SIGTERM asks the loop to stop after the step in progress (the handler only sets a flag;
     the previous handler is back on exit). Every rank stops at the same step: ``requested``
-    agrees over them (any rank's request counts)."""
+    agrees over them (any rank's request counts). With ``at_once``, until ``steps_begin()``,
+    SIGTERM raises ``StoppedBeforeTraining`` wherever the main thread is instead: a rollout
+    server may take minutes to start, and there is no step to finish yet."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, at_once: bool = False) -> None:
         self._flag = False
         self._previous: Any = None
+        self._at_once = at_once
+
+    def steps_begin(self) -> None:
+        """From here on, SIGTERM waits for the step in progress."""
+        self._at_once = False
 
     def __enter__(self) -> StopOnSigterm:
         if threading.current_thread() is threading.main_thread():
@@ -213,6 +234,9 @@ class StopOnSigterm:
             signal.signal(signal.SIGTERM, self._previous)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self._at_once:
+            self._at_once = False  # once: a second SIGTERM must not break the cleanup
+            raise StoppedBeforeTraining
         if not self._flag:
             log.warning(
                 "SIGTERM: stopping after this step, with a checkpoint of it (under torchrun "

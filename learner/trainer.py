@@ -285,7 +285,10 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     pending = deque()
     stopped = False
     try:
-        with StopOnSigterm() as stop, _servers(cfg, model_path, run_dir, accelerator) as urls:
+        with (
+            StopOnSigterm(at_once=True) as stop,
+            _servers(cfg, model_path, run_dir, accelerator) as urls,
+        ):
             client = RolloutClient(
                 urls,
                 api_key=cfg.rollout.api_key or os.environ.get("ROLLOUT_API_KEY"),
@@ -330,6 +333,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 pending.append((loop.submit(coro), rows_fingerprint(rows), rows))
                 stream.pending = len(pending) * cfg.grpo.prompts_per_step
 
+            stop.steps_begin()
             while state.step < cfg.run.steps:
                 t_step = time.perf_counter()
                 ahead = 1 + cfg.rollout.max_staleness

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from learner.checkpoint import latest_checkpoint
 from learner.metrics import MetricsLogger, read_metrics
-from tests.learner.test_e2e import _env, _learner
+from learner.runtime import check_fresh_run_dir
+from tests.learner.test_e2e import _env, _learner, _wait_gone
 
 QUIET = ("run.progress_bar=false", "run.tensorboard=false", "run.save_final=false")
 
@@ -223,10 +225,30 @@ def test_a_file_sync_cut_off_by_a_kill_leaves_no_copy_of_the_weights_behind(tmp_
     assert sorted(p.name for p in sync_dir.iterdir()) == ["weights.safetensors"]
 
 
-def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp_path):
+def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp_path, proc_scan):
     """A preemption (or ``docker stop``) sends SIGTERM: the step in progress ends, is saved,
     the run exits 143, and ``--resume`` goes on from that very step, not from the last periodic
-    checkpoint (none here). Deleting older checkpoints leaves no half-deleted one."""
+    checkpoint (none here). Deleting older checkpoints leaves no half-deleted one. Before the
+    first step (the rollout server starting) there is no step to wait for: it stops at once."""
+    early = tmp_path / "early"
+    proc = subprocess.Popen(
+        _cmd(early), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not (early / "rollout_server.log").exists():  # the embedded server is starting
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        time.sleep(0.02)
+    assert proc_scan(str(early / "model"))  # the server's command line names its model
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-3000:]
+    assert time.monotonic() - t0 < 15  # the server's stop (SIGTERM, 10 s grace) at most
+    assert "stopped by SIGTERM before the first step" in err.splitlines()[-1]
+    assert "run the same command again" in err.splitlines()[-1]
+    assert not read_metrics(early) and latest_checkpoint(early) is None
+    check_fresh_run_dir(early)  # "the same command again" (no --resume) may start there
+    assert not _wait_gone(proc_scan, str(early / "model"))  # the embedded server went with it
     run_dir = tmp_path / "run"
     sets = ("run.checkpoint_every=100", "run.keep_checkpoints=1", "sampling.max_tokens=8")
     proc = subprocess.Popen(
