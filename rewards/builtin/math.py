@@ -8,6 +8,7 @@ are compared as math, so ``0.5``, ``1/2`` and ``\\frac{1}{2}`` all match.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -19,6 +20,18 @@ def _timeouts() -> dict[str, int | None]:
     # runner calls sync rewards from a worker thread and bounds them with its own timeout.
     on_main = threading.current_thread() is threading.main_thread()
     return {"seconds": 5 if on_main else None}
+
+
+class _BoundElsewhere(logging.Filter):
+    """Drops math-verify's warning that its timeout is off (off off the main thread, above):
+    the scoring runner's ``scoring.timeout_s`` bounds the reward instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_BoundElsewhere())
 
 
 def gold_text(gold: Any) -> str:
