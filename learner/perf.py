@@ -43,6 +43,20 @@ def train_flops_per_token(config: Any, seq_len: float) -> float:
     return 3 * (2 * matmul_weights + attention)
 
 
+def train_flops(config: Any, lengths: list[int], passes: int = 1) -> float:
+    """Model FLOPs of training on sequences of ``lengths`` tokens (prompt and completion: the
+    model runs over both), ``passes`` times (``grpo.num_iterations``). Not counted: padding, the
+    recomputation of gradient checkpointing, a KL reference's forward.
+
+    Attention costs each token in proportion to its sequence's length, so the token-weighted
+    mean length, sum(L^2) / sum(L), gives the exact total (not a micro-batch's padded size)."""
+    tokens = sum(lengths)
+    if tokens == 0:
+        return 0.0
+    seq_len = sum(n * n for n in lengths) / tokens
+    return passes * tokens * train_flops_per_token(config, seq_len)
+
+
 class PinnedArena:
     """Host memory for offloaded activations, handed out from fixed-size chunks one after the
     other and reused from the first chunk once nothing handed out before is alive (the

@@ -41,7 +41,7 @@ from learner.export import save_model
 from learner.loss import LossConfig
 from learner.metrics import MetricsLogger
 from learner.model_setup import build_models
-from learner.perf import peak_tflops, profiled, train_flops_per_token
+from learner.perf import peak_tflops, profiled, train_flops
 from learner.rollouts import (
     StepRollouts,
     check_episodes,
@@ -410,9 +410,10 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     loop.run(client.wake_up(["kv_cache"]))
                 t_sync = time.perf_counter() - t0
                 state.step += 1
-                trained = train_metrics["tokens/trained"] / world
-                seq_len = train_metrics["tokens/padded"] / max(1, len(batches))
-                flops = trained * train_flops_per_token(hf_config, seq_len)
+                lengths = [
+                    len(r.prompt_ids) + len(r.completion_ids) for r in step_rollouts.rollouts
+                ]
+                flops = train_flops(hf_config, lengths, cfg.grpo.num_iterations)  # this rank's
                 local = {
                     **step_rollouts.metrics,
                     **train_metrics,
