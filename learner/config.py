@@ -356,6 +356,18 @@ class RunConfig(_Section):
     checkpoint_every: int = Field(10, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     tensorboard: bool = True
+    report_to: list[
+        Literal["wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "trackio", "swanlab"]
+    ] = Field(
+        default_factory=list,
+        description="experiment trackers (accelerate's) that get every step's metrics and the "
+        "config, besides metrics.jsonl and TensorBoard; each needs its package installed",
+    )
+    project: str = Field("grpo-service", description="the trackers' project")
+    tracker_kwargs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="per tracker, more arguments of its init: {wandb = {entity = 'me'}}",
+    )
     progress_bar: bool = True
     save_final: bool = Field(True, description="write RUN_DIR/final (model + tokenizer) at the end")
     peak_tflops: float | None = Field(
@@ -371,6 +383,15 @@ class RunConfig(_Section):
         description="with profile_steps: also RUN_DIR/profile/step_N.trace.json (Chrome/Perfetto; "
         "tens of MB for a real model)",
     )
+
+    @model_validator(mode="after")
+    def _tracker_kwargs_name_trackers(self) -> RunConfig:
+        if stray := sorted(set(self.tracker_kwargs) - set(self.report_to)):
+            raise _FieldError(
+                "tracker_kwargs",
+                f"{stray} not in run.report_to {self.report_to}: add them there, or drop them",
+            )
+        return self
 
     @model_validator(mode="after")
     def _profile_steps_in_range(self) -> RunConfig:

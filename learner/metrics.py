@@ -1,16 +1,78 @@
-"""Metric sinks (main process only): a JSONL log, TensorBoard and a progress bar."""
+"""Metric sinks (main process only): a JSONL log, TensorBoard, experiment trackers (W&B, MLflow...
+through accelerate's tracker classes) and a progress bar."""
 
 from __future__ import annotations
 
 import json
 import math
 import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 BAR_KEYS = {"reward/mean": "reward", "loss": "loss", "completion/len_mean": "len"}
+
+
+@dataclass
+class Trackers:
+    """``run.report_to``'s experiment trackers for one run directory (accelerate's classes).
+
+    Each run directory is one tracker run: its id is kept in ``RUN_DIR/tracker_run_id``, so a
+    ``--resume`` continues the same W&B run (W&B ignores steps logged below a run's current
+    step: the steps a resume trains again keep the killed run's values there)."""
+
+    report_to: list[str]
+    project: str
+    name: str
+    config: dict[str, Any]
+    kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, cfg: Any, name: str) -> Trackers | None:
+        """From a ``LearnerConfig`` (``run.report_to``, ``run.project``, ``run.tracker_kwargs``);
+        None when it names no tracker."""
+        run = cfg.run
+        if not run.report_to:
+            return None
+        return cls(run.report_to, run.project, name, _flat(cfg.model_dump(mode="json")),
+                   run.tracker_kwargs)  # fmt: skip
+
+    def start(self, run_dir: Path) -> list[Any]:
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+        id_file = run_dir / "tracker_run_id"
+        if not id_file.is_file():
+            id_file.write_text(uuid.uuid4().hex[:16] + "\n")
+        run_id = id_file.read_text().strip()
+        started = []
+        for kind in self.report_to:
+            kwargs = dict(self.kwargs.get(kind, {}))
+            if kind == "wandb":
+                kwargs = {"name": self.name, "id": run_id, "resume": "allow",
+                          "dir": str(run_dir), **kwargs}  # fmt: skip
+            tracker_cls = LOGGER_TYPE_TO_CLASS[kind]
+            if tracker_cls.requires_logging_directory:
+                tracker = tracker_cls(self.project, str(run_dir / "trackers"), **kwargs)
+            else:
+                tracker = tracker_cls(self.project, **kwargs)
+            tracker.start()
+            tracker.store_init_configuration(self.config)
+            started.append(tracker)
+        return started
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"grpo": {"beta": 0.0}}`` as ``{"grpo.beta": 0.0}`` (every tracker takes flat keys)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 class MetricsLogger:
@@ -23,6 +85,7 @@ class MetricsLogger:
         tensorboard: bool,
         progress_bar: bool,
         desc: str = "GRPO",
+        trackers: Trackers | None = None,
     ) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
@@ -33,6 +96,7 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self._trackers = trackers.start(run_dir) if trackers is not None else []
         self._bar = (
             tqdm(total=total_steps, initial=start_step, desc=desc, unit="step", dynamic_ncols=True)
             if progress_bar
@@ -49,6 +113,8 @@ class MetricsLogger:
                 if math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        for tracker in self._trackers:
+            tracker.log(clean, step=step)
         if self._bar is not None:
             self._bar.set_postfix(
                 {short: f"{clean[k]:.3g}" for k, short in BAR_KEYS.items() if k in clean}
@@ -59,6 +125,8 @@ class MetricsLogger:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        for tracker in self._trackers:
+            tracker.finish()
         if self._bar is not None:
             self._bar.close()
 

@@ -115,10 +115,25 @@ def start_run(
         )
     if not resume:
         check_fresh_run_dir(run_dir)
+    check_trackers(cfg)
     if acc.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     set_seed(seed)
+
+
+def check_trackers(cfg: BaseModel) -> None:
+    """Each of ``run.report_to``'s trackers importable, or a ``SetupError`` naming its package
+    (accelerate would only warn and drop it)."""
+    import importlib.util
+
+    run = getattr(cfg, "run", None)
+    for name in getattr(run, "report_to", []):
+        if importlib.util.find_spec(name) is None:
+            raise SetupError(
+                f"run.report_to names {name!r}, whose package is not installed: pip install "
+                f"{name.replace('_', '-')}, or drop it from run.report_to"
+            )
 
 
 def resolve_model(

@@ -35,7 +35,7 @@ from learner.config import LearnerConfig
 from learner.data import PromptStream
 from learner.export import save_model
 from learner.logprobs import chunked_nll
-from learner.metrics import MetricsLogger
+from learner.metrics import MetricsLogger, Trackers
 from learner.model_setup import build_models
 from learner.policy import PolicyLogprobs
 from learner.runtime import (
@@ -201,6 +201,10 @@ def train_sft(
             tensorboard=cfg.run.tensorboard,
             progress_bar=cfg.run.progress_bar,
             desc="SFT",
+            # a warm start's SFT is RUN_DIR/sft: its own tracker run, named after the run's
+            trackers=Trackers.of(
+                cfg, out.resolve().name if out_dir is None else f"{out.resolve().parent.name}-sft"
+            ),
         )
         if accelerator.is_main_process
         else None

@@ -39,7 +39,7 @@ from learner.embedded import embedded_for
 from learner.evaluate import Evaluator
 from learner.export import save_model
 from learner.loss import LossConfig
-from learner.metrics import MetricsLogger
+from learner.metrics import MetricsLogger, Trackers
 from learner.model_setup import build_models
 from learner.perf import peak_tflops, profiled, train_flops
 from learner.rollouts import (
@@ -273,6 +273,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             start_step=state.step,
             tensorboard=cfg.run.tensorboard,
             progress_bar=cfg.run.progress_bar,
+            trackers=Trackers.of(cfg, run_dir.resolve().name),
         )
         if accelerator.is_main_process
         else None
