@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -64,14 +65,18 @@ class Trackers:
         return started
 
 
+_SECRET = re.compile(r"api_key|token|secret|password", re.IGNORECASE)
+
+
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"grpo": {"beta": 0.0}}`` as ``{"grpo.beta": 0.0}`` (every tracker takes flat keys)."""
+    """``{"grpo": {"beta": 0.0}}`` as ``{"grpo.beta": 0.0}`` (every tracker takes flat keys),
+    with secrets (``rollout.api_key``) masked: the config leaves the machine."""
     out: dict[str, Any] = {}
     for k, v in tree.items():
         if isinstance(v, dict) and v:
             out.update(_flat(v, f"{prefix}{k}."))
         else:
-            out[f"{prefix}{k}"] = v
+            out[f"{prefix}{k}"] = "***" if v is not None and _SECRET.search(k) else v
     return out
 
 

@@ -60,13 +60,15 @@ def test_a_run_reports_to_wandb_and_its_resume_continues_the_same_wandb_run(tmp_
     monkeypatch.setenv("WANDB_MODE", "offline")  # no network: W&B writes its log locally
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
-    sets = ('run.report_to=["wandb"]', "sampling.max_tokens=8", "run.checkpoint_every=2")
+    sets = ('run.report_to=["wandb"]', "sampling.max_tokens=8", "run.checkpoint_every=2",
+            'rollout.api_key="s3cret"')  # fmt: skip
     _run_ok(run, "run.steps=2", *sets)
     [first] = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
     run_id, config, rows = _history(first)
     assert run_id == (run / "tracker_run_id").read_text().strip()
     assert json.loads(config["grpo.loss_type"]) == "dapo"  # the config, flattened
     assert json.loads(config["run.report_to"]) == ["wandb"]
+    assert json.loads(config["rollout.api_key"]) == "***"  # the config leaves the machine
     logged = {int(r["_step"]): r for r in rows}
     assert sorted(logged) == [1, 2]
     for record in read_metrics(run):  # the same values as metrics.jsonl
