@@ -364,7 +364,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
             starts.append(torch.cuda.memory_allocated())
         calls.clear()
         t0 = time.perf_counter()
-        batches = build_micro_batches(rollouts, opts, pad_id)
+        batches = build_micro_batches(rollouts, opts, loss_cfg, pad_id)
         metrics = train_on(accelerator, policy, ref_policy, optimizer, loss_cfg, batches, opts)
         if cuda:
             torch.cuda.synchronize()

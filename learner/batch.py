@@ -32,6 +32,9 @@ class TrainBatch:
     loss_mask: torch.Tensor  # [B, T-1] float, 1 where the target is a sampled completion token
     sampling_logprobs: torch.Tensor  # [B, T-1] float32, aligned with loss_mask
     advantages: torch.Tensor  # [B] float32
+    # [B] float64: each row's weight in the step's loss (`loss.LossInputs.seq_weights`), set by
+    # `train_step.build_micro_batches`; None: the loss normalises by this micro-batch alone
+    seq_weights: torch.Tensor | None = None
 
     @property
     def num_loss_tokens(self) -> int:
@@ -42,6 +45,7 @@ class TrainBatch:
             *(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask)),
             self.sampling_logprobs.to(device),
             self.advantages.to(device),
+            self.seq_weights.to(device) if self.seq_weights is not None else None,
         )
 
 

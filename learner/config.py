@@ -320,6 +320,12 @@ class GRPOConfig(_Section):
         "asked for log-probs",
     )
     entropy_coef: float = 0.0
+    skip_zero_advantage: bool = Field(
+        True,
+        description="leave out of the forward/backward the rollouts whose gradient is zero: "
+        "those of zero advantage (with beta = 0 and entropy_coef = 0) and those without loss "
+        "tokens; same gradient, less work",
+    )
     logprob_chunk_size: int = Field(1024, ge=1)
     fused_loss: bool = Field(
         False, description="loss fused with the LM head: 3 N·H·V products instead of 4"

@@ -65,7 +65,7 @@ from learner.logprobs import (
     logits_grad,
     triton_importable,
 )
-from learner.loss import LossConfig, LossInputs, grpo_loss
+from learner.loss import LossConfig, LossInputs, global_factor, grpo_loss, row_weights
 
 TokenLoss = Callable[[Tensor, Tensor], Tensor]  # (logp [N], entropy [N]) -> scalar loss
 Impl = Literal["auto", "torch", "triton"]
@@ -103,6 +103,7 @@ class GRPOTokenLoss:
         num_items_in_batch: float | Tensor | None = None,
         dp_world_size: int = 1,
         num_micro_batches: int = 1,
+        seq_weights: Tensor | None = None,  # [B] `LossInputs.seq_weights`
     ) -> None:
         if seq.dim() != 1 or seq.dtype not in (torch.int64, torch.int32):
             raise ValueError(
@@ -143,6 +144,9 @@ class GRPOTokenLoss:
         self.num_items_in_batch = num_items_in_batch
         self.dp_world_size = dp_world_size
         self.num_micro_batches = num_micro_batches
+        if seq_weights is not None and seq_weights.shape != (num_seqs,):
+            raise ValueError(f"seq_weights must be [B]={num_seqs}, got {tuple(seq_weights.shape)}")
+        self.seq_weights = seq_weights
         self.metrics: dict[str, Tensor] = {}
         self._consts: tuple[Any, ...] | None = None  # token_grads' constants (built once)
         # Gradients independent of the values (see the module docstring): the fused loss
@@ -179,6 +183,7 @@ class GRPOTokenLoss:
             num_items_in_batch=num_items_in_batch,
             dp_world_size=dp_world_size,
             num_micro_batches=num_micro_batches,
+            seq_weights=batch.seq_weights,
         )
 
     def _prepared(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -318,20 +323,14 @@ class GRPOTokenLoss:
         ∂loss/∂per_token, old / reference / sampling log-probs (None where unused), and
         ∂loss/∂entropy (None without an entropy bonus)."""
         seq, _, counts = self._prepared()
-        n = self.num_tokens
-        num_seqs = self.advantages.shape[0]
-        micro = self.num_micro_batches
-        ones = torch.ones(n, dtype=dtype, device=seq.device)
-        kind = self.cfg.loss_type
-        if kind == "grpo":  # mean over each sequence's tokens, then over sequences
-            lengths = counts.to(dtype).clamp(min=1.0)
-            w = ones / (lengths[seq] * num_seqs * micro)
-        elif kind == "dr_grpo":
-            w = ones / (num_seqs * self.cfg.max_completion_length * micro)
-        elif kind == "dapo" and self.num_items_in_batch is not None:
-            w = ones * (self.dp_world_size / float(self.num_items_in_batch))
-        else:  # bnpo, or dapo without num_items_in_batch
-            w = ones / (max(n, 1) * micro)
+        rows = self.seq_weights  # [B]
+        if rows is None:
+            global_tokens = self.num_items_in_batch is not None
+            rows = row_weights(
+                counts.to(dtype), self.cfg, self.num_micro_batches, global_tokens=global_tokens
+            )
+        scale = global_factor(self.cfg, self.num_items_in_batch, self.dp_world_size)
+        w = rows.to(dtype)[seq] * scale  # [N] ∂loss/∂per_token
         samp = self._flat("sampling_logprobs", dtype) if self.cfg.tis_cap is not None else None
         ref = self._flat("ref_logprobs", dtype) if self.cfg.beta != 0.0 else None
         coef = self.cfg.entropy_coef
@@ -352,6 +351,7 @@ class GRPOTokenLoss:
             num_items_in_batch=self.num_items_in_batch,
             dp_world_size=self.dp_world_size,
             num_micro_batches=self.num_micro_batches,
+            seq_weights=self.seq_weights,
         )
         loss, self.metrics = grpo_loss(inputs, self.cfg)
         return loss

@@ -93,6 +93,10 @@ class LossInputs:
     num_items_in_batch: float | Tensor | None = None  # dapo: loss tokens of the whole step
     dp_world_size: int = 1  # data-parallel ranks that average gradients (dapo scaling)
     num_micro_batches: int = 1  # gradient-accumulation micro-batches in the step
+    # [B] each row's factor on its token sum, from the step's whole layout (`row_weights` of
+    # the micro-batch it would sit in with every rollout trained); replaces the normalisers
+    # above except dapo's global one. None: `row_weights` of this micro-batch.
+    seq_weights: Tensor | None = None
 
 
 def _masked_mean(x: Tensor, mask: Tensor, count: Tensor) -> Tensor:
@@ -165,25 +169,66 @@ def grpo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Te
     return loss, metrics
 
 
-def _reduce(per_token: Tensor, mask: Tensor, inputs: LossInputs, cfg: LossConfig) -> Tensor:
-    token_sum = (per_token * mask).sum()
-    micro = inputs.num_micro_batches
-    if micro < 1 or inputs.dp_world_size < 1:
-        raise ValueError("num_micro_batches and dp_world_size must be >= 1")
+def row_weights(
+    tokens: Tensor, cfg: LossConfig, num_micro_batches: int, *, global_tokens: bool
+) -> Tensor:
+    """``[B]``: each row's factor on its token sum ``Σ_t per_token·mask`` in the loss of a
+    micro-batch of ``B`` rows holding ``tokens`` ``[B]`` loss tokens each, one of
+    ``num_micro_batches``: the loss types' normalisers (module docstring), dapo's global one
+    apart (``global_tokens``: dapo divides by the step's tokens, applied by the caller; the
+    rows' factor is then 1).
+
+        grpo    : 1 / (B · M · n_b)        bnpo : 1 / (Σ_b n_b · M)
+        dr_grpo : 1 / (B · max_len · M)     dapo : 1, or bnpo's without global_tokens
+    """
+    if num_micro_batches < 1:
+        raise ValueError("num_micro_batches must be >= 1")
+    tokens = tokens.to(torch.promote_types(tokens.dtype, torch.float32))
+    rows, micro = tokens.shape[0], num_micro_batches
     if cfg.loss_type == "grpo":
-        per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
-        return per_seq.mean() / micro
-    if cfg.loss_type == "bnpo":
-        return token_sum / mask.sum().clamp(min=1.0) / micro
+        return 1.0 / (tokens.clamp(min=1.0) * (rows * micro))
     if cfg.loss_type == "dr_grpo":
-        return token_sum / (per_token.shape[0] * cfg.max_completion_length) / micro
-    # dapo
-    if inputs.num_items_in_batch is None:
-        return token_sum / mask.sum().clamp(min=1.0) / micro
-    n_items = torch.as_tensor(inputs.num_items_in_batch, dtype=per_token.dtype)
-    if float(n_items) <= 0:
-        raise ValueError(f"num_items_in_batch must be > 0, got {float(n_items)}")
-    return token_sum * inputs.dp_world_size / n_items.to(per_token.device)
+        return torch.full_like(tokens, 1.0 / (rows * cfg.max_completion_length * micro))
+    if cfg.loss_type == "dapo" and global_tokens:
+        return torch.ones_like(tokens)
+    return torch.full_like(tokens, 1.0).div_(tokens.sum().clamp(min=1.0) * micro)
 
 
-__all__ = ["LOSS_TYPES", "LossConfig", "LossInputs", "chunked_nll", "grpo_loss"]
+def global_factor(cfg: LossConfig, num_items_in_batch: float | Tensor | None, dp: int) -> float:
+    """dapo's normaliser beyond `row_weights`: ``dp_world_size / num_items_in_batch`` (the
+    step's loss tokens on every rank); 1 for the other loss types or without the count."""
+    if cfg.loss_type != "dapo" or num_items_in_batch is None:
+        return 1.0
+    n = float(num_items_in_batch)
+    if n <= 0:
+        raise ValueError(f"num_items_in_batch must be > 0, got {n}")
+    return dp / n
+
+
+def _reduce(per_token: Tensor, mask: Tensor, inputs: LossInputs, cfg: LossConfig) -> Tensor:
+    if inputs.num_micro_batches < 1 or inputs.dp_world_size < 1:
+        raise ValueError("num_micro_batches and dp_world_size must be >= 1")
+    w = inputs.seq_weights  # [B]
+    if w is None:
+        w = row_weights(
+            mask.sum(-1),
+            cfg,
+            inputs.num_micro_batches,
+            global_tokens=inputs.num_items_in_batch is not None,
+        )
+    elif w.shape != (per_token.shape[0],):
+        raise ValueError(f"seq_weights must be [B]={per_token.shape[0]}, got {tuple(w.shape)}")
+    rows = (per_token * mask).sum(-1)  # [B]
+    scale = global_factor(cfg, inputs.num_items_in_batch, inputs.dp_world_size)
+    return (rows * w.to(rows.dtype)).sum() * scale
+
+
+__all__ = [
+    "LOSS_TYPES",
+    "LossConfig",
+    "LossInputs",
+    "chunked_nll",
+    "global_factor",
+    "grpo_loss",
+    "row_weights",
+]

@@ -49,6 +49,7 @@ class PackedBatch(TrainBatch):
             base.loss_mask,
             base.sampling_logprobs,
             base.advantages,
+            base.seq_weights,
             self.position_ids.to(device) if self.position_ids is not None else None,
             self.seq_ids.to(device) if self.seq_ids is not None else None,
             (self.seq_advantage_index.to(device) if self.seq_advantage_index is not None else None),

@@ -9,6 +9,7 @@ loss type sees exactly the same numbers whatever the layout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -22,7 +23,7 @@ from accelerate import Accelerator
 
 from learner.batch import Rollout, TrainBatch, collate, micro_batches
 from learner.fused_loss import GRPOTokenLoss
-from learner.loss import LossConfig, LossInputs, grpo_loss
+from learner.loss import LossConfig, LossInputs, grpo_loss, row_weights
 from learner.packing import PackedBatch, pack, packed_micro_batches
 from learner.perf import ActivationOffload
 
@@ -41,6 +42,7 @@ class StepOptions:
     activation_offloading: bool = False
     need_reference: bool = False  # beta > 0
     reference_is_adapterless: bool = False  # LoRA: reference = adapters disabled
+    skip_zero_advantage: bool = True  # grpo.skip_zero_advantage: see `rollouts_to_train`
 
 
 class PhaseClock:
@@ -76,15 +78,84 @@ class PhaseClock:
         return out
 
 
-def build_micro_batches(
-    rollouts: list[Rollout], opts: StepOptions, pad_id: int
-) -> list[TrainBatch]:
+@dataclass
+class StepBatches:
+    """A step's micro-batches on this rank, and what the loss needs of the rollouts left out."""
+
+    batches: list[TrainBatch]
+    loss_tokens: int  # loss tokens of every rollout of the step here, skipped ones included
+    skipped_tokens: int = 0  # those of the skipped rollouts
+    fillers: int = 0  # trailing batches of weight 0 (a step must run at least one, see below)
+
+
+def rollouts_to_train(
+    rollouts: list[Rollout], opts: StepOptions, loss_cfg: LossConfig
+) -> list[Rollout]:
+    """The rollouts whose tokens may have a non-zero gradient: all, less (with
+    ``skip_zero_advantage``) those without loss tokens and, where the loss has no KL and no
+    entropy bonus, those of zero advantage (every term of their tokens' loss is a multiple of
+    it: ``-min(r·0, clip(r)·0)·w = 0``)."""
+    if not opts.skip_zero_advantage:
+        return rollouts
+    pg_only = loss_cfg.beta == 0.0 and loss_cfg.entropy_coef == 0.0
+    return [r for r in rollouts if any(r.completion_mask) and not (pg_only and r.advantage == 0.0)]
+
+
+def _layout(rollouts: list[Rollout], opts: StepOptions) -> list[list[Rollout]]:
     if opts.packing:
-        return [pack(g) for g in packed_micro_batches(rollouts, opts.max_tokens_per_micro_batch)]
-    return [
-        collate(mb, pad_id, opts.pad_to_multiple_of)
-        for mb in micro_batches(rollouts, opts.micro_batch_size)
-    ]
+        return packed_micro_batches(rollouts, opts.max_tokens_per_micro_batch)
+    return micro_batches(rollouts, opts.micro_batch_size)
+
+
+def _collate(rollouts: list[Rollout], weights: list[float], opts: StepOptions, pad_id: int):
+    b = pack(rollouts) if opts.packing else collate(rollouts, pad_id, opts.pad_to_multiple_of)
+    b.seq_weights = torch.tensor(weights, dtype=torch.float64)
+    return b
+
+
+def build_micro_batches(
+    rollouts: list[Rollout], opts: StepOptions, loss_cfg: LossConfig, pad_id: int
+) -> StepBatches:
+    """The step's micro-batches; every row carries its weight in the step's loss (the loss
+    types' normalisers, ``loss.row_weights``) as the layout of *all* the rollouts gives it.
+    So leaving out rollouts whose gradient is zero (``rollouts_to_train``) and laying out the others in
+    fewer, fuller micro-batches changes no gradient: only the work."""
+    if not rollouts:
+        raise ValueError("a step needs at least one rollout")
+    layout = _layout(rollouts, opts)
+    weight: dict[int, float] = {}
+    for group in layout:
+        tokens = torch.tensor([float(sum(r.completion_mask)) for r in group], dtype=torch.float64)
+        w = row_weights(tokens, loss_cfg, len(layout), global_tokens=True)
+        weight.update(zip(map(id, group), w.tolist(), strict=True))
+    kept = rollouts_to_train(rollouts, opts, loss_cfg)
+    loss_tokens = sum(sum(r.completion_mask) for r in rollouts)
+    skipped = loss_tokens - sum(sum(r.completion_mask) for r in kept)
+    if len(kept) == len(rollouts):
+        batches = [_collate(g, [weight[id(r)] for r in g], opts, pad_id) for g in layout]
+        return StepBatches(batches, loss_tokens)
+    if not kept:  # the optimizer still steps (on zero gradients, as without skipping)
+        shortest = min(rollouts, key=lambda r: len(r.prompt_ids) + len(r.completion_ids))
+        return StepBatches([_collate([shortest], [0.0], opts, pad_id)], loss_tokens, skipped, 1)
+    batches = [_collate(g, [weight[id(r)] for r in g], opts, pad_id) for g in _layout(kept, opts)]
+    return StepBatches(batches, loss_tokens, skipped)
+
+
+def _equalize(accelerator: Accelerator, step: StepBatches) -> StepBatches:
+    """Every rank runs as many micro-batches (each forward gathers ZeRO-3's parameters, DDP
+    may broadcast buffers: collectives every rank must join): the ranks with fewer repeat
+    their smallest one at weight 0."""
+    if accelerator.num_processes == 1:
+        return step
+    counts = accelerator.gather(torch.tensor([len(step.batches)], device=accelerator.device))
+    missing = int(counts.max()) - len(step.batches)
+    if missing == 0:
+        return step
+    smallest = min(step.batches, key=lambda b: b.input_ids.numel())
+    filler = dataclasses.replace(smallest, seq_weights=torch.zeros_like(smallest.advantages))
+    return dataclasses.replace(
+        step, batches=step.batches + [filler] * missing, fillers=step.fillers + missing
+    )
 
 
 def _seq_index(b: TrainBatch) -> torch.Tensor:
@@ -120,16 +191,22 @@ def train_on(
     ref_policy: torch.nn.Module | None,
     optimizer: torch.optim.Optimizer,
     loss_cfg: LossConfig,
-    batches: list[TrainBatch],
+    step: StepBatches,
     opts: StepOptions,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch ``num_iterations`` times, stepping after each pass."""
     dev = accelerator.device
     clock = PhaseClock(torch.device(dev))
-    batches = [b.to(dev) for b in batches]
-    # The loss normaliser is global: every token of the step on every rank (DAPO).
-    local_tokens = torch.tensor(float(sum(b.num_loss_tokens for b in batches)), device=dev)
-    global_tokens = float(accelerator.reduce(local_tokens, reduction="sum"))
+    step = _equalize(accelerator, step)
+    batches = [b.to(dev) for b in step.batches]
+    real = len(batches) - step.fillers  # the fillers' metrics are not the step's
+    # The loss normaliser is global: every token of the step on every rank (DAPO), skipped
+    # rollouts' included.
+    counts = torch.tensor(
+        [float(step.loss_tokens), float(step.skipped_tokens)], dtype=torch.float64, device=dev
+    )
+    global_tokens, global_skipped = accelerator.reduce(counts, reduction="sum").tolist()
+    local_tokens = sum(b.num_loss_tokens for b in batches[:real])
     seqs = [_seq_index(b) for b in batches]
     group = [
         functools.partial(regroup, seq=s, num_seqs=b.advantages.numel())
@@ -200,6 +277,7 @@ def train_on(
                         num_items_in_batch=global_tokens,
                         dp_world_size=accelerator.num_processes,
                         num_micro_batches=len(batches),
+                        seq_weights=b.seq_weights,
                     )
                     loss, m = grpo_loss(inputs, loss_cfg)
                 clock.lap("forward")
@@ -209,7 +287,7 @@ def train_on(
                     accelerator.backward(loss)
                 clock.lap("backward")
             total_loss += loss.detach().double()
-            weight = float(b.num_loss_tokens)
+            weight = float(b.num_loss_tokens) if i < real else 0.0
             for k, v in m.items():
                 if k != "num_tokens":
                     add = v.detach().double() * weight if torch.is_tensor(v) else float(v) * weight
@@ -224,7 +302,8 @@ def train_on(
     out = {k: float(v) / local_w for k, v in sums.items()}
     out["loss"] = float(total_loss) / opts.num_iterations
     out["grad_norm"] = grad_norm
-    out["tokens/trained"] = global_tokens
+    out["tokens/trained"] = global_tokens - global_skipped
+    out["tokens/skipped"] = global_skipped  # zero gradient: left out (`rollouts_to_train`)
     out["tokens/padded"] = float(sum(b.input_ids.numel() for b in batches))
     for phase, secs in clock.seconds().items():  # where the train phase went
         out[f"time/train/{phase}"] = secs

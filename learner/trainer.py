@@ -67,6 +67,7 @@ from learner.train_step import (
     StepOptions,
     build_micro_batches,
     reduce_metrics,
+    rollouts_to_train,
     train_on,
 )
 from rollout_server.client import (
@@ -168,6 +169,7 @@ def _step_options(cfg: LearnerConfig) -> StepOptions:
         activation_offloading=cfg.model.activation_offloading,
         need_reference=g.beta > 0,
         reference_is_adapterless=cfg.model.lora is not None,
+        skip_zero_advantage=g.skip_zero_advantage,
     )
 
 
@@ -385,7 +387,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     hf_model = accelerator.unwrap_model(policy).model  # sync's receives now
                     prepared = loop.submit(syncer.prepare(hf_model))
                 t0 = time.perf_counter()
-                batches = build_micro_batches(step_rollouts.rollouts, opts, pad_id)
+                batches = build_micro_batches(step_rollouts.rollouts, opts, loss_cfg, pad_id)
                 profile = accelerator.is_main_process and state.step + 1 in cfg.run.profile_steps
                 with profiled(
                     run_dir / "profile" if profile else None,
@@ -411,8 +413,9 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     loop.run(client.wake_up(["kv_cache"]))
                 t_sync = time.perf_counter() - t0
                 state.step += 1
-                lengths = [
-                    len(r.prompt_ids) + len(r.completion_ids) for r in step_rollouts.rollouts
+                lengths = [  # of the rollouts trained on (not the skipped ones)
+                    len(r.prompt_ids) + len(r.completion_ids)
+                    for r in rollouts_to_train(step_rollouts.rollouts, opts, loss_cfg)
                 ]
                 flops = train_flops(hf_config, lengths, cfg.grpo.num_iterations)  # this rank's
                 local = {

@@ -63,8 +63,9 @@ def main(model_dir: str, fused: bool = False, sft: bool = False) -> None:
         m = sft_step(acc, policy, opt, batches, max_grad_norm=1.0)
     else:
         opts = StepOptions(micro_batch_size=4, fused_loss=fused)
-        batches = build_micro_batches(mine, opts, pad_id=0)
-        m = train_on(acc, policy, None, opt, LossConfig(loss_type="dapo"), batches, opts)
+        cfg = LossConfig(loss_type="dapo")
+        batches = build_micro_batches(mine, opts, cfg, pad_id=0)
+        m = train_on(acc, policy, None, opt, cfg, batches, opts)
     m = reduce_metrics(acc, {"loss": m["loss"], "grad_norm": m["grad_norm"]})
     if acc.is_main_process:
         out = {"world": acc.num_processes, "fused": fused, "sft": sft, **m}

@@ -28,7 +28,7 @@ def test_a_nan_gradient_skips_the_step_and_keeps_the_weights(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     policy = PolicyLogprobs(model, chunk_size=5)
     opts = StepOptions(micro_batch_size=2)
-    batches = build_micro_batches(random_rollouts(4), opts, pad_id=0)
+    batches = build_micro_batches(random_rollouts(4), opts, LossConfig(), pad_id=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
