@@ -131,6 +131,7 @@ class TransformersEngine(HFTokenizerMixin, Engine):
             s.model, trust_remote_code=s.trust_remote_code, **_dtype_kwarg(self.dtype)
         )
         self.model = model.to(self.device).eval().requires_grad_(False)
+        _own_weights(model)
         config = model.config.get_text_config()
         self.vocab_size = int(config.vocab_size)
         self.max_model_len = s.max_model_len or int(config.max_position_embeddings)
@@ -304,6 +305,20 @@ class TransformersEngine(HFTokenizerMixin, Engine):
 
     def is_sleeping(self) -> bool:
         return bool(self._asleep)
+
+
+def _own_weights(model: torch.nn.Module) -> None:
+    """Copy into memory of their own the CPU parameters that still map the checkpoint file.
+
+    transformers (5.2x) leaves a CPU model's parameters on the safetensors file's mapping, at the
+    file's offsets (8-byte aligned), while a weight update after a level-2 sleep (and the
+    learner's tensors) sit in PyTorch's 64-byte-aligned allocations; the CPU matmul kernels
+    take other paths for the two, so the same weights served log-probs that differed in the
+    last bits once reloaded. Owned, aligned copies make every load serve what the first did."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.device.type == "cpu" and p.data_ptr() % 64:
+                p.data = p.data.clone()
 
 
 def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
