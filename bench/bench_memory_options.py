@@ -364,18 +364,18 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
             starts.append(torch.cuda.memory_allocated())
         calls.clear()
         t0 = time.perf_counter()
-        batches = build_micro_batches(rollouts, opts, loss_cfg, pad_id)
-        metrics = train_on(accelerator, policy, ref_policy, optimizer, loss_cfg, batches, opts)
+        step = build_micro_batches(rollouts, opts, loss_cfg, pad_id)
+        metrics = train_on(accelerator, policy, ref_policy, optimizer, loss_cfg, step, opts)
         if cuda:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
         peaks.append(torch.cuda.max_memory_allocated() if cuda else 0)
-        layer_calls.append(len(calls) / (len(batches) * opts.num_iterations))
+        layer_calls.append(len(calls) / (len(step.batches) * opts.num_iterations))
         steps.append(metrics)
     timed = slice(spec["warmup"], None)
     last = steps[-1]
     per_mb = statistics.median(layer_calls[timed]) if any(layer_calls) else None  # no probe: 0
-    loss_tokens = [b.num_loss_tokens for b in batches]
+    loss_tokens = [b.num_loss_tokens for b in step.batches]
     return {
         "status": "ok",
         "memory_metric": "cuda.max_memory_allocated" if cuda else "ru_maxrss rise over the steps",
@@ -388,7 +388,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
             "all": seconds,
             "warmup": spec["warmup"],
         },
-        "micro_batches": len(batches),
+        "micro_batches": len(step.batches),
         "tokens_trained": int(last["tokens/trained"]),
         "tokens_padded": int(last["tokens/padded"]),
         "trained_tokens_per_s": last["tokens/trained"] / statistics.median(seconds[timed]),

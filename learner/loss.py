@@ -32,6 +32,13 @@ DeepSpeed average). So:
   local token count is used, divided by `num_micro_batches` (i.e. bnpo).
 - grpo, bnpo, dr_grpo: the local value is divided by `num_micro_batches` (as TRL divides by its
   gradient accumulation steps), so the step averages the micro-batch losses.
+
+All four are `Σ_rows w_b · Σ_t per_token·mask` (times dapo's `dp_world_size /
+num_items_in_batch`), with `w_b` from the micro-batch's layout (`row_weights`). The learner
+computes the `w_b` once from the layout of *all* the step's rollouts and passes them as
+`seq_weights`: rows can then be trained in any grouping, and rows whose every token has a
+zero gradient (zero advantage without KL or entropy bonus) left out, with the same gradient
+(`train_step.build_micro_batches`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ norm must agree (each rank trains on its share of the same rollouts; the DAPO no
 SFT's mean over every target are global, so the sharding must not change the numbers).
 `--fused`: the loss fused with the LM head (`grpo.fused_loss`, or `sft.fused_loss` with `--sft`),
 whose weight ZeRO-3 gathers for it. `--sft`: one SFT step (`learner.sft.sft_step`, the chunked
-NLL) on the same sequences, the completions as targets. Prints one JSON line on rank 0.
+NLL) on the same sequences, the completions as targets. Every 4th rollout has zero advantage
+(left out of the GRPO step: `grpo.skip_zero_advantage`). Prints one JSON line on rank 0.
 """
 
 from __future__ import annotations
@@ -61,11 +62,15 @@ def main(model_dir: str, fused: bool = False, sft: bool = False) -> None:
 
         batches = [collate(mb, 0) for mb in micro_batches(mine, 4)]
         m = sft_step(acc, policy, opt, batches, max_grad_norm=1.0)
-    else:
+    else:  # rank 0's share holds 4 zero-advantage rollouts, left out: 1 micro-batch against
+        # rank 1's 2, so rank 0 runs a filler of weight 0 (every forward gathers ZeRO-3's weights)
+        for i, r in enumerate(mine):
+            if (i * acc.num_processes + acc.process_index) % 4 == 0:  # its index in all 16
+                r.advantage = 0.0
         opts = StepOptions(micro_batch_size=4, fused_loss=fused)
         cfg = LossConfig(loss_type="dapo")
-        batches = build_micro_batches(mine, opts, cfg, pad_id=0)
-        m = train_on(acc, policy, None, opt, cfg, batches, opts)
+        step = build_micro_batches(mine, opts, cfg, pad_id=0)
+        m = train_on(acc, policy, None, opt, cfg, step, opts)
     m = reduce_metrics(acc, {"loss": m["loss"], "grad_norm": m["grad_norm"]})
     if acc.is_main_process:
         out = {"world": acc.num_processes, "fused": fused, "sft": sft, **m}

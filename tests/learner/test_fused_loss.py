@@ -407,9 +407,9 @@ def test_train_on_with_fused_loss_equals_the_plain_step(tiny_model_dir, packing,
         policy = PolicyLogprobs(model, chunk_size=5, temperature=0.9)
         opts = StepOptions(micro_batch_size=3, num_iterations=num_iterations, packing=packing,
                            max_tokens_per_micro_batch=30, need_reference=True, fused_loss=fused)  # fmt: skip
-        batches = build_micro_batches(random_rollouts(6), opts, cfg, pad_id=0)
+        step = build_micro_batches(random_rollouts(6), opts, cfg, pad_id=0)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        metrics = train_on(Accelerator(cpu=True), policy, ref, opt, cfg, batches, opts)
+        metrics = train_on(Accelerator(cpu=True), policy, ref, opt, cfg, step, opts)
         out.append((metrics, {k: p.detach().clone() for k, p in model.named_parameters()}))
     (ma, pa), (mb, pb) = out
     assert ma.keys() == mb.keys()
@@ -739,10 +739,10 @@ def test_train_step_says_where_its_time_went(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     policy = PolicyLogprobs(model, chunk_size=5)
     opts = StepOptions(micro_batch_size=2, num_iterations=2)
-    batches = build_micro_batches(random_rollouts(6), opts, LossConfig(), pad_id=0)
+    step = build_micro_batches(random_rollouts(6), opts, LossConfig(), pad_id=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     t0 = time.perf_counter()
-    m = train_on(Accelerator(cpu=True), policy, None, opt, LossConfig(), batches, opts)
+    m = train_on(Accelerator(cpu=True), policy, None, opt, LossConfig(), step, opts)
     wall = time.perf_counter() - t0
     split = {k.removeprefix("time/train/"): v for k, v in m.items() if k.startswith("time/")}
     assert set(split) == {"prepare", "forward", "backward", "optimizer"}

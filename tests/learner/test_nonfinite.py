@@ -28,19 +28,19 @@ def test_a_nan_gradient_skips_the_step_and_keeps_the_weights(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     policy = PolicyLogprobs(model, chunk_size=5)
     opts = StepOptions(micro_batch_size=2)
-    batches = build_micro_batches(random_rollouts(4), opts, LossConfig(), pad_id=0)
+    step = build_micro_batches(random_rollouts(4), opts, LossConfig(), pad_id=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
     poison = model.model.norm.register_forward_hook(lambda m, i, out: out * float("nan"))
-    m = train_on(Accelerator(cpu=True), policy, None, opt, LossConfig(), batches, opts)
+    m = train_on(Accelerator(cpu=True), policy, None, opt, LossConfig(), step, opts)
     assert math.isnan(m["grad_norm"])
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k  # the step was skipped
     assert all(p.grad is None for p in model.parameters())
 
     poison.remove()
-    m = train_on(Accelerator(cpu=True), policy, None, opt, LossConfig(), batches, opts)
+    m = train_on(Accelerator(cpu=True), policy, None, opt, LossConfig(), step, opts)
     assert math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
