@@ -298,8 +298,17 @@ def train_on(
         else:
             grad_norm = step_if_finite(accelerator, policy, optimizer, opts.max_grad_norm)
         clock.lap("optimizer")
-    local_w = max(1.0, float(local_tokens)) * opts.num_iterations
-    out = {k: float(v) / local_w for k, v in sums.items()}
+    # token means over every rank's trained tokens (a rank may train few or none of its own)
+    keys = sorted(sums)
+    totals = torch.tensor(
+        [float(sums[k]) for k in keys] + [float(local_tokens)], dtype=torch.float64, device=dev
+    )
+    if accelerator.num_processes > 1:
+        totals = accelerator.reduce(totals, reduction="sum")
+    *values, tokens = totals.tolist()
+    out = {
+        k: v / (max(1.0, tokens) * opts.num_iterations) for k, v in zip(keys, values, strict=True)
+    }
     out["loss"] = float(total_loss) / opts.num_iterations
     out["grad_norm"] = grad_norm
     out["tokens/trained"] = global_tokens - global_skipped
@@ -350,7 +359,8 @@ class NonFiniteGuard:
 
 
 def reduce_metrics(accelerator: Accelerator, metrics: dict[str, float]) -> dict[str, float]:
-    """Mean of each metric over ranks (every rank has equal work)."""
+    """Mean of each metric over ranks (every rank has equal work; `train_on`'s token means are
+    the same on every rank already)."""
     if accelerator.num_processes == 1:
         return metrics
     keys = sorted(metrics)

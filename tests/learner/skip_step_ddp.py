@@ -36,7 +36,7 @@ def main(model_dir: str, out: str) -> None:
         result["micro_batches"][mode] = len(step.batches)
         if mode == "skip":
             result["fillers"] = step.fillers
-        train_on(acc, policy, None, opt, cfg, step, opts)
+        result[f"{mode}_metrics"] = train_on(acc, policy, None, opt, cfg, step, opts)
         result[mode] = {k: p.detach().clone() for k, p in model.named_parameters()}
     torch.save(result, f"{out}/rank{rank}.pt")
     acc.end_training()

@@ -157,7 +157,7 @@ def test_ranks_with_unequal_micro_batches_step_together(tiny_model_dir, tmp_path
     """2 processes (gloo, DDP): rank 0's rollouts all have zero advantage, rank 1's none, so
     skipping leaves rank 0 one micro-batch (of weight 0) and rank 1 four; rank 0 repeats it (DDP
     broadcasts buffers every forward: unequal counts would hang) and both end with the
-    weights of the same step without skipping."""
+    weights of the same step without skipping, and the same token-mean metrics."""
     from learner.embedded import free_port
 
     cmd = [
@@ -174,6 +174,10 @@ def test_ranks_with_unequal_micro_batches_step_together(tiny_model_dir, tmp_path
     r0, r1 = results["rank0.pt"], results["rank1.pt"]
     assert r0["micro_batches"] == {"skip": 4, "all": 4} and r1["micro_batches"]["skip"] == 4
     assert r0["fillers"] == 4 and r1["fillers"] == 0  # rank 0: 1 filler built, 3 repeats
+    # token means over both ranks' trained tokens: rank 0 trained none, yet reports them
+    m0, m1 = r0["skip_metrics"], r1["skip_metrics"]
+    assert m0["entropy"] == pytest.approx(m1["entropy"], rel=1e-12) and m0["entropy"] > 0
+    assert m0["tokens/skipped"] == m1["tokens/skipped"] > 0
     for k in r0["all"]:
         torch.testing.assert_close(r0["skip"][k], r0["all"][k], rtol=1e-4, atol=1e-6, msg=k)
         torch.testing.assert_close(r0["skip"][k], r1["skip"][k], rtol=0, atol=0, msg=k)
