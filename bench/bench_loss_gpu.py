@@ -119,8 +119,9 @@ FUSED_CHUNK: dict[str, int | None] = {"size": None}  # --fused-chunk; None: auto
 
 
 def run_fused(h, w, ids, old, ref, adv, mask, entropy_coef=0.0):
-    from learner.fused_loss import GRPOTokenLoss, fused_grpo_loss
+    from learner.fused_loss import fused_grpo_loss
     from learner.loss import LossConfig
+    from learner.token_loss import GRPOTokenLoss
 
     b, t, hd = h.shape
     seq = torch.arange(b * t, device=h.device) // t  # [N] rollout of each token (no host sync)
@@ -386,7 +387,6 @@ def breakdown_fused(hd, b, t, chunk, entropy_coef=0.0):
     """Time each stage of one chunk of fused (and the whole fwd+bwd) at one shape; with
     `entropy_coef`, of fused-ent."""
     from learner.fused_loss import (
-        GRPOTokenLoss,
         _GraphedTokenGrads,
         _token_grads,
         grad_hidden_rows,
@@ -398,6 +398,7 @@ def breakdown_fused(hd, b, t, chunk, entropy_coef=0.0):
         _softmax_tiles_kernel,
     )
     from learner.loss import LossConfig
+    from learner.token_loss import GRPOTokenLoss
 
     h, w, ids, old, ref, adv, _ = make_inputs(b, t, hd)
     n = b * t

@@ -297,7 +297,8 @@ def chunked_nll(
         return (h.sum() * 0.0 + weight.sum() * 0.0).to(compute_dtype(h.dtype))
     h, t = h[keep], targets.reshape(-1)[keep]  # [n, H], [n]: the target rows only
     if fused:
-        from learner.fused_loss import NLLTokenLoss, fused_grpo_loss
+        from learner.fused_loss import fused_grpo_loss
+        from learner.token_loss import NLLTokenLoss
 
         loss, _, _ = fused_grpo_loss(
             h, weight, t, NLLTokenLoss(h.shape[0]), temperature=temperature,

@@ -21,8 +21,9 @@ import contextlib
 import torch
 from torch import nn
 
-from learner.fused_loss import TokenLoss, fused_grpo_loss
+from learner.fused_loss import fused_grpo_loss
 from learner.logprobs import token_logprobs
+from learner.token_loss import TokenLoss
 
 
 def _is_zero3(param: torch.Tensor) -> bool:

@@ -22,10 +22,10 @@ import torch
 from accelerate import Accelerator
 
 from learner.batch import Rollout, TrainBatch, collate, micro_batches
-from learner.fused_loss import GRPOTokenLoss
 from learner.loss import LossConfig, LossInputs, grpo_loss, row_weights
 from learner.packing import PackedBatch, pack, packed_micro_batches
 from learner.perf import ActivationOffload
+from learner.token_loss import GRPOTokenLoss
 
 logger = logging.getLogger(__name__)
 

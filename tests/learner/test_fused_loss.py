@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from learner.batch import collate
-from learner.fused_loss import GRPOTokenLoss, fused_grpo_loss
+from learner.fused_loss import fused_grpo_loss
 from learner.logprobs import token_logprobs
 from learner.loss import LOSS_TYPES, LossConfig, LossInputs, grpo_loss
 from learner.packing import PackedBatch, pack
 from learner.policy import PolicyLogprobs
+from learner.token_loss import GRPOTokenLoss
 from learner.train_step import _forward, _seq_index, regroup
 from tests.learner.rollout_data import random_rollouts
 
