@@ -564,7 +564,7 @@ def test_a_restarted_server_gets_the_weights_again_and_the_run_goes_on(tmp_path,
 
 
 def test_a_sync_is_retried_only_when_a_server_went_away():
-    from learner.trainer import _server_went_away
+    from learner.servers import server_went_away
     from rollout_server.client import RolloutHTTPError, RolloutUnavailableError, WeightSyncError
 
     def wrapped(cause: Exception) -> WeightSyncError:
@@ -576,5 +576,5 @@ def test_a_sync_is_retried_only_when_a_server_went_away():
     gone = RolloutUnavailableError("http://s", "POST /weights/begin failed to connect")
     lost = RolloutHTTPError("http://s", "POST", "/weights/bucket", 404, "no open weight update")
     refused = RolloutHTTPError("http://s", "POST", "/weights/commit", 400, "unknown tensor")
-    assert _server_went_away(wrapped(gone)) and _server_went_away(wrapped(lost))
-    assert not _server_went_away(wrapped(refused))
+    assert server_went_away(wrapped(gone)) and server_went_away(wrapped(lost))
+    assert not server_went_away(wrapped(refused))
