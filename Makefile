@@ -23,7 +23,7 @@ demo: venv
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -m "not gpu"
+	$(BIN)/python -m pytest -q -m "not gpu" --durations=15
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
