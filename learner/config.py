@@ -326,6 +326,12 @@ class GRPOConfig(_Section):
         "those of zero advantage (with beta = 0 and entropy_coef = 0) and those without loss "
         "tokens; same gradient, less work",
     )
+    count_zero_advantage: bool = Field(
+        True,
+        description="false: zero-advantage rollouts do not count in the loss normalisers (the "
+        "loss averages over the informative rollouts alone, as with DAPO's dynamic sampling "
+        "but without generating more); needs beta = 0 and entropy_coef = 0",
+    )
     logprob_chunk_size: int = Field(1024, ge=1)
     fused_loss: bool = Field(
         False, description="loss fused with the LM head: 3 N·H·V products instead of 4"
@@ -344,6 +350,18 @@ class GRPOConfig(_Section):
         "truncate_left",
         description="truncate_left: keep the prompt's end; mask: also exclude from the loss",
     )
+
+
+    @model_validator(mode="after")
+    def _uncounted_needs_policy_gradient_only(self) -> GRPOConfig:
+        if not self.count_zero_advantage and (self.beta != 0.0 or self.entropy_coef != 0.0):
+            raise _FieldError(
+                "count_zero_advantage",
+                f"false leaves zero-advantage rollouts out of the loss, but their tokens have "
+                f"a gradient with beta = {self.beta} and entropy_coef = {self.entropy_coef}: "
+                "set both to 0, or count_zero_advantage = true",
+            )
+        return self
 
 
 class OptimConfig(_Section):

@@ -43,6 +43,7 @@ class StepOptions:
     need_reference: bool = False  # beta > 0
     reference_is_adapterless: bool = False  # LoRA: reference = adapters disabled
     skip_zero_advantage: bool = True  # grpo.skip_zero_advantage: see `rollouts_to_train`
+    count_zero_advantage: bool = True  # grpo.count_zero_advantage: see `build_micro_batches`
 
 
 class PhaseClock:
@@ -118,26 +119,38 @@ def build_micro_batches(
 ) -> StepBatches:
     """The step's micro-batches; every row carries its weight in the step's loss (the loss
     types' normalisers, ``loss.row_weights``) as the layout of *all* the rollouts gives it.
-    So leaving out rollouts whose gradient is zero (``rollouts_to_train``) and laying out the others in
-    fewer, fuller micro-batches changes no gradient: only the work."""
+    So leaving out rollouts whose gradient is zero (``rollouts_to_train``) and laying out the
+    others in fewer, fuller micro-batches changes no gradient: only the work.
+
+    With ``count_zero_advantage`` off the normalisers are those of the rollouts of non-zero
+    advantage alone: the step is the one it would be had the zero-advantage groups never been
+    sampled (the loss averages over the informative rollouts, as with DAPO's dynamic sampling,
+    without generating more); the config allows it only without KL and entropy bonus."""
     if not rollouts:
         raise ValueError("a step needs at least one rollout")
-    layout = _layout(rollouts, opts)
-    weight: dict[int, float] = {}
+    counted = rollouts
+    if not opts.count_zero_advantage:
+        counted = [r for r in rollouts if r.advantage != 0.0]
+    layout = _layout(counted, opts) if counted else []
+    weight: dict[int, float] = {}  # rollouts outside `counted` weigh 0
     for group in layout:
         tokens = torch.tensor([float(sum(r.completion_mask)) for r in group], dtype=torch.float64)
         w = row_weights(tokens, loss_cfg, len(layout), global_tokens=True)
         weight.update(zip(map(id, group), w.tolist(), strict=True))
     kept = rollouts_to_train(rollouts, opts, loss_cfg)
-    loss_tokens = sum(sum(r.completion_mask) for r in rollouts)
-    skipped = loss_tokens - sum(sum(r.completion_mask) for r in kept)
-    if len(kept) == len(rollouts):
+    loss_tokens = sum(sum(r.completion_mask) for r in counted)
+    skipped = sum(sum(r.completion_mask) for r in rollouts) - sum(
+        sum(r.completion_mask) for r in kept
+    )
+    if len(kept) == len(rollouts) and counted is rollouts:
         batches = [_collate(g, [weight[id(r)] for r in g], opts, pad_id) for g in layout]
         return StepBatches(batches, loss_tokens)
     if not kept:  # the optimizer still steps (on zero gradients, as without skipping)
         shortest = min(rollouts, key=lambda r: len(r.prompt_ids) + len(r.completion_ids))
         return StepBatches([_collate([shortest], [0.0], opts, pad_id)], loss_tokens, skipped, 1)
-    batches = [_collate(g, [weight[id(r)] for r in g], opts, pad_id) for g in _layout(kept, opts)]
+    batches = [
+        _collate(g, [weight.get(id(r), 0.0) for r in g], opts, pad_id) for g in _layout(kept, opts)
+    ]
     return StepBatches(batches, loss_tokens, skipped)
 
 
@@ -200,13 +213,17 @@ def train_on(
     step = _equalize(accelerator, step)
     batches = [b.to(dev) for b in step.batches]
     real = len(batches) - step.fillers  # the fillers' metrics are not the step's
-    # The loss normaliser is global: every token of the step on every rank (DAPO), skipped
-    # rollouts' included.
-    counts = torch.tensor(
-        [float(step.loss_tokens), float(step.skipped_tokens)], dtype=torch.float64, device=dev
-    )
-    global_tokens, global_skipped = accelerator.reduce(counts, reduction="sum").tolist()
     local_tokens = sum(b.num_loss_tokens for b in batches[:real])
+    # The loss normaliser is global: every counted token of the step on every rank (DAPO),
+    # skipped rollouts' included.
+    counts = [step.loss_tokens, step.skipped_tokens, local_tokens]
+    counts_t = torch.tensor(counts, dtype=torch.float64, device=dev)
+    global_tokens, global_skipped, global_trained = accelerator.reduce(
+        counts_t, reduction="sum"
+    ).tolist()
+    # no counted token anywhere (every completion masked, say): every row's token sum or weight
+    # is 0 and any normaliser gives the zero loss (0 itself would be refused as a count)
+    num_items = max(global_tokens, 1.0)
     seqs = [_seq_index(b) for b in batches]
     group = [
         functools.partial(regroup, seq=s, num_seqs=b.advantages.numel())
@@ -254,7 +271,7 @@ def train_on(
                         seqs[i],
                         old_logprobs=olds[i],
                         ref_logprobs=refs[i],
-                        num_items_in_batch=global_tokens,
+                        num_items_in_batch=num_items,
                         dp_world_size=accelerator.num_processes,
                         num_micro_batches=len(batches),
                     )
@@ -274,7 +291,7 @@ def train_on(
                         else None,
                         ref_logprobs=refs[i],
                         entropy=group[i](ent_flat) if ent_flat is not None else None,
-                        num_items_in_batch=global_tokens,
+                        num_items_in_batch=num_items,
                         dp_world_size=accelerator.num_processes,
                         num_micro_batches=len(batches),
                         seq_weights=b.seq_weights,
@@ -311,7 +328,7 @@ def train_on(
     }
     out["loss"] = float(total_loss) / opts.num_iterations
     out["grad_norm"] = grad_norm
-    out["tokens/trained"] = global_tokens - global_skipped
+    out["tokens/trained"] = global_trained
     out["tokens/skipped"] = global_skipped  # zero gradient: left out (`rollouts_to_train`)
     out["tokens/padded"] = float(sum(b.input_ids.numel() for b in batches))
     for phase, secs in clock.seconds().items():  # where the train phase went

@@ -112,6 +112,7 @@ def _step_options(cfg: LearnerConfig) -> StepOptions:
         need_reference=g.beta > 0,
         reference_is_adapterless=cfg.model.lora is not None,
         skip_zero_advantage=g.skip_zero_advantage,
+        count_zero_advantage=g.count_zero_advantage,
     )
 
 

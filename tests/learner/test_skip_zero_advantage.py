@@ -69,7 +69,7 @@ def _rollouts(n: int, zero_every: int, seed: int = 0) -> list[Rollout]:
     return out
 
 
-def _step(model_dir, rollouts, cfg: LossConfig, skip: bool, **opt_kw):
+def _step(model_dir, rollouts, cfg: LossConfig, skip: bool, count: bool = True, **opt_kw):
     """One train step from the same seeded model; returns (metrics, parameter deltas, the
     number of micro-batches)."""
     from transformers import AutoModelForCausalLM
@@ -80,7 +80,7 @@ def _step(model_dir, rollouts, cfg: LossConfig, skip: bool, **opt_kw):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     policy = PolicyLogprobs(model, chunk_size=5, temperature=0.9)
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
-    opts = StepOptions(skip_zero_advantage=skip, **opt_kw)
+    opts = StepOptions(skip_zero_advantage=skip, count_zero_advantage=count, **opt_kw)
     step = build_micro_batches(copy.deepcopy(rollouts), opts, cfg, pad_id=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     m = train_on(Accelerator(cpu=True), policy, None, opt, cfg, step, opts)
@@ -114,6 +114,47 @@ def test_skipping_changes_no_gradient(tiny_model_dir, loss_type, layout):
     assert scale > 1e-6  # the step moved the weights
     for k in d_all:
         torch.testing.assert_close(d_skip[k], d_all[k], rtol=1e-4, atol=1e-4 * scale, msg=k)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"micro_batch_size": 3},
+        {"micro_batch_size": 1, "packing": True, "max_tokens_per_micro_batch": 30},
+        {"micro_batch_size": 4, "fused_loss": True},
+    ],
+    ids=["padded", "packed", "fused"],
+)
+def test_uncounted_zero_advantage_is_the_step_without_those_rollouts(
+    tiny_model_dir, loss_type, layout
+):
+    """``count_zero_advantage = false``: the normalisers are those of the informative rollouts
+    alone, i.e. the step on a batch from which the zero-advantage groups were never sampled."""
+    rollouts = _rollouts(12, zero_every=2)
+    informative = [r for r in rollouts if r.advantage != 0.0]
+    cfg = LossConfig(loss_type=loss_type, max_completion_length=16)
+    m_un, d_un, _ = _step(tiny_model_dir, rollouts, cfg, skip=True, count=False, **layout)
+    m_inf, d_inf, _ = _step(tiny_model_dir, informative, cfg, skip=True, **layout)
+    m_all, _, _ = _step(tiny_model_dir, rollouts, cfg, skip=True, **layout)
+    assert m_un["loss"] == pytest.approx(m_inf["loss"], rel=1e-5, abs=1e-7)
+    assert m_un["loss"] != pytest.approx(m_all["loss"], rel=1e-3)  # another objective
+    assert m_un["tokens/trained"] == m_inf["tokens/trained"] == m_all["tokens/trained"]
+    scale = max(d.abs().max().item() for d in d_inf.values())
+    for k in d_inf:
+        torch.testing.assert_close(d_un[k], d_inf[k], rtol=1e-4, atol=1e-4 * scale, msg=k)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_step_without_loss_tokens_runs(tiny_model_dir, skip):
+    """Every completion masked (all cut at max_tokens with mask_truncated_completions, say):
+    the step runs on zero gradients instead of refusing a token count of 0."""
+    rollouts = random_rollouts(4)
+    for r in rollouts:
+        r.completion_mask = [0] * len(r.completion_mask)
+    m, delta, _ = _step(tiny_model_dir, rollouts, LossConfig(), skip=skip, micro_batch_size=2)
+    assert m["loss"] == 0.0 and m["grad_norm"] == 0.0 and m["tokens/trained"] == 0
+    assert all(not d.any() for d in delta.values())
 
 
 def test_all_zero_advantage_still_steps_the_optimizer(tiny_model_dir):
@@ -181,3 +222,17 @@ def test_ranks_with_unequal_micro_batches_step_together(tiny_model_dir, tmp_path
     for k in r0["all"]:
         torch.testing.assert_close(r0["skip"][k], r0["all"][k], rtol=1e-4, atol=1e-6, msg=k)
         torch.testing.assert_close(r0["skip"][k], r1["skip"][k], rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("over", ["grpo.beta=0.04", "grpo.entropy_coef=0.01"])
+def test_uncounted_zero_advantage_needs_no_kl_and_no_entropy_bonus(over):
+    from learner.config import ConfigError, load_config
+
+    base = ['data.path="x.jsonl"', 'rewards=[{name="length"}]']
+    assert not load_config(
+        None, [*base, "grpo.count_zero_advantage=false"]
+    ).grpo.count_zero_advantage
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*base, "grpo.count_zero_advantage=false", over])
+    assert "grpo.count_zero_advantage: false leaves zero-advantage rollouts out" in str(err.value)
+    assert "set both to 0, or count_zero_advantage = true" in str(err.value)
