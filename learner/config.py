@@ -351,7 +351,6 @@ class GRPOConfig(_Section):
         description="truncate_left: keep the prompt's end; mask: also exclude from the loss",
     )
 
-
     @model_validator(mode="after")
     def _uncounted_needs_policy_gradient_only(self) -> GRPOConfig:
         if not self.count_zero_advantage and (self.beta != 0.0 or self.entropy_coef != 0.0):
