@@ -88,17 +88,23 @@ def _step(model_dir, rollouts, cfg: LossConfig, skip: bool, count: bool = True, 
     return m, delta, len(step.batches)
 
 
+LAYOUTS = {
+    "padded": {"micro_batch_size": 3},
+    "packed": {"micro_batch_size": 1, "packing": True, "max_tokens_per_micro_batch": 30},
+    "fused": {"micro_batch_size": 4, "fused_loss": True},
+    "mu2": {"micro_batch_size": 2, "num_iterations": 2},
+}
+
+
+def _assert_same_update(got: dict, want: dict) -> None:
+    scale = max(d.abs().max().item() for d in want.values())
+    assert scale > 1e-6  # the step moved the weights
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4 * scale, msg=k)
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize(
-    "layout",
-    [
-        {"micro_batch_size": 3},
-        {"micro_batch_size": 1, "packing": True, "max_tokens_per_micro_batch": 30},
-        {"micro_batch_size": 4, "fused_loss": True},
-        {"micro_batch_size": 2, "num_iterations": 2},
-    ],
-    ids=["padded", "packed", "fused", "mu2"],
-)
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_skipping_changes_no_gradient(tiny_model_dir, loss_type, layout):
     rollouts = _rollouts(12, zero_every=2)
     cfg = LossConfig(loss_type=loss_type, max_completion_length=16)
@@ -110,21 +116,12 @@ def test_skipping_changes_no_gradient(tiny_model_dir, loss_type, layout):
     assert m_skip["tokens/trained"] + skipped == m_all["tokens/trained"]
     assert m_skip["loss"] == pytest.approx(m_all["loss"], rel=1e-5, abs=1e-7)
     assert m_skip["grad_norm"] == pytest.approx(m_all["grad_norm"], rel=1e-5)
-    scale = max(d.abs().max().item() for d in d_all.values())
-    assert scale > 1e-6  # the step moved the weights
-    for k in d_all:
-        torch.testing.assert_close(d_skip[k], d_all[k], rtol=1e-4, atol=1e-4 * scale, msg=k)
+    _assert_same_update(d_skip, d_all)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize(
-    "layout",
-    [
-        {"micro_batch_size": 3},
-        {"micro_batch_size": 1, "packing": True, "max_tokens_per_micro_batch": 30},
-        {"micro_batch_size": 4, "fused_loss": True},
-    ],
-    ids=["padded", "packed", "fused"],
+    "layout", [LAYOUTS[k] for k in ("padded", "packed", "fused")], ids=["padded", "packed", "fused"]
 )
 def test_uncounted_zero_advantage_is_the_step_without_those_rollouts(
     tiny_model_dir, loss_type, layout
@@ -140,9 +137,7 @@ def test_uncounted_zero_advantage_is_the_step_without_those_rollouts(
     assert m_un["loss"] == pytest.approx(m_inf["loss"], rel=1e-5, abs=1e-7)
     assert m_un["loss"] != pytest.approx(m_all["loss"], rel=1e-3)  # another objective
     assert m_un["tokens/trained"] == m_inf["tokens/trained"] == m_all["tokens/trained"]
-    scale = max(d.abs().max().item() for d in d_inf.values())
-    for k in d_inf:
-        torch.testing.assert_close(d_un[k], d_inf[k], rtol=1e-4, atol=1e-4 * scale, msg=k)
+    _assert_same_update(d_un, d_inf)
 
 
 @pytest.mark.parametrize("skip", [True, False])
