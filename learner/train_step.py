@@ -84,9 +84,14 @@ class StepBatches:
     """A step's micro-batches on this rank, and what the loss needs of the rollouts left out."""
 
     batches: list[TrainBatch]
-    loss_tokens: int  # loss tokens of every rollout of the step here, skipped ones included
+    trained: list[Rollout]  # the rollouts in `batches` (fillers apart)
+    loss_tokens: int  # loss tokens of every counted rollout of the step here, skipped included
     skipped_tokens: int = 0  # those of the skipped rollouts
     fillers: int = 0  # trailing batches of weight 0 (a step must run at least one, see below)
+
+
+def _loss_tokens(rollouts: list[Rollout]) -> int:
+    return sum(sum(r.completion_mask) for r in rollouts)
 
 
 def rollouts_to_train(
@@ -138,20 +143,15 @@ def build_micro_batches(
         w = row_weights(tokens, loss_cfg, len(layout), global_tokens=True)
         weight.update(zip(map(id, group), w.tolist(), strict=True))
     kept = rollouts_to_train(rollouts, opts, loss_cfg)
-    loss_tokens = sum(sum(r.completion_mask) for r in counted)
-    skipped = sum(sum(r.completion_mask) for r in rollouts) - sum(
-        sum(r.completion_mask) for r in kept
-    )
-    if len(kept) == len(rollouts) and counted is rollouts:
-        batches = [_collate(g, [weight[id(r)] for r in g], opts, pad_id) for g in layout]
-        return StepBatches(batches, loss_tokens)
+    loss_tokens, skipped = _loss_tokens(counted), _loss_tokens(rollouts) - _loss_tokens(kept)
     if not kept:  # the optimizer still steps (on zero gradients, as without skipping)
         shortest = min(rollouts, key=lambda r: len(r.prompt_ids) + len(r.completion_ids))
-        return StepBatches([_collate([shortest], [0.0], opts, pad_id)], loss_tokens, skipped, 1)
+        filler = _collate([shortest], [0.0], opts, pad_id)
+        return StepBatches([filler], [], loss_tokens, skipped, fillers=1)
     batches = [
         _collate(g, [weight.get(id(r), 0.0) for r in g], opts, pad_id) for g in _layout(kept, opts)
     ]
-    return StepBatches(batches, loss_tokens, skipped)
+    return StepBatches(batches, kept, loss_tokens, skipped)
 
 
 def _equalize(accelerator: Accelerator, step: StepBatches) -> StepBatches:

@@ -73,7 +73,6 @@ from learner.train_step import (
     StepOptions,
     build_micro_batches,
     reduce_metrics,
-    rollouts_to_train,
     train_on,
 )
 from rollout_server.client import RolloutClient
@@ -330,7 +329,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     hf_model = accelerator.unwrap_model(policy).model  # sync's receives now
                     prepared = loop.submit(syncer.prepare(hf_model))
                 t0 = time.perf_counter()
-                batches = build_micro_batches(step_rollouts.rollouts, opts, loss_cfg, pad_id)
+                micro = build_micro_batches(step_rollouts.rollouts, opts, loss_cfg, pad_id)
                 profile = accelerator.is_main_process and state.step + 1 in cfg.run.profile_steps
                 with profiled(
                     run_dir / "profile" if profile else None,
@@ -338,7 +337,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     trace=cfg.run.profile_trace,
                 ):
                     train_metrics = train_on(
-                        accelerator, policy, ref_policy, optimizer, loss_cfg, batches, opts
+                        accelerator, policy, ref_policy, optimizer, loss_cfg, micro, opts
                     )
                 guard.check(state.step + 1, train_metrics)
                 scheduler.step()
@@ -356,10 +355,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     loop.run(client.wake_up(["kv_cache"]))
                 t_sync = time.perf_counter() - t0
                 state.step += 1
-                lengths = [  # of the rollouts trained on (not the skipped ones)
-                    len(r.prompt_ids) + len(r.completion_ids)
-                    for r in rollouts_to_train(step_rollouts.rollouts, opts, loss_cfg)
-                ]
+                lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in micro.trained]
                 flops = train_flops(hf_config, lengths, cfg.grpo.num_iterations)  # this rank's
                 local = {
                     **step_rollouts.metrics,
