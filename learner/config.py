@@ -7,67 +7,12 @@ must not silently fall back to a default), and every error names the field and h
 from __future__ import annotations
 
 import tomllib
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-
-class _Section(BaseModel):
-    # inf and nan are never meant (an inf timeout or learning rate is a typo, not a setting)
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _none_words(cls, data: Any) -> Any:
-        """TOML has no null: ``"none"`` (or ``"null"``) unsets a field that may be unset, such as
-        ``grpo.tis_cap = "none"`` or ``--set grpo.tis_cap=none``. Fields that take strings keep
-        the word as it is."""
-        if not isinstance(data, dict):
-            return data
-        out = dict(data)
-        for name, value in data.items():
-            field = cls.model_fields.get(name)
-            if (
-                field is not None
-                and isinstance(value, str)
-                and value.strip().lower() in ("none", "null")
-                and _unsettable(field.annotation)
-            ):
-                out[name] = None
-        return out
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_bool_numbers(cls, data: Any) -> Any:
-        """``true`` is not a number: ``run.steps = true`` would otherwise train 1 step."""
-        if isinstance(data, dict):
-            for name, value in data.items():
-                field = cls.model_fields.get(name)
-                if field is not None and isinstance(value, bool) and _numeric(field.annotation):
-                    raise _FieldError(name, f"give a number, not {str(value).lower()}")
-        return data
-
-
-class _FieldError(ValueError):
-    """A section validator's error about one of its fields (reported as ``section.field``)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field, self.message = field, message
-
-
-def _numeric(annotation: Any) -> bool:
-    """Whether a field takes numbers and no booleans (``int``, ``float``, ``float | None``...)."""
-    kinds = set(typing.get_args(annotation)) or {annotation}
-    return bool(kinds & {int, float}) and bool not in kinds
-
-
-def _unsettable(annotation: Any) -> bool:
-    """Whether a field of this type may be None and takes no plain string."""
-    args = typing.get_args(annotation)
-    return type(None) in args and str not in args
+from learner.config_base import _FieldError, _Section
 
 
 class LoraConfig(_Section):
@@ -331,6 +276,18 @@ class GRPOConfig(_Section):
         description="false: zero-advantage rollouts do not count in the loss normalisers (the "
         "loss averages over the informative rollouts alone, as with DAPO's dynamic sampling "
         "but without generating more); needs beta = 0 and entropy_coef = 0",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling: a step tops its batch up to prompts_per_step "
+        "informative groups (rewards not all equal) with more rounds of prompts, and leaves the "
+        "uninformative groups out",
+    )
+    max_sampling_rounds: int = Field(
+        4,
+        ge=2,
+        description="with dynamic_sampling: rounds of generation a step may take (the first "
+        "included); a batch still short after them is filled with uninformative groups",
     )
     logprob_chunk_size: int = Field(1024, ge=1)
     fused_loss: bool = Field(

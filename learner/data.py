@@ -260,7 +260,11 @@ def _check_prompt(prompt: str | list[Any], where: str) -> None:
 
 
 class PromptStream:
-    """An endless, seeded, resumable stream of rows over epochs."""
+    """An endless, seeded, resumable stream of rows over epochs.
+
+    ``take_refill`` draws from a second seeded pass over the same rows with its own position
+    (DAPO's dynamic sampling tops a step up from it): the main order, which rows prefetched for
+    later steps already hold, stays as it is, and both positions are checkpointed exactly."""
 
     def __init__(self, rows: list[dict[str, Any]], *, seed: int, shuffle: bool) -> None:
         self.rows = rows
@@ -268,8 +272,8 @@ class PromptStream:
         self.shuffle = shuffle
         self.position = 0
         self.pending = 0  # rows taken for generations not trained on yet (overlap)
-        self._order_epoch = -1
-        self._order: list[int] = []
+        self.refill_position = 0
+        self._orders: dict[tuple[str, int], list[int]] = {}
         self._fingerprint: int | None = None
 
     @property
@@ -286,26 +290,43 @@ class PromptStream:
     def epoch(self) -> int:
         return self.position // len(self.rows)
 
-    def _order_for(self, epoch: int) -> list[int]:
-        if epoch != self._order_epoch:
+    def _order_for(self, epoch: int, kind: str = "main") -> list[int]:
+        key = (kind, epoch)
+        if key not in self._orders:
             order = list(range(len(self.rows)))
             if self.shuffle:
-                random.Random(self.seed + epoch).shuffle(order)
-            self._order, self._order_epoch = order, epoch
-        return self._order
+                seed: int | str = (
+                    self.seed + epoch if kind == "main" else f"{kind}:{self.seed}:{epoch}"
+                )
+                random.Random(seed).shuffle(order)
+            self._orders = {k: v for k, v in self._orders.items() if k[0] != kind}  # one a kind
+            self._orders[key] = order
+        return self._orders[key]
+
+    def _take(self, count: int, start: int, kind: str) -> list[dict[str, Any]]:
+        out = []
+        for position in range(start, start + count):
+            epoch, index = divmod(position, len(self.rows))
+            out.append(self.rows[self._order_for(epoch, kind)[index]])
+        return out
 
     def take(self, count: int) -> list[dict[str, Any]]:
-        out = []
-        for _ in range(count):
-            epoch, index = divmod(self.position, len(self.rows))
-            out.append(self.rows[self._order_for(epoch)[index]])
-            self.position += 1
+        out = self._take(count, self.position, "main")
+        self.position += count
+        return out
+
+    def take_refill(self, count: int) -> list[dict[str, Any]]:
+        """``count`` rows of the refill pass (its own seeded order; unshuffled data: the rows
+        in order, as the main pass)."""
+        out = self._take(count, self.refill_position, "refill")
+        self.refill_position += count
         return out
 
     def state_dict(self) -> dict[str, int]:
         # Rows prefetched for generation but not trained on are replayed after a resume.
         return {
             "position": self.position - self.pending,
+            "refill_position": self.refill_position,
             "seed": self.seed,
             "rows": len(self.rows),
             "fingerprint": self.fingerprint,
@@ -317,6 +338,7 @@ class PromptStream:
                 f"checkpoint was made with data.seed={state['seed']}, config has {self.seed}"
             )
         self.position = int(state["position"])
+        self.refill_position = int(state.get("refill_position", 0))  # older checkpoints: none
         self.pending = 0
         if "fingerprint" in state and state["fingerprint"] != self.fingerprint:
             logger.warning(

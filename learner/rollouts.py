@@ -50,6 +50,7 @@ class StepRollouts:
     rewards: torch.Tensor  # [B*G] total (weighted) reward
     metrics: dict[str, float] = field(default_factory=dict)
     first_error: str | None = None  # of the step's failed episodes, if any
+    valid: list[bool] | None = None  # False: left out of its group's baseline (failed episode)
 
 
 def check_episodes(
@@ -388,4 +389,4 @@ def finish_step(
         "throughput/gen_tokens_per_s": n_tokens / max(metrics["time/generate"], 1e-9),
         "weight_version/min": float(min(r.weight_version for r in rollouts)),
     }
-    return StepRollouts(rollouts, rewards, metrics)
+    return StepRollouts(rollouts, rewards, metrics, valid=valid)

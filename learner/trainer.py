@@ -21,6 +21,7 @@ import os
 import time
 import zlib
 from collections import deque
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from transformers import AutoTokenizer
 from learner.checkpoint import TrainerState, restore
 from learner.config import LearnerConfig
 from learner.data import PromptFormat, PromptStream, load_rows
+from learner.dynamic_sampling import fill_step
 from learner.evaluate import Evaluator
 from learner.export import save_model
 from learner.loss import LossConfig
@@ -264,19 +266,31 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
             per_rank = cfg.grpo.prompts_per_step // world
             rank = accelerator.process_index
 
+            def rollouts_of(rows: list[dict[str, Any]], kind: str, step: int) -> Coroutine:
+                """Generate and score this rank's share of ``rows`` for ``step``."""
+                mine = rows[rank * per_rank : (rank + 1) * per_rank]
+                seed = request_seed(cfg, kind, step, rank)
+                if env_cls is not None:
+                    return collect_episodes(cfg, client, env_cls, chat, mine, seed)
+                assert scorer is not None
+                return collect(cfg, client, scorer, mine, tokenizer=tokenizer, seed=seed)
+
             def launch(rows: list[dict[str, Any]] | None = None) -> None:
                 if rows is None:
                     rows = stream.take(cfg.grpo.prompts_per_step)
-                mine = rows[rank * per_rank : (rank + 1) * per_rank]
                 # the step these rows train, also when a restarted server makes them go again
-                seed = request_seed(cfg, "train", state.step + len(pending) + 1, rank)
-                if env_cls is not None:
-                    coro = collect_episodes(cfg, client, env_cls, chat, mine, seed)
-                else:
-                    assert scorer is not None
-                    coro = collect(cfg, client, scorer, mine, tokenizer=tokenizer, seed=seed)
+                coro = rollouts_of(rows, "train", state.step + len(pending) + 1)
                 pending.append((loop.submit(coro), rows_fingerprint(rows), rows))
                 stream.pending = len(pending) * cfg.grpo.prompts_per_step
+
+            def refill_round(k: int, short: bool) -> StepRollouts | None:
+                rows = stream.take_refill(cfg.grpo.prompts_per_step)  # on every rank
+                return loop.run(rollouts_of(rows, f"refill{k}", state.step + 1)) if short else None
+
+            def most_short(n: int) -> int:
+                if world == 1:
+                    return n
+                return int(accelerator.gather(torch.tensor([n], device=accelerator.device)).max())
 
             stop.steps_begin()
             while state.step < cfg.run.steps:
@@ -321,6 +335,13 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     for r in redo:
                         launch(r)
                     continue
+                t_refill = 0.0
+                if cfg.grpo.dynamic_sampling:  # top the batch up with informative groups
+                    t0 = time.perf_counter()
+                    step_rollouts = fill_step(
+                        cfg, step_rollouts, per_rank, refill_round, most_short
+                    )
+                    t_refill = time.perf_counter() - t0
                 sleep_level = cfg.rollout.sleep_while_training
                 if sleep_level and accelerator.is_main_process:
                     loop.run(client.sleep(sleep_level))  # colocated: give the GPU to training
@@ -364,6 +385,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                     "reward/std": float(step_rollouts.rewards.std()),
                     "staleness": float(staleness),
                     "time/wait_generate": t_wait,
+                    **({"time/refill": t_refill} if cfg.grpo.dynamic_sampling else {}),
                     "time/train": t_train,
                     "throughput/train_tokens_per_s": train_metrics["tokens/trained"]
                     / max(t_train, 1e-9),
