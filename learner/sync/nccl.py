@@ -27,6 +27,10 @@ Only the main process sends, but under ZeRO-3 every rank must run the same param
 feed ``send`` from ``learner.sync.zero3.iter_gathered_params`` on rank 0 and exhaust the same
 iterator on the other ranks. ``send`` always consumes its iterator to the end, even when it
 fails, so the ranks' gathers stay in step.
+
+The methods that run on the broadcast thread are in ``learner.sync.nccl_broadcast``
+(``NcclWeightSender`` inherits them); the bucket planning and tensor-stream helpers, shared with
+the CUDA IPC sender, in ``learner.sync.nccl_buckets``.
 """
 
 from __future__ import annotations
@@ -34,28 +38,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from learner.sync.nccl_broadcast import NcclBroadcastMixin, _DaemonWorker, _Slots
+from learner.sync.nccl_buckets import (
+    announce_to_all,
+    check_checksums,
+    drain,
+    fill_bucket,
+    plan_buckets,
+    segment_views,
+    take_tensors,
+    update_stats,
+)
 from rewards._threads import run_in_daemon_thread
 from rollout_server.client import RolloutClient, RolloutError, WeightSyncError
 from rollout_server.nccl_wire import (
     Bucket,
-    BucketEntry,
     NcclGroupError,
-    Segment,
     bucket_layout,
-    copy_all,
-    flat_checksum,
     join_group,
     nccl_abort,
-    wait_event,
 )
 from rollout_server.protocol import (
     NcclInitRequest,
@@ -68,133 +76,27 @@ from rollout_server.protocol import (
 if TYPE_CHECKING:
     import torch
 
+# The bucket helpers are re-exported from nccl_buckets: learner.sync.ipc, the tests and the
+# benches import them from this module.
+__all__ = [
+    "SEGMENT_BYTES",
+    "NcclWeightSender",
+    "announce_to_all",
+    "check_checksums",
+    "drain",
+    "fill_bucket",
+    "plan_buckets",
+    "segment_views",
+    "take_tensors",
+    "update_stats",
+]
+
 log = logging.getLogger(__name__)
 
 _SWITCH_INTERVAL_S = 0.0002  # GIL switch interval while a send is in progress
 # Each bucket goes over the wire in runs of whole tensors of at most this many bytes: the first
 # leaves while the next are packed, and the servers copy each in as it lands (prepared updates).
 SEGMENT_BYTES = 64 << 20
-
-_ITEMSIZE = {
-    "float64": 8,
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int8": 1,
-    "uint8": 1,
-}
-
-
-@dataclass(frozen=True)
-class BucketPlan:
-    buckets: list[list[int]]  # indices into the specs, in order
-    dtypes: list[str]
-
-
-def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> BucketPlan:
-    """Contiguous runs of ``specs`` of one dtype, each at most ``bucket_bytes`` (a larger tensor
-    gets a bucket of its own). Runs stay in order because the tensors arrive as a stream."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    buckets: list[list[int]] = []
-    dtypes: list[str] = []
-    size = 0
-    for i, spec in enumerate(specs):
-        if spec.dtype not in _ITEMSIZE:
-            raise ValueError(f"tensor {spec.name!r}: dtype {spec.dtype!r} cannot be broadcast")
-        nbytes = _ITEMSIZE[spec.dtype] * _numel(spec.shape)
-        if not buckets or dtypes[-1] != spec.dtype or size + nbytes > bucket_bytes:
-            buckets.append([])
-            dtypes.append(spec.dtype)
-            size = 0
-        buckets[-1].append(i)
-        size += nbytes
-    return BucketPlan(buckets, dtypes)
-
-
-def specs_bytes(specs: Sequence[TensorSpec]) -> int:
-    """Bytes of one update (every transport sends exactly the announced tensors)."""
-    return sum(_ITEMSIZE[s.dtype] * _numel(s.shape) for s in specs)
-
-
-def update_stats(start: float, specs: Sequence[TensorSpec], **phases: float) -> dict[str, float]:
-    """A sender's ``last_stats`` of one update: its own phases' seconds, the whole update's
-    (since ``start``, a ``time.perf_counter()``) and the bytes it carried."""
-    return {**phases, "total_s": time.perf_counter() - start, "bytes": float(specs_bytes(specs))}
-
-
-def check_checksums(
-    servers: Sequence[str], responses: Sequence[WeightUpdateResponse], sent: float
-) -> None:
-    """Each server's checksum of what it loaded must be the learner's of what it sent."""
-    for server, r in zip(servers, responses, strict=True):
-        if r.checksum is None or abs(r.checksum - sent) > 1e-9 * max(1.0, abs(sent)):
-            raise WeightSyncError(server, f"checksum {r.checksum} differs from the sent {sent}")
-
-
-async def announce_to_all(
-    servers: Sequence[str],
-    post: Callable[[str], Awaitable[WeightUpdateResponse]],
-    transport: str,
-    *,
-    wait_for_all: bool = False,
-) -> list[WeightUpdateResponse]:
-    """``post`` the update to every server at once; a refusal becomes a ``WeightSyncError``
-    naming the server. With ``wait_for_all`` every server answers before one failure is
-    raised (they may still be reading the learner's buffers); without, the first one raises."""
-
-    async def one(server: str) -> WeightUpdateResponse:
-        try:
-            return await post(server)
-        except RolloutError as e:
-            raise WeightSyncError(
-                server, f"{transport} update failed, its previous weights still serve: {e}"
-            ) from e
-
-    if not wait_for_all:
-        return list(await asyncio.gather(*(one(s) for s in servers)))
-    results = await asyncio.gather(*(one(s) for s in servers), return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return list(results)  # type: ignore[arg-type]
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-class _DaemonWorker:
-    """One daemon thread kept for a sender's broadcasts, so that no thread starts on a sync's
-    critical path; jobs run in turn. A daemon, as in ``run_in_daemon_thread``: a broadcast that
-    can never finish must not keep the interpreter alive at exit."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
-        future: Future = Future()
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="nccl-weight-sync", daemon=True)
-            self._thread.start()
-        self._jobs.put((future, fn, args))
-        return asyncio.wrap_future(future)
-
-    def _run(self) -> None:
-        while True:
-            future, fn, args = self._jobs.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:
-                future.set_exception(exc)
 
 
 async def _first_failure(futures: list[asyncio.Future]) -> None:
@@ -215,7 +117,7 @@ class _PreparedSend:
     commit: asyncio.Future  # the servers' commit, posted right after preparing: their answers
 
 
-class NcclWeightSender:
+class NcclWeightSender(NcclBroadcastMixin):
     """Learner rank 0 of the weight-sync group. ``init`` once, then ``send`` after each step
     (``prepare`` before it, while the optimizer steps, takes the announce off its path)."""
 
@@ -585,211 +487,6 @@ class NcclWeightSender:
         except Exception as exc:  # expected: the empty stream, or the servers' refusal
             log.info("the prepared update was abandoned (%s)", exc)
 
-    def _broadcast(
-        self,
-        layout: list[Bucket],
-        tensor_iter: Iterable[tuple[str, torch.Tensor]],
-        stop: threading.Event,
-        checksum: bool,
-        segment_bytes: int,
-        on_bucket: Callable[[int], None] | None,
-        marks: dict[str, float],
-        worded: threading.Event,
-    ) -> tuple[float, int]:
-        """Fill and broadcast every bucket, then the commit word; wait for the workers' sum of
-        acknowledgements. Returns the checksum and that sum.
-
-        If the stream fails or disagrees with ``specs``, the remaining buckets go out as zeros
-        with commit word 0: the servers discard everything and the group stays usable. Any
-        other failure (no memory, a dead peer) aborts the group; the next send forms it again.
-        """
-        import torch
-
-        marks["thread"] = time.perf_counter()
-        torch.cuda.set_device(self._device)
-        it = iter(tensor_iter)
-        try:
-            total, failure, acked = self._stream_buckets(
-                layout, it, stop, checksum, segment_bytes, on_bucket, marks, worded
-            )
-        except NcclGroupError:
-            drain(it, quiet=True)
-            raise
-        except BaseException as exc:
-            nccl_abort(self._comm)
-            drain(it, quiet=True)
-            raise NcclGroupError(f"the broadcast stopped part way ({exc!r})") from exc
-        drain(it, quiet=failure is not None)
-        if failure is not None:
-            raise failure
-        return total, acked
-
-    def _stream_buckets(
-        self,
-        layout: list[Bucket],
-        it: Iterator[tuple[str, torch.Tensor]],
-        stop: threading.Event,
-        checksum: bool,
-        segment_bytes: int,
-        on_bucket: Callable[[int], None] | None,
-        marks: dict[str, float],
-        worded: threading.Event,
-    ) -> tuple[float, Exception | None, int]:
-        """Every bucket goes out segment by segment (``Bucket.segments``) on a wire stream.
-
-        This thread runs on a fill stream, so the stream's tensors (a ZeRO-3 gather's copies)
-        are made there too. A segment of one tensor that already has the bucket's dtype leaves
-        from that tensor; the others are packed (one fused multi-tensor copy into kept views)
-        into one of two buffers per dtype while the previous segment is on the wire. The two streams wait on each other on
-        the GPU (a few reused events per segment): this thread only launches, and blocks once,
-        for the workers' acknowledgement after the commit word, unless ``on_bucket`` asks it to
-        wait for every bucket. Returns the checksum, the failure if the stream failed (then
-        the word was 0) and the sum of acknowledgements."""
-        import torch
-
-        comm, timeout_s, device = self._comm, float(self._init_args["timeout_s"]), self._device
-        if self._streams is None:
-            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        fill, wire = self._streams
-        slots = self._slots.get(segment_bytes)
-        if slots is None or not slots.serves(layout):
-            if len(self._slots) >= 4:  # one per segment size in use; a few at most
-                self._slots.clear()
-            slots = self._slots[segment_bytes] = _Slots(layout, segment_bytes, device)
-        slots.reset()
-        failure: Exception | None = None
-        total = torch.zeros((), dtype=torch.float64, device=device) if checksum else None
-        ready = torch.cuda.Event()  # the segment just packed (or made) on the fill stream
-        fill.wait_stream(torch.cuda.current_stream(device))  # the caller's last writes
-        marks["setup"] = time.perf_counter()
-        with torch.cuda.stream(fill):
-            for b, (bucket, segs) in enumerate(zip(layout, slots.cut, strict=True)):
-                for i, g in enumerate(segs):
-                    parts = None
-                    if failure is None:
-                        try:
-                            parts = take_tensors(bucket.entries[g.first : g.stop], it)
-                            if "taken" not in marks:
-                                marks["taken"] = time.perf_counter()
-                        except Exception as exc:
-                            failure = exc
-                            log.error("weight sync abandoned at bucket %d: %s", b, exc)
-                    direct = (
-                        parts is not None
-                        and len(parts) == 1
-                        and parts[0].dtype == bucket.dtype
-                        and parts[0].device == device
-                        and parts[0].is_contiguous()
-                    )
-                    if direct:
-                        flat = parts[0]  # type: ignore[index]
-                        flat.record_stream(wire)  # a gathered copy may be freed before it left
-                    else:
-                        flat, slot, views = slots.take(b, i, wire)
-                        if parts is None:
-                            flat.zero_()
-                        else:
-                            copy_all(views, parts)
-                    ready.record(fill)
-                    wire.wait_event(ready)
-                    if total is not None and failure is None:
-                        with torch.cuda.stream(wire):
-                            total += flat_checksum(flat.view(-1))
-                    comm.broadcast(flat, src=0, stream=wire)
-                    if not direct:
-                        slots.sent(bucket.dtype, slot, wire)
-                    del flat, parts
-                    if "first" not in marks:
-                        marks["first"] = time.perf_counter()
-                marks[f"launched{b}"] = time.perf_counter()
-                if on_bucket is not None:
-                    left = torch.cuda.Event()
-                    left.record(wire)
-                    wait_event(left, comm, timeout_s, f"bucket {b + 1}", stop)
-                    on_bucket(b)
-            if failure is None and next(it, None) is not None:
-                failure = ValueError(
-                    "the tensor stream yielded more tensors than the specs announce"
-                )
-        with torch.cuda.stream(wire):
-            # filled on the GPU: a copy from pageable host memory would first wait for the stream
-            word = torch.full((1,), 0 if failure else 1, dtype=torch.int32, device=device)
-            acks = torch.zeros(1, dtype=torch.int32, device=device)
-        comm.broadcast(word, src=0, stream=wire)
-        # each worker adds 1 once the update is in its parameters (its HTTP commit got there)
-        comm.all_reduce(acks, acks, stream=wire)
-        done = torch.cuda.Event()
-        done.record(wire)
-        marks["word"] = time.perf_counter()
-        worded.set()
-        wait_event(done, comm, timeout_s, "the servers' acknowledgement of the load", stop)
-        marks["acked"] = time.perf_counter()
-        acked = int(acks.item())
-        return (float(total) if total is not None else 0.0), failure, acked
-
-
-class _Slots:
-    """Two packing buffers per dtype, taken in turn on the (current) fill stream, with the
-    views that the segments' tensors are copied into (made once per layout and kept, with the
-    buffers, for the next send of it). A buffer is refilled only after the segment last sent
-    from it has left (a wait on the GPU, not here); a segment larger than the buffers (one
-    tensor that needs a cast) gets one of its own."""
-
-    def __init__(self, layout: list[Bucket], segment_bytes: int, device: torch.device) -> None:
-        import torch
-
-        self.layout, self.segment_bytes = layout, segment_bytes
-        self.cut = [bucket.segments(segment_bytes) for bucket in layout]
-        numel: dict[torch.dtype, int] = {}
-        for bucket, segs in zip(layout, self.cut, strict=True):
-            for g in segs:
-                if g.stop - g.first > 1:
-                    numel[bucket.dtype] = max(numel.get(bucket.dtype, 0), g.numel)
-        self._buffers = {
-            d: [torch.empty(n, dtype=d, device=device) for _ in range(2)] for d, n in numel.items()
-        }
-        self._left = {d: [torch.cuda.Event(), torch.cuda.Event()] for d in numel}
-        self._used = {d: [False, False] for d in numel}
-        self._turn: dict[torch.dtype, int] = dict.fromkeys(numel, 0)
-        self._views: dict[tuple[int, int, int], list[torch.Tensor]] = {}
-        self._device = device
-
-    def serves(self, layout: list[Bucket]) -> bool:
-        return layout is self.layout or layout == self.layout
-
-    def reset(self) -> None:
-        """A new send: the previous one's segments have all left."""
-        for used in self._used.values():
-            used[:] = [False, False]
-
-    def take(
-        self, b: int, i: int, wire: torch.cuda.Stream
-    ) -> tuple[torch.Tensor, int, list[torch.Tensor]]:
-        """Segment ``i`` of bucket ``b``: its buffer, slot (-1: a buffer of its own) and the
-        views of its tensors into the buffer."""
-        import torch
-
-        bucket, g = self.layout[b], self.cut[b][i]
-        buffers = self._buffers.get(bucket.dtype)
-        if buffers is None or g.numel > buffers[0].numel():
-            out = torch.empty(g.numel, dtype=bucket.dtype, device=self._device)
-            out.record_stream(wire)
-            return out, -1, segment_views(out, bucket, g)
-        k = self._turn[bucket.dtype]
-        self._turn[bucket.dtype] = 1 - k
-        if self._used[bucket.dtype][k]:
-            torch.cuda.current_stream(self._device).wait_event(self._left[bucket.dtype][k])
-        flat = buffers[k][: g.numel]
-        views = self._views.get((k, b, i))
-        if views is None:
-            views = self._views[(k, b, i)] = segment_views(flat, bucket, g)
-        return flat, k, views
-
-    def sent(self, dtype: torch.dtype, slot: int, wire: torch.cuda.Stream) -> None:
-        if slot >= 0:
-            self._left[dtype][slot].record(wire)
-            self._used[dtype][slot] = True
-
 
 def _update_key(specs: Sequence[TensorSpec], *args: Any) -> tuple:
     """What makes two updates the same: every spec, and the other arguments."""
@@ -799,47 +496,3 @@ def _update_key(specs: Sequence[TensorSpec], *args: Any) -> tuple:
 def _layout(request: NcclUpdateRequest) -> list[Bucket]:
     specs = [s.model_dump() for s in request.tensors]
     return bucket_layout(specs, request.buckets, request.bucket_dtypes)
-
-
-def take_tensors(entries: Sequence[BucketEntry], it: Iterator[tuple[str, Any]]) -> list[Any]:
-    """The stream's next tensors, one per entry; raises if a name or shape differs from what
-    the specs announced."""
-    parts = []
-    for e in entries:
-        try:
-            name, tensor = next(it)
-        except StopIteration:
-            raise ValueError(f"the tensor stream ended before {e.name!r}") from None
-        if name != e.name or tuple(tensor.shape) != e.shape:
-            raise ValueError(
-                f"the tensor stream yielded {name!r} {list(tensor.shape)} where the specs "
-                f"announced {e.name!r} {list(e.shape)}; build specs and stream from one model"
-            )
-        parts.append(tensor)
-    return parts
-
-
-def segment_views(flat: torch.Tensor, bucket: Bucket, g: Segment) -> list[torch.Tensor]:
-    """Views of ``flat`` (segment ``g``'s buffer) shaped as its tensors, back to back."""
-    out, offset = [], 0
-    for e in bucket.entries[g.first : g.stop]:
-        out.append(flat.narrow(0, offset, e.numel).view(e.shape))
-        offset += e.numel
-    return out
-
-
-def fill_bucket(flat: torch.Tensor, bucket: Bucket, it: Iterator[tuple[str, Any]]) -> None:
-    """Copy (and cast) the next tensors of the stream into their places in ``flat``."""
-    whole = Segment(0, len(bucket.entries), 0, bucket.numel)
-    copy_all(segment_views(flat, bucket, whole), take_tensors(bucket.entries, it))
-
-
-def drain(it: Any, quiet: bool) -> None:
-    """Consume what is left so every ZeRO-3 rank runs the same gathers."""
-    try:
-        for _ in it:
-            pass
-    except Exception:
-        if not quiet:
-            raise
-        log.warning("the tensor stream failed again while being drained", exc_info=True)
