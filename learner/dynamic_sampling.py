@@ -62,13 +62,11 @@ def merge_rounds(cfg: LearnerConfig, rounds: list[StepRollouts], groups: int) ->
         rewards += step.rewards[span].tolist()
         valid += step.valid[span] if step.valid is not None else [True] * g
     counts = [len(s.rollouts) for s in rounds]
-    metrics = {
-        k: sum(s.metrics[k] for s in rounds)
-        if k in _SUMMED
-        else sum(s.metrics[k] * n for s, n in zip(rounds, counts, strict=True)) / sum(counts)
-        for k in rounds[0].metrics
-        if all(k in s.metrics for s in rounds)
-    }
+    metrics: dict[str, float] = {}
+    for k in dict.fromkeys(k for s in rounds for k in s.metrics):  # a round may lack a key
+        have = [(s.metrics[k], n) for s, n in zip(rounds, counts, strict=True) if k in s.metrics]
+        total = sum(v if k in _SUMMED else v * n for v, n in have)
+        metrics[k] = total if k in _SUMMED else total / sum(n for _, n in have)
     merged = finish_step(cfg, rollouts, rewards, metrics, valid)
     generated = sum(s.metrics["tokens/generated"] for s in rounds)
     merged.metrics.update(

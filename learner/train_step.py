@@ -376,11 +376,15 @@ class NonFiniteGuard:
 
 
 def reduce_metrics(accelerator: Accelerator, metrics: dict[str, float]) -> dict[str, float]:
-    """Mean of each metric over ranks (every rank has equal work; `train_on`'s token means are
-    the same on every rank already)."""
+    """Mean of each metric over the ranks that have it (`train_on`'s token means are the same on
+    every rank already). Ranks may hold different keys: a reward that abstained on all of one
+    rank's completions has no mean there, so the keys are gathered first."""
     if accelerator.num_processes == 1:
         return metrics
-    keys = sorted(metrics)
-    t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=accelerator.device)
-    t = accelerator.reduce(t, reduction="mean")
-    return dict(zip(keys, t.tolist(), strict=True))
+    from accelerate.utils import gather_object
+
+    keys = sorted(set(gather_object(sorted(metrics))))
+    rows = [[metrics.get(k, 0.0), float(k in metrics)] for k in keys]
+    t = torch.tensor(rows, dtype=torch.float64, device=accelerator.device)
+    t = accelerator.reduce(t, reduction="sum")
+    return {k: total / count for k, (total, count) in zip(keys, t.tolist(), strict=True)}

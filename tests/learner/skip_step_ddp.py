@@ -1,6 +1,7 @@
 """One train step under `accelerate launch --multi_gpu --num_processes 2` (gloo on CPU), with and
 without skipping zero-advantage rollouts; rank 0's rollouts all have zero advantage. Writes
-OUT/rank{k}.pt: the weights after each step and the micro-batch counts. Used by
+OUT/rank{k}.pt: the weights after each step, the micro-batch counts, and metrics reduced
+from different keys on the two ranks. Used by
 test_skip_zero_advantage.py."""
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from transformers import AutoModelForCausalLM
 
 from learner.loss import LossConfig
 from learner.policy import PolicyLogprobs
-from learner.train_step import StepOptions, _equalize, build_micro_batches, train_on
+from learner.train_step import (
+    StepOptions,
+    _equalize,
+    build_micro_batches,
+    reduce_metrics,
+    train_on,
+)
 from tests.learner.rollout_data import random_rollouts
 
 
@@ -38,6 +45,9 @@ def main(model_dir: str, out: str) -> None:
             result["fillers"] = step.fillers
         result[f"{mode}_metrics"] = train_on(acc, policy, None, opt, cfg, step, opts)
         result[mode] = {k: p.detach().clone() for k, p in model.named_parameters()}
+    # ranks with different metric keys (a reward that abstained on all of rank 0's completions)
+    own = {"shared": float(rank), **({"reward/x/mean": 0.5} if rank == 1 else {})}
+    result["reduced"] = reduce_metrics(acc, own)
     torch.save(result, f"{out}/rank{rank}.pt")
     acc.end_training()
 

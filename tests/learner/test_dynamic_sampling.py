@@ -84,6 +84,15 @@ def test_merge_keeps_informative_groups_first_and_recomputes_advantages():
     assert m["tokens/generated"] == 6 * G * 3
 
 
+def test_a_metric_some_rounds_lack_is_the_mean_of_those_that_have_it():
+    cfg = _cfg()
+    first = _round(cfg, [FLAT], tag=1)
+    second = _round(cfg, [SPREAD, SPREAD], tag=2)
+    first.metrics["reward/charset/mean"] = 0.25  # the reward abstained on the whole 2nd round
+    merged = merge_rounds(cfg, [first, second], groups=1)
+    assert merged.metrics["reward/charset/mean"] == 0.25
+
+
 def test_merge_keeps_failed_episodes_out_of_the_baseline():
     cfg = _cfg()
     rollouts = [Rollout([1], [9, 0, i], [-0.1] * 3, [1, 1, 1]) for i in range(G)]
@@ -181,11 +190,9 @@ def _charset_data(path: Path, n: int, informative_every: int) -> list[dict]:
     return rows
 
 
-@pytest.mark.slow
-def test_the_learner_fills_each_step_with_informative_groups(tmp_path):
+def _write_config(tmp_path: Path, rows: int, prompts: int, rounds_cap: int) -> Path:
     data = tmp_path / "data.jsonl"
-    rows = _charset_data(data, n=24, informative_every=3)
-    prompts, rounds_cap, steps = 4, 6, 3
+    _charset_data(data, n=rows, informative_every=3)
     config = tmp_path / "ds.toml"
     config.write_text(
         f"""
@@ -205,33 +212,83 @@ prompts_per_step = {prompts}
 dynamic_sampling = true
 max_sampling_rounds = {rounds_cap}
 [run]
-steps = {steps}
 progress_bar = false
 save_final = false
+checkpoint_every = 1
 """
     )
-    run_dir = tmp_path / "run"
+    return config
+
+
+def _learn(config: Path, run_dir: Path, steps: int, *, ranks: int = 1, resume: bool = False):
+    from learner.embedded import free_port
+
+    launcher = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(ranks)]
+    launcher += ["--num_machines", "1", "--main_process_port", str(free_port())]
+    launcher += ["--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd = [sys.executable, *(launcher if ranks > 1 else []), "-m", "learner"]
+    cmd += ["--config", str(config), "--run-dir", str(run_dir), "--set", f"run.steps={steps}"]
     proc = subprocess.run(
-        [sys.executable, "-m", "learner", "--config", str(config), "--run-dir", str(run_dir)],
+        cmd + (["--resume"] if resume else []),
         capture_output=True,
         text=True,
         timeout=600,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = read_metrics(run_dir)
-    # Replay the seeded streams: a round adds the rows that name an `allowed` set.
+
+
+def _replay(config: Path, steps: int, ranks: int) -> tuple[list[float], list[float]]:
+    """Each step's expected sampling/rounds and sampling/informative_frac (means over the
+    ranks), from the seeded streams: a round adds the rows that name an ``allowed`` set."""
     cfg = load_config(config)
+    rows = [json.loads(line) for line in Path(cfg.data.path).read_text().splitlines()]
     stream = PromptStream(rows, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    expected_rounds, expected_frac = [], []
+    per_rank = cfg.grpo.prompts_per_step // ranks
+
+    def useful(batch: list[dict]) -> list[int]:
+        shares = [batch[i * per_rank : (i + 1) * per_rank] for i in range(ranks)]
+        return [sum(r["allowed"] is not None for r in share) for share in shares]
+
+    rounds, fracs = [], []
     for _ in range(steps):
-        have, k = sum(r["allowed"] is not None for r in stream.take(prompts)), 1
-        while have < prompts and k < rounds_cap:
-            have += sum(r["allowed"] is not None for r in stream.take_refill(prompts))
-            k += 1
-        expected_rounds.append(k)
-        expected_frac.append(have / (k * prompts))
-    assert max(expected_rounds) > 1  # the data makes the learner look further
-    assert [r["sampling/rounds"] for r in records] == expected_rounds
-    assert [r["sampling/informative_frac"] for r in records] == pytest.approx(expected_frac)
-    assert [r["groups/zero_advantage"] for r in records] == [0.0] * steps
-    assert all(r["time/refill"] > 0 for r, k in zip(records, expected_rounds, strict=True) if k > 1)
+        have, made = useful(stream.take(cfg.grpo.prompts_per_step)), [1] * ranks
+        for _k in range(1, cfg.grpo.max_sampling_rounds):
+            short = [h < per_rank for h in have]
+            if not any(short):
+                break
+            extra = useful(stream.take_refill(cfg.grpo.prompts_per_step))
+            for i in range(ranks):
+                if short[i]:
+                    have[i], made[i] = have[i] + extra[i], made[i] + 1
+        rounds.append(sum(made) / ranks)
+        fracs.append(sum(h / (m * per_rank) for h, m in zip(have, made, strict=True)) / ranks)
+    return rounds, fracs
+
+
+@pytest.mark.slow
+def test_the_learner_fills_each_step_and_a_resume_draws_the_same_refills(tmp_path):
+    config = _write_config(tmp_path, rows=24, prompts=4, rounds_cap=6)
+    run_dir = tmp_path / "run"
+    _learn(config, run_dir, steps=2)
+    _learn(config, run_dir, steps=4, resume=True)  # from step 2's checkpoint
+    records = read_metrics(run_dir)
+    rounds, fracs = _replay(config, 4, ranks=1)
+    assert max(rounds) > 1  # the data makes the learner look further
+    assert [r["sampling/rounds"] for r in records] == rounds
+    assert [r["sampling/informative_frac"] for r in records] == pytest.approx(fracs)
+    assert [r["groups/zero_advantage"] for r in records] == [0.0] * 4
+    assert all(r["time/refill"] > 0 for r, k in zip(records, rounds, strict=True) if k > 1)
+
+
+@pytest.mark.slow
+def test_two_ranks_refill_together_and_stop_together(tmp_path):
+    config = _write_config(tmp_path, rows=24, prompts=4, rounds_cap=6)
+    run_dir = tmp_path / "ddp"
+    _learn(config, run_dir, steps=3, ranks=2)
+    records = read_metrics(run_dir)
+    rounds, fracs = _replay(config, 3, ranks=2)
+    assert [r["sampling/rounds"] for r in records] == rounds
+    assert [r["sampling/informative_frac"] for r in records] == pytest.approx(fracs)
+    sums = json.loads((run_dir / "rank_checksums.json").read_text())
+    assert len(sums) == 2 and sums[0] == sums[1]

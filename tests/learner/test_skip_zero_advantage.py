@@ -217,6 +217,8 @@ def test_ranks_with_unequal_micro_batches_step_together(tiny_model_dir, tmp_path
     for k in r0["all"]:
         torch.testing.assert_close(r0["skip"][k], r0["all"][k], rtol=1e-4, atol=1e-6, msg=k)
         torch.testing.assert_close(r0["skip"][k], r1["skip"][k], rtol=0, atol=0, msg=k)
+    # a metric only rank 1 has is its own value, not halved; a shared one is the mean
+    assert r0["reduced"] == r1["reduced"] == {"shared": 0.5, "reward/x/mean": 0.5}
 
 
 @pytest.mark.parametrize("over", ["grpo.beta=0.04", "grpo.entropy_coef=0.01"])
