@@ -45,7 +45,10 @@ def informative(step: StepRollouts, g: int) -> list[bool]:
 
 def merge_rounds(cfg: LearnerConfig, rounds: list[StepRollouts], groups: int) -> StepRollouts:
     """One step of ``groups`` groups from the rounds' rollouts: informative groups first, in
-    round order, then uninformative ones; advantages and rollout metrics computed again."""
+    round order, then uninformative ones; advantages computed again. The rollout metrics
+    (lengths, advantages, ``groups/zero_advantage``, the trainer's ``reward/mean``) describe the
+    kept batch; the reward functions' and the generation's (``tokens/generated``, times) every
+    round's rollouts."""
     g = cfg.sampling.num_generations
     found: list[tuple[StepRollouts, int]] = []
     rest: list[tuple[StepRollouts, int]] = []
