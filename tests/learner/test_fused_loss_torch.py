@@ -311,11 +311,11 @@ def test_train_on_with_fused_loss_equals_the_plain_step(tiny_model_dir, packing,
     ref = PolicyLogprobs(copy.deepcopy(base), chunk_size=5)
     cfg = LossConfig(loss_type="grpo", beta=0.05, entropy_coef=0.01, max_completion_length=16)
     out = []
-    for fused in (False, True):  # noqa: F402 (the flag, not the helper `fused`)
+    for use_fused in (False, True):
         model = copy.deepcopy(base)
         policy = PolicyLogprobs(model, chunk_size=5, temperature=0.9)
         opts = StepOptions(micro_batch_size=3, num_iterations=num_iterations, packing=packing,
-                           max_tokens_per_micro_batch=30, need_reference=True, fused_loss=fused)  # fmt: skip
+                           max_tokens_per_micro_batch=30, need_reference=True, fused_loss=use_fused)  # fmt: skip
         step = build_micro_batches(random_rollouts(6), opts, cfg, pad_id=0)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         metrics = train_on(Accelerator(cpu=True), policy, ref, opt, cfg, step, opts)
