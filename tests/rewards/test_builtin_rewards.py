@@ -12,7 +12,14 @@ from rewards.builtin.code import code_reward, run_python_tests
 from rewards.builtin.format import format_reward
 from rewards.builtin.length import length_reward
 from rewards.builtin.math import math_accuracy
-from rewards.scoring import RewardFunctionError, RewardRunner, RewardSpec, RewardTimeoutError
+from rewards.builtin.overlong import overlong_penalty
+from rewards.scoring import (
+    RewardFunctionError,
+    RewardRunner,
+    RewardSpec,
+    RewardSpecError,
+    RewardTimeoutError,
+)
 
 GSM8K_GOLD = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -74,6 +81,31 @@ def test_length_reward_by_hand():
     assert length_reward([""] * 4, completions, target=4) == [1.0, 0.5, 0.0, 0.0]
     assert length_reward([""], ["abcdef"], target=4, unit="chars") == [0.5]
     assert length_reward([""], ["?"], target=4, unit="tokens", completion_ids=[[1, 2, 3]]) == [0.75]
+
+
+def test_overlong_penalty_by_hand():
+    # max 10 tokens, the last 4 a ramp: 0 up to 6 tokens, then -1/4 a token, -1 at 10 and beyond
+    ids = [[0] * n for n in (0, 6, 7, 8, 10, 11)]
+    got = overlong_penalty([""] * 6, ["x"] * 6, max_tokens=10, buffer=4, completion_ids=ids)
+    assert got == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"max_tokens": 0}, "max_tokens=0"), ({"max_tokens": 8, "buffer": 9}, "buffer=9")],
+)
+def test_overlong_penalty_names_a_bad_setting(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        overlong_penalty([""], ["x"], completion_ids=[[1]], **kwargs)
+
+
+async def test_overlong_is_registered_and_needs_its_limit():
+    with pytest.raises(RewardSpecError, match="max_tokens"):
+        RewardRunner([RewardSpec(name="overlong")]).check_columns(["prompt"])
+    runner = RewardRunner([RewardSpec(name="overlong", kwargs={"max_tokens": 4, "buffer": 2})])
+    ids = [[1], [1, 2, 3], [1, 2, 3, 4]]
+    scored = await runner.score([""] * 3, ["a", "b", "c"], {"completion_ids": ids})
+    assert scored.total == [0.0, -0.5, -1.0]
 
 
 SOLUTION = "```python\ndef add(a, b):\n    return a + b\n```"
