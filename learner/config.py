@@ -265,6 +265,12 @@ class GRPOConfig(_Section):
         "asked for log-probs",
     )
     entropy_coef: float = 0.0
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="sequence: GSPO's ratio, one per completion (the geometric mean of its "
+        "tokens'), clipped as a whole; use GSPO's small clip ranges (eps_low = 3e-4, eps_high "
+        "= 4e-4). Not with fused_loss",
+    )
     skip_zero_advantage: bool = Field(
         True,
         description="leave out of the forward/backward the rollouts whose gradient is zero: "
@@ -307,6 +313,17 @@ class GRPOConfig(_Section):
         "truncate_left",
         description="truncate_left: keep the prompt's end; mask: also exclude from the loss",
     )
+
+    @model_validator(mode="after")
+    def _sequence_ratio_is_not_separable(self) -> GRPOConfig:
+        if self.importance_sampling_level == "sequence" and self.fused_loss:
+            raise _FieldError(
+                "importance_sampling_level",
+                '"sequence" ties every token\'s gradient to its whole completion, and the fused '
+                "loss computes each token's gradient on its own: set fused_loss = false, or "
+                'importance_sampling_level = "token"',
+            )
+        return self
 
     @model_validator(mode="after")
     def _uncounted_needs_policy_gradient_only(self) -> GRPOConfig:

@@ -7,6 +7,11 @@ Per token (ratio r = exp(logp - logp_old), advantage A of the token's completion
     loss  = pg + beta·KL_k3(ref ‖ θ) - entropy_coef·entropy
     KL_k3 = exp(ref - logp) - (ref - logp) - 1                     (Schulman's k3 estimator)
 
+With ``importance_sampling_level = "sequence"`` (GSPO, Zheng et al. 2025) r is one ratio per
+completion, the geometric mean of its tokens' ratios, exp(mean_t (logp - logp_old)), clipped as
+a whole (GSPO's clip ranges are ~1e-3, not 0.2): a long completion's ratio no longer rests on
+single tokens. On-policy (μ = 1, no lag) r = 1 and the gradient equals the token level's.
+
 The IS weight corrects for the rollout engine (vLLM, bf16 kernels, maybe stale weights)
 sampling from a slightly different distribution than the learner's `logp_old`; truncating it
 keeps the variance bounded. It multiplies the policy-gradient term only, as in TRL.
@@ -53,6 +58,7 @@ from learner.logprobs import chunked_nll  # re-exported: the SFT warm-start loss
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
+IS_LEVELS: tuple[str, ...] = ("token", "sequence")
 
 
 @dataclass
@@ -66,10 +72,16 @@ class LossConfig:
     tis_cap: float | None = 2.0  # truncated importance-sampling cap; None disables the weight
     max_completion_length: int | None = None  # dr_grpo's constant normaliser
     entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in IS_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IS_LEVELS}, got "
+                f"{self.importance_sampling_level!r}"
+            )
         if not (0 <= self.eps_low < 1) or self.eps_high < 0:
             raise ValueError(
                 f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={self.eps_low}, "
@@ -139,7 +151,11 @@ def grpo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Te
     adv = inputs.advantages.detach().to(dtype)[:, None]  # [B, 1]
     old = inputs.old_logprobs.detach().to(dtype)  # [B, T]
 
-    ratio = torch.exp(logp - old)  # [B, T]
+    log_ratio = logp - old  # [B, T]
+    if cfg.importance_sampling_level == "sequence":  # GSPO: each completion's mean log-ratio
+        mean = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = mean.expand_as(logp)
+    ratio = torch.exp(log_ratio)  # [B, T]
     clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     per_token = -torch.min(ratio * adv, clipped * adv)  # [B, T]
 
@@ -231,6 +247,7 @@ def _reduce(per_token: Tensor, mask: Tensor, inputs: LossInputs, cfg: LossConfig
 
 
 __all__ = [
+    "IS_LEVELS",
     "LOSS_TYPES",
     "LossConfig",
     "LossInputs",

@@ -56,6 +56,12 @@ class GRPOTokenLoss:
         num_micro_batches: int = 1,
         seq_weights: Tensor | None = None,  # [B] `LossInputs.seq_weights`
     ) -> None:
+        if cfg.importance_sampling_level != "token":
+            raise ValueError(
+                "a token loss must be separable, and a sequence-level ratio (GSPO) is not: use "
+                "the unfused loss (grpo.fused_loss = false) with importance_sampling_level "
+                f"{cfg.importance_sampling_level!r}"
+            )
         if seq.dim() != 1 or seq.dtype not in (torch.int64, torch.int32):
             raise ValueError(
                 f"seq must be an integer [N] tensor, got {tuple(seq.shape)} {seq.dtype}"

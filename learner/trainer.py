@@ -96,6 +96,7 @@ def _loss_config(cfg: LearnerConfig) -> LossConfig:
         tis_cap=g.tis_cap,
         max_completion_length=cfg.sampling.max_tokens,
         entropy_coef=g.entropy_coef,
+        importance_sampling_level=g.importance_sampling_level,
     )
 
 
