@@ -330,17 +330,24 @@ async def test_builtins_accept_their_documented_kwargs():
         "length": {"target": 2, "unit": "chars"},
         "charset": {},
         "code": {"tests_column": "tests", "timeout_s": 5.0, "memory_mb": 512},
+        "overlong": {"max_tokens": 4, "buffer": 2},
     }
     runner = RewardRunner([RewardSpec(name=n, kwargs=kw) for n, kw in documented.items()])
     res = await runner.score(
         PROMPTS,
         COMPLETIONS,
-        {"answer": [None] * 3, "allowed": ["a", None, "c"], "tests": [None] * 3},
+        {
+            "answer": [None] * 3,
+            "allowed": ["a", None, "c"],
+            "tests": [None] * 3,
+            "completion_ids": [[1], [1, 2, 3], [1, 2, 3, 4]],
+        },
     )
     assert res.per_function["length"] == [0.5, 1.0, 0.5]
     assert res.per_function["format"] == [1.0, 0.0, 0.0]
     assert res.per_function["charset"] == [1.0, None, 1.0]
     assert res.per_function["code"] == [None] * 3
+    assert res.per_function["overlong"] == [0.0, -0.5, -1.0]
     for name in documented:
         with pytest.raises(RewardSpecError, match=f"reward function {name!r}"):
             RewardRunner([RewardSpec(name=name, kwargs={"bogus": 1})])
