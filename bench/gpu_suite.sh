@@ -67,6 +67,11 @@ step_setup() {
   if ls .dev/bnb/bitsandbytes-*.whl >/dev/null 2>&1 && ! python3 -c "import bitsandbytes" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/bnb/bitsandbytes-*.whl || return 1
   fi
+  # Pure-Python wheels the bundle lacks (e.g. math-verify and its deps for the GSM8K config:
+  # pip download --no-deps -d .dev/extra ...), carried in .dev/extra, go into /tmp/site too
+  if ls .dev/extra/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/extra/*.whl || return 1
+  fi
   nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv
   nvidia-smi topo -m 2>/dev/null | head -20
   python3 - <<'EOF'

@@ -29,7 +29,18 @@ def _gsm8k_like(count: int, offset: int) -> list[dict[str, str]]:
     return rows
 
 
-def test_gsm8k_config_runs_colocated_on_one_gpu(qwen3_dir, tmp_path, log_dir):
+# DAPO's dynamic sampling (its refill rounds go to the colocated server before it sleeps) and
+# GSPO's sequence-level ratio over two passes (the second off-policy)
+DAPO_GSPO = [
+    "grpo.dynamic_sampling=true",
+    "grpo.max_sampling_rounds=2",
+    'grpo.importance_sampling_level="sequence"',
+    "grpo.num_iterations=2",
+]
+
+
+@pytest.mark.parametrize("extra", [[], DAPO_GSPO], ids=["as_shipped", "dapo_gspo"])
+def test_gsm8k_config_runs_colocated_on_one_gpu(qwen3_dir, tmp_path, log_dir, extra):
     from gpu_common import gpu_env
 
     from learner.metrics import read_metrics
@@ -48,13 +59,15 @@ def test_gsm8k_config_runs_colocated_on_one_gpu(qwen3_dir, tmp_path, log_dir):
         "grpo.prompts_per_step=16",
         "sampling.max_tokens=128",
         "run.progress_bar=false",
+        *extra,
     ]
     cmd = [sys.executable, "-m", "learner", "--config", str(ROOT / "learner/configs/gsm8k.toml"),
            "--run-dir", str(run), *(a for s in sets for a in ("--set", s))]  # fmt: skip
     proc = subprocess.run(cmd, env=gpu_env("0"), capture_output=True, text=True, timeout=480)
+    name = "test_gsm8k_config" + (".dapo_gspo" if extra else "")
     if (run / "rollout_server.log").exists():
-        shutil.copy(run / "rollout_server.log", log_dir / "test_gsm8k_config.server.log")
-    (log_dir / "test_gsm8k_config.learner.log").write_text(proc.stderr)
+        shutil.copy(run / "rollout_server.log", log_dir / f"{name}.server.log")
+    (log_dir / f"{name}.learner.log").write_text(proc.stderr)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = {int(r["step"]): r for r in read_metrics(run)}
     assert sorted(records) == [0, 1, 2]
@@ -63,6 +76,10 @@ def test_gsm8k_config_runs_colocated_on_one_gpu(qwen3_dir, tmp_path, log_dir):
         assert 0.0 <= r["reward/math_accuracy/mean"] <= 1.0
         assert r["weight_version"] == step
         assert 0 < r["completion/len_mean"] <= 128
+        if extra:  # a round adds 16 prompts' groups; one round only if all 16 were informative
+            rounds = r["sampling/rounds"]
+            assert rounds in (1.0, 2.0) and r["sampling/groups_generated"] == 16 * rounds
+            assert rounds == 2.0 or r["sampling/informative_frac"] == 1.0
     for step in (0, 2):  # the starting weights and the last step's
         assert records[step]["eval/prompts"] == 16.0
     samples = [json.loads(x) for x in (run / "eval" / "step_2.jsonl").read_text().splitlines()]
