@@ -90,20 +90,20 @@ def fill_step(
     first: StepRollouts,
     groups: int,
     generate_round: Callable[[int, bool], StepRollouts | None],
-    most_short: Callable[[int], int],
+    most: Callable[[int], int],
 ) -> StepRollouts:
     """The step's rollouts topped up to ``groups`` informative groups on this rank.
 
     ``generate_round(k, short)``: round k's rollouts for this rank, drawn from the refill pass
     (every rank must take the round's rows; only a ``short`` rank generates, the others return
-    None). ``most_short(n)``: the largest shortfall over the ranks, given this rank's ``n`` (a
+    None). ``most(n)``: the largest ``n`` over the ranks (``train_step.max_over_ranks``, a
     collective: every rank calls it the same number of times)."""
     g = cfg.sampling.num_generations
     rounds = [first]
     have = sum(informative(first, g))
     for k in range(1, cfg.grpo.max_sampling_rounds):
         short = max(groups - have, 0)
-        if most_short(short) == 0:
+        if most(short) == 0:
             break
         extra = generate_round(k, short > 0)
         if extra is not None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 
 from learner.batch import Rollout, TrainBatch, collate, micro_batches
 from learner.loss import LossConfig, LossInputs, grpo_loss, row_weights
@@ -160,8 +161,7 @@ def _equalize(accelerator: Accelerator, step: StepBatches) -> StepBatches:
     their smallest one at weight 0."""
     if accelerator.num_processes == 1:
         return step
-    counts = accelerator.gather(torch.tensor([len(step.batches)], device=accelerator.device))
-    missing = int(counts.max()) - len(step.batches)
+    missing = max_over_ranks(accelerator, len(step.batches)) - len(step.batches)
     if missing == 0:
         return step
     smallest = min(step.batches, key=lambda b: b.input_ids.numel())
@@ -375,14 +375,19 @@ class NonFiniteGuard:
         logger.warning("%s: the optimizer step was skipped, the weights are unchanged", what)
 
 
+def max_over_ranks(accelerator: Accelerator, n: int) -> int:
+    """The largest ``n`` of all ranks (a collective: every rank must call it)."""
+    if accelerator.num_processes == 1:
+        return n
+    return int(accelerator.gather(torch.tensor([n], device=accelerator.device)).max())
+
+
 def reduce_metrics(accelerator: Accelerator, metrics: dict[str, float]) -> dict[str, float]:
     """Mean of each metric over the ranks that have it (`train_on`'s token means are the same on
     every rank already). Ranks may hold different keys: a reward that abstained on all of one
     rank's completions has no mean there, so the keys are gathered first."""
     if accelerator.num_processes == 1:
         return metrics
-    from accelerate.utils import gather_object
-
     keys = sorted(set(gather_object(sorted(metrics))))
     rows = [[metrics.get(k, 0.0), float(k in metrics)] for k in keys]
     t = torch.tensor(rows, dtype=torch.float64, device=accelerator.device)

@@ -74,6 +74,7 @@ from learner.train_step import (
     NonFiniteGuard,
     StepOptions,
     build_micro_batches,
+    max_over_ranks,
     reduce_metrics,
     train_on,
 )
@@ -288,11 +289,6 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 rows = stream.take_refill(cfg.grpo.prompts_per_step)  # on every rank
                 return loop.run(rollouts_of(rows, f"refill{k}", state.step + 1)) if short else None
 
-            def most_short(n: int) -> int:
-                if world == 1:
-                    return n
-                return int(accelerator.gather(torch.tensor([n], device=accelerator.device)).max())
-
             stop.steps_begin()
             while state.step < cfg.run.steps:
                 t_step = time.perf_counter()
@@ -315,9 +311,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                         int(step_rollouts.metrics["weight_version/min"]),
                         state.weight_version,
                     )
-                if world > 1:  # every rank must take the same branch below
-                    own = torch.tensor([staleness], device=accelerator.device)
-                    staleness = int(accelerator.gather(own).max())
+                staleness = max_over_ranks(accelerator, staleness)  # one branch on every rank
                 if staleness > cfg.rollout.max_staleness:
                     if not main_decides(
                         accelerator,
@@ -340,7 +334,11 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 if cfg.grpo.dynamic_sampling:  # top the batch up with informative groups
                     t0 = time.perf_counter()
                     step_rollouts = fill_step(
-                        cfg, step_rollouts, per_rank, refill_round, most_short
+                        cfg,
+                        step_rollouts,
+                        per_rank,
+                        refill_round,
+                        most=lambda n: max_over_ranks(accelerator, n),
                     )
                     t_refill = time.perf_counter() - t0
                 sleep_level = cfg.rollout.sleep_while_training

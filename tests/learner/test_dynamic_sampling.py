@@ -24,6 +24,7 @@ from learner.data import PromptStream
 from learner.dynamic_sampling import fill_step, informative, merge_rounds
 from learner.metrics import read_metrics
 from learner.rollouts import StepRollouts, finish_step
+from tests.learner.launch import cpu_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 G = 4
@@ -111,7 +112,7 @@ def _fill(cfg, first, later: list[StepRollouts], groups: int, others_short: int 
         calls.append((k, short))
         return later[k - 1] if short else None
 
-    step = fill_step(cfg, first, groups, generate_round, lambda n: max(n, others_short))
+    step = fill_step(cfg, first, groups, generate_round, most=lambda n: max(n, others_short))
     return step, calls
 
 
@@ -221,12 +222,7 @@ checkpoint_every = 1
 
 
 def _learn(config: Path, run_dir: Path, steps: int, *, ranks: int = 1, resume: bool = False):
-    from learner.embedded import free_port
-
-    launcher = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(ranks)]
-    launcher += ["--num_machines", "1", "--main_process_port", str(free_port())]
-    launcher += ["--mixed_precision", "no", "--dynamo_backend", "no"]
-    cmd = [sys.executable, *(launcher if ranks > 1 else []), "-m", "learner"]
+    cmd = [*(cpu_launch(ranks) if ranks > 1 else [sys.executable]), "-m", "learner"]
     cmd += ["--config", str(config), "--run-dir", str(run_dir), "--set", f"run.steps={steps}"]
     proc = subprocess.run(
         cmd + (["--resume"] if resume else []),
