@@ -273,7 +273,7 @@ class PromptStream:
         self.position = 0
         self.pending = 0  # rows taken for generations not trained on yet (overlap)
         self.refill_position = 0
-        self._orders: dict[tuple[str, int], list[int]] = {}
+        self._orders: dict[str, tuple[int, list[int]]] = {}  # pass -> (epoch, order)
         self._fingerprint: int | None = None
 
     @property
@@ -291,17 +291,14 @@ class PromptStream:
         return self.position // len(self.rows)
 
     def _order_for(self, epoch: int, kind: str = "main") -> list[int]:
-        key = (kind, epoch)
-        if key not in self._orders:
+        cached = self._orders.get(kind)  # each pass keeps its current epoch's order
+        if cached is None or cached[0] != epoch:
             order = list(range(len(self.rows)))
             if self.shuffle:
-                seed: int | str = (
-                    self.seed + epoch if kind == "main" else f"{kind}:{self.seed}:{epoch}"
-                )
+                seed = self.seed + epoch if kind == "main" else f"{kind}:{self.seed}:{epoch}"
                 random.Random(seed).shuffle(order)
-            self._orders = {k: v for k, v in self._orders.items() if k[0] != kind}  # one a kind
-            self._orders[key] = order
-        return self._orders[key]
+            cached = self._orders[kind] = (epoch, order)
+        return cached[1]
 
     def _take(self, count: int, start: int, kind: str) -> list[dict[str, Any]]:
         out = []
