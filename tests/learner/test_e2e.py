@@ -22,6 +22,7 @@ from learner.config import load_config
 from learner.data import PromptStream, load_rows
 from learner.metrics import read_metrics
 from learner.trainer import rows_fingerprint
+from tests.learner.launch import cpu_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "learner" / "configs" / "demo.toml"
@@ -295,35 +296,9 @@ def test_profile_steps_write_the_op_tables_and_trace(tmp_path):
 
 @pytest.mark.slow
 def test_accelerate_two_processes_end_with_identical_weights(tmp_path):
-    from learner.embedded import free_port
-
     run_dir = tmp_path / "ddp"
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",  # accelerate's torchrun launcher; on a CPU-only machine it uses gloo
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--main_process_port",  # not torchrun's default 29500, which another job may hold
-        str(free_port()),
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "-m",
-        "learner",
-        "--config",
-        str(DEMO),
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        "run.steps=3",
-        "--set",
-        "run.progress_bar=false",
-    ]
+    cmd = [*cpu_launch(2), "-m", "learner", "--config", str(DEMO), "--run-dir", str(run_dir)]
+    cmd += ["--set", "run.steps=3", "--set", "run.progress_bar=false"]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     sums = json.loads((run_dir / "rank_checksums.json").read_text())

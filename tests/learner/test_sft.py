@@ -22,6 +22,7 @@ from learner.batch import collate
 from learner.config import ConfigError, SFTConfig, load_config
 from learner.data import DataError
 from learner.sft_data import SFTExample, assistant_spans, load_sft_rows, tokenize_row
+from tests.learner.launch import cpu_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT_DEMO = ROOT / "learner" / "configs" / "sft_demo.toml"
@@ -415,9 +416,7 @@ def test_two_processes_match_one(tmp_path, tiny_model_dir):
     weighting over all ranks' targets makes the run equal to one process's."""
     import os
     import subprocess
-    import sys
 
-    from learner.embedded import free_port
     from learner.metrics import read_metrics
     from learner.sft import train_sft
 
@@ -425,10 +424,7 @@ def test_two_processes_match_one(tmp_path, tiny_model_dir):
     one, two = tmp_path / "one", tmp_path / "two"
     train_sft(_sft_cfg(one, tiny_model_dir, *common))
     sets = [f'model.name_or_path="{tiny_model_dir}"', "run.progress_bar=false", *common]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"]
-    cmd += ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
-    cmd += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
-    cmd += ["-m", "learner", "sft", "--config", str(SFT_DEMO), "--run-dir", str(two)]
+    cmd = [*cpu_launch(2), "-m", "learner", "sft", "--config", str(SFT_DEMO), "--run-dir", str(two)]
     cmd += [a for s in sets for a in ("--set", s)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)

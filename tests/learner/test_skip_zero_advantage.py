@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from accelerate import Accelerator
 from learner.batch import Rollout
 from learner.loss import LOSS_TYPES, LossConfig, LossInputs, grpo_loss, row_weights
 from learner.train_step import StepOptions, build_micro_batches, rollouts_to_train, train_on
+from tests.learner.launch import cpu_launch
 from tests.learner.rollout_data import random_rollouts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,14 +194,8 @@ def test_ranks_with_unequal_micro_batches_step_together(tiny_model_dir, tmp_path
     skipping leaves rank 0 one micro-batch (of weight 0) and rank 1 four; rank 0 repeats it (DDP
     broadcasts buffers every forward: unequal counts would hang) and both end with the
     weights of the same step without skipping, and the same token-mean metrics."""
-    from learner.embedded import free_port
-
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-        "--num_processes", "2", "--num_machines", "1", "--main_process_port", str(free_port()),
-        "--mixed_precision", "no", "--dynamo_backend", "no",
-        str(ROOT / "tests/learner/skip_step_ddp.py"), str(tiny_model_dir), str(tmp_path),
-    ]  # fmt: skip
+    cmd = [*cpu_launch(2), str(ROOT / "tests/learner/skip_step_ddp.py"), str(tiny_model_dir)]
+    cmd.append(str(tmp_path))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
