@@ -26,8 +26,8 @@ from pathlib import Path
 def _loss_fn(variant: str, chunk_size: int):
     import torch
 
-    from learner.logprobs import token_logprobs
-    from learner.loss import LossConfig, LossInputs, grpo_loss
+    from learner.loss.grpo import LossConfig, LossInputs, grpo_loss
+    from learner.loss.logprobs import token_logprobs
 
     def full_logprobs(h, w, t):
         logits = (h @ w.T).float()  # [N, V]: the whole thing, as TRL's default path

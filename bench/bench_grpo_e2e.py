@@ -307,7 +307,7 @@ def wait_for_steps(
 
 
 def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dict[str, Any]:
-    from learner.metrics import read_metrics
+    from learner.run.metrics import read_metrics
 
     t_start = time.monotonic()
     run_dir, mode_logs = work / mode, logs / mode

@@ -77,14 +77,14 @@ from loss_gpu_variants import (
     run_fused_ent,
 )
 
-from learner.fused_loss import auto_chunk_size
+from learner.loss.fused import auto_chunk_size
 
 HEADS = {"qwen3-0.6b": (1024, 2048, [2, 4, 8, 16]), "qwen3-8b": (4096, 4096, [1, 2, 4, 8])}
 
 
 def _print_tile_configs():
     """The forward kernels' autotuned configs, per (H, V) key."""
-    from learner.kernels.triton_fused import _anchored_tiles_kernel, _softmax_tiles_kernel
+    from learner.loss.kernels.triton_fused import _anchored_tiles_kernel, _softmax_tiles_kernel
 
     for kern in (_anchored_tiles_kernel, _softmax_tiles_kernel):
         for key, cfg in getattr(kern, "cache", {}).items():
@@ -93,7 +93,7 @@ def _print_tile_configs():
 
 def breakdown(hd, b, t):
     """Time each stage of ours at one shape (forward kernel, then the backward's pieces)."""
-    from learner.kernels import triton_logprobs as tk
+    from learner.loss.kernels import triton_logprobs as tk
 
     h, w, ids, *_ = make_inputs(b, t, hd)
     h2, ids2 = h.detach().view(-1, hd), ids.view(-1)
@@ -149,19 +149,19 @@ def breakdown(hd, b, t):
 def breakdown_fused(hd, b, t, chunk, entropy_coef=0.0):
     """Time each stage of one chunk of fused (and the whole fwd+bwd) at one shape; with
     `entropy_coef`, of fused-ent."""
-    from learner.fused_loss import (
+    from learner.loss.fused import (
         _GraphedTokenGrads,
         _token_grads,
         grad_hidden_rows,
         grad_weight_add,
     )
-    from learner.kernels.triton_fused import (
+    from learner.loss.grpo import LossConfig
+    from learner.loss.kernels.triton_fused import (
         TritonChunks,
         _anchored_tiles_kernel,
         _softmax_tiles_kernel,
     )
-    from learner.loss import LossConfig
-    from learner.token_loss import GRPOTokenLoss
+    from learner.loss.token import GRPOTokenLoss
 
     h, w, ids, old, ref, adv, _ = make_inputs(b, t, hd)
     n = b * t

@@ -3,8 +3,8 @@
     python bench/bench_memory_options.py --out memory.json [--model DIR]   # one CUDA GPU
     python bench/bench_memory_options.py --cpu-smoke --out smoke.json       # same code, CPU
 
-One optimizer step of the real learner code path — ``learner.model_setup.build_models``, then
-``learner.train_step.build_micro_batches`` + ``train_on`` under a plain ``accelerate.Accelerator``
+One optimizer step of the real learner code path — ``learner.model.setup.build_models``, then
+``learner.step.update.build_micro_batches`` + ``train_on`` under a plain ``accelerate.Accelerator``
 with the model in bf16 — on a fixed, seeded synthetic batch (64 rollouts, prompts of 128–256 and
 completions of 256–1024 tokens, a Qwen3-0.6B-shaped random model), once per configuration:
 everything off (``baseline``, gradient checkpointing included), each option on alone, and all of
@@ -89,7 +89,7 @@ def _probe_layer_forwards(model: Any) -> list[int]:
 def synthetic_rollouts(spec: dict[str, Any], vocab: int) -> list[Any]:
     """The fixed batch: random token ids, server log-probs in [-3, -0.1], group-centred
     advantages (groups of 8), all seeded."""
-    from learner.batch import Rollout
+    from learner.step.batch import Rollout
 
     b = spec["batch"]
     rng = random.Random(b["seed"] + 1)
@@ -120,8 +120,8 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from accelerate import Accelerator
 
     from learner.config import LearnerConfig
-    from learner.model_setup import build_models
-    from learner.train_step import build_micro_batches, train_on
+    from learner.model.setup import build_models
+    from learner.step.update import build_micro_batches, train_on
     from learner.trainer import _loss_config, _step_options
 
     cuda = spec["device"] == "cuda"

@@ -164,10 +164,10 @@ def run_full(model, rows, prompt, meter: Meter) -> list[float]:
 
 
 def run_ours(model, rows, prompt, meter: Meter, fused: bool = False) -> list[float]:
-    from learner.batch import Rollout, collate
     from learner.config import OptimConfig
-    from learner.runtime import make_accelerator, optimizer_and_schedule, use_fused_adamw
+    from learner.run.runtime import make_accelerator, optimizer_and_schedule, use_fused_adamw
     from learner.sft import NLLPolicy, sft_step
+    from learner.step.batch import Rollout, collate
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     acc = make_accelerator()

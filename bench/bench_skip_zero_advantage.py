@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 from accelerate import Accelerator  # noqa: E402
 
-from learner.batch import Rollout  # noqa: E402
-from learner.loss import LossConfig  # noqa: E402
-from learner.policy import PolicyLogprobs  # noqa: E402
-from learner.train_step import StepOptions, build_micro_batches, train_on  # noqa: E402
+from learner.loss.grpo import LossConfig  # noqa: E402
+from learner.model.policy import PolicyLogprobs  # noqa: E402
+from learner.step.batch import Rollout  # noqa: E402
+from learner.step.update import StepOptions, build_micro_batches, train_on  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
     # small enough for 2 CPU cores, real Qwen3 layers

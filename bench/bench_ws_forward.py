@@ -43,8 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from learner.kernels import triton_fused as tf
-from learner.kernels.triton_logprobs import LOG2E
+from learner.loss.kernels import triton_fused as tf
+from learner.loss.kernels.triton_logprobs import LOG2E
 
 V = 151_936
 

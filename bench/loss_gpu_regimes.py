@@ -92,8 +92,8 @@ def clocks(head, variants):
 
 
 def prologue():
-    import learner.fused_loss as fl
-    import learner.kernels.triton_fused as tf
+    import learner.loss.fused as fl
+    import learner.loss.kernels.triton_fused as tf
 
     marks = {}
     init, forward = tf.TritonChunks.__init__, fl.FusedLinearLoss.forward

@@ -14,8 +14,8 @@ B="python3 bench/bench_loss_gpu.py --breakdown --variants fused"
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   if [ "${SWEEP_TESTS:-1}" = 1 ]; then
-    timeout 300 python3 -m pytest -q -m gpu tests/learner/test_fused_loss.py \
-      tests/learner/test_triton_kernel.py --junitxml="$OUT/gpu_tests_loss.xml" 2>&1 | tail -15
+    timeout 300 python3 -m pytest -q -m gpu tests/learner/loss/test_fused_loss.py \
+      tests/learner/loss/test_triton_kernel.py --junitxml="$OUT/gpu_tests_loss.xml" 2>&1 | tail -15
   fi
   for a in 1 0; do
     for h in qwen3-0.6b qwen3-8b; do

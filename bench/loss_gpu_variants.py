@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from learner.fused_loss import auto_chunk_size
+from learner.loss.fused import auto_chunk_size
 
 VOCAB = 151_936
 TEMP = 0.9
@@ -36,7 +36,7 @@ def make_inputs(b, t, hd, seed=0):
 def _loss_backward(logp, ent, old, ref, adv, mask, entropy_coef=0.0):
     """The benchmark's DAPO loss of [B, T] log-probs, backward, detached. The entropy is a
     metric, or with `entropy_coef` a bonus (differentiated)."""
-    from learner.loss import LossConfig, LossInputs, grpo_loss
+    from learner.loss.grpo import LossConfig, LossInputs, grpo_loss
 
     ent = ent if entropy_coef else ent.detach()
     inputs = LossInputs(logp, old, adv, mask, ref_logprobs=ref, entropy=ent)
@@ -58,7 +58,7 @@ def run_full(h, w, ids, old, ref, adv, mask):  # each run_* returns its loss, de
 
 
 def run_ours(h, w, ids, old, ref, adv, mask, entropy_coef=0.0):
-    from learner.logprobs import token_logprobs
+    from learner.loss.logprobs import token_logprobs
 
     b, t, hd = h.shape
     lp, ent = token_logprobs(h.view(-1, hd), w, ids.view(-1), temperature=TEMP, impl="triton")
@@ -72,9 +72,9 @@ FUSED_CHUNK: dict[str, int | None] = {"size": None}  # --fused-chunk; None: auto
 
 
 def run_fused(h, w, ids, old, ref, adv, mask, entropy_coef=0.0):
-    from learner.fused_loss import fused_grpo_loss
-    from learner.loss import LossConfig
-    from learner.token_loss import GRPOTokenLoss
+    from learner.loss.fused import fused_grpo_loss
+    from learner.loss.grpo import LossConfig
+    from learner.loss.token import GRPOTokenLoss
 
     b, t, hd = h.shape
     seq = torch.arange(b * t, device=h.device) // t  # [N] rollout of each token (no host sync)
@@ -98,7 +98,7 @@ def _entropy_coef(variant: str) -> float:
 
 def _fused_at(spec):
     """run_fused at `CHUNK[:FWD_ROWS]` (see --fused-configs)."""
-    from learner.kernels import triton_fused
+    from learner.loss.kernels import triton_fused
 
     chunk, fwd_rows = ([int(x) for x in spec.split(":")] + [0])[:2]
 
@@ -217,8 +217,8 @@ def measure(fn, inputs, iters):
 
 def accuracy(hd, b, t, variants):
     """Relative errors of each variant's loss and gradients against float64 on the same inputs."""
-    from learner.logprobs import token_logprobs
-    from learner.loss import LossConfig, LossInputs, grpo_loss
+    from learner.loss.grpo import LossConfig, LossInputs, grpo_loss
+    from learner.loss.logprobs import token_logprobs
 
     inputs = make_inputs(b, t, hd, seed=1)
     h, w, ids, old, ref, adv, mask = inputs

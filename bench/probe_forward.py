@@ -1,6 +1,6 @@
 """Where the fused loss's forward kernel spends its time, on one chunk (CUDA only).
 
-The anchored-tiles kernel of `learner.kernels.triton_fused` is a bf16 GEMM (hidden @ weight.T)
+The anchored-tiles kernel of `learner.loss.kernels.triton_fused` is a bf16 GEMM (hidden @ weight.T)
 with a softmax epilogue per tile. This script times copies of its loop with parts of the
 epilogue removed, for every tile config, against cuBLAS's plain GEMM of the same shape:
 
@@ -29,7 +29,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.kernels.triton_logprobs import _MASKED, _logits_tile, _num_sms, _set_allocator
+from learner.loss.kernels.triton_logprobs import _MASKED, _logits_tile, _num_sms, _set_allocator
 
 MODES = {
     "full": 0,

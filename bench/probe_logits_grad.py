@@ -22,7 +22,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.kernels.triton_fused import TILE_V, _anchored_ent_grad_kernel, _logits_grad_kernel
+from learner.loss.kernels.triton_fused import TILE_V, _anchored_ent_grad_kernel, _logits_grad_kernel
 
 VOCAB = 151936
 CHUNKS = {"qwen3-0.6b": 1536, "qwen3-8b": 4096}

@@ -1,4 +1,4 @@
-"""What a ZeRO-3 model's ``save_pretrained`` writes, against ``learner.export.save_model``.
+"""What a ZeRO-3 model's ``save_pretrained`` writes, against ``learner.model.export.save_model``.
 
 Run on a GPU under ``accelerate launch --config_file deploy/accelerate/zero3.yaml
 --num_processes 1 bench/probe_zero3_save.py OUT_DIR``: builds the demo's tiny Qwen3, prepares it
@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from learner.export import save_model
-from learner.policy import PolicyLogprobs
-from learner.runtime import make_accelerator
+from learner.model.export import save_model
+from learner.model.policy import PolicyLogprobs
+from learner.run.runtime import make_accelerator
 from rollout_server.tiny import save_tiny_model
 
 

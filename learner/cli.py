@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("run_dir")
         p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)")
         args = p.parse_args(argv[1:])
-        from learner.plot import plot_run
+        from learner.run.plot import plot_run
 
         try:
             print(plot_run(args.run_dir, args.out))
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 def _guarded(run: Callable[[], int]) -> int:
     """``run()``, with the errors that name a setting to change as one line (exit 2), and a
     user's reward or environment code that failed as its own frames (exit 1)."""
-    from learner.runtime import StoppedBeforeTraining, TrainingStopped
+    from learner.run.runtime import StoppedBeforeTraining, TrainingStopped
 
     try:
         return run()
@@ -94,9 +94,9 @@ def _guarded(run: Callable[[], int]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 143  # 128 + SIGTERM, as if it had ended the process: the run is not finished
     except Exception as e:
-        from learner.data import DataError
-        from learner.rollouts import EpisodesFailedError
-        from learner.runtime import SetupError
+        from learner.data.prompts import DataError
+        from learner.run.runtime import SetupError
+        from learner.step.rollouts import EpisodesFailedError
         from rewards.registry import PluginError
         from rewards.scoring import RewardFunctionError, RewardSpecError
 

@@ -88,7 +88,7 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _prompt_format(self) -> DataConfig:
-        from learner.data import template_error
+        from learner.data.prompts import template_error
 
         if self.prompt_template is not None and (err := template_error(self.prompt_template)):
             raise _FieldError("prompt_template", err)

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from learner.config import LearnerConfig
-from learner.data import PromptFormat, data_columns, load_rows
-from learner.embedded import embedded_for
-from learner.rollouts import (
+from learner.data.prompts import PromptFormat, data_columns, load_rows
+from learner.run.runtime import SetupError, resolve_model
+from learner.servers.embedded import embedded_for
+from learner.step.rollouts import (
     episode_generators,
     generate_request,
     play_episodes,
@@ -36,7 +37,6 @@ from learner.rollouts import (
     request_seed,
     reward_runner,
 )
-from learner.runtime import SetupError, resolve_model
 from rewards.env import Environment, get_tasks
 from rewards.scoring import RewardRunner, RewardSpecError
 from rollout_server.client import RolloutClient

@@ -2,7 +2,7 @@
 
 The loss is the mean negative log-likelihood of the assistant / completion tokens of a step
 (all ranks), computed from hidden states and the LM-head weight chunk by chunk
-(``learner.logprobs.chunked_nll``: Triton on CUDA, chunked PyTorch on CPU), so the
+(``learner.loss.logprobs.chunked_nll``: Triton on CUDA, chunked PyTorch on CPU), so the
 ``[tokens, vocab]`` logits never exist and prompt tokens never reach the head. As for GRPO, the
 head runs inside a module's forward (``NLLPolicy``), so DeepSpeed ZeRO-3 gathers its weight.
 
@@ -29,16 +29,16 @@ from accelerate import Accelerator
 from torch import nn
 from transformers import AutoTokenizer
 
-from learner.batch import TrainBatch, collate, micro_batches
-from learner.checkpoint import TrainerState, restore
 from learner.config import LearnerConfig
-from learner.data import PromptStream
-from learner.export import save_model
-from learner.logprobs import chunked_nll
-from learner.metrics import MetricsLogger, Trackers
-from learner.model_setup import build_models
-from learner.policy import PolicyLogprobs
-from learner.runtime import (
+from learner.data.prompts import PromptStream
+from learner.data.sft import load_sft_rows, tokenize_row
+from learner.loss.logprobs import chunked_nll
+from learner.model.export import save_model
+from learner.model.policy import PolicyLogprobs
+from learner.model.setup import build_models
+from learner.run.checkpoint import TrainerState, restore
+from learner.run.metrics import MetricsLogger, Trackers
+from learner.run.runtime import (
     StopOnSigterm,
     TrainingStopped,
     check_model_options,
@@ -48,8 +48,8 @@ from learner.runtime import (
     start_run,
     use_fused_adamw,
 )
-from learner.sft_data import load_sft_rows, tokenize_row
-from learner.train_step import NonFiniteGuard, reduce_metrics, step_if_finite
+from learner.step.batch import TrainBatch, collate, micro_batches
+from learner.step.update import NonFiniteGuard, reduce_metrics, step_if_finite
 
 logger = logging.getLogger(__name__)
 

@@ -30,25 +30,16 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from transformers import AutoTokenizer
 
-from learner.checkpoint import TrainerState, restore
 from learner.config import LearnerConfig
-from learner.data import PromptFormat, PromptStream, load_rows
-from learner.dynamic_sampling import fill_step
+from learner.data.prompts import PromptFormat, PromptStream, load_rows
 from learner.evaluate import Evaluator
-from learner.export import save_model
-from learner.loss import LossConfig
-from learner.metrics import MetricsLogger, Trackers
-from learner.model_setup import build_models
-from learner.perf import peak_tflops, profiled, train_flops
-from learner.rollouts import (
-    StepRollouts,
-    check_episodes,
-    collect,
-    collect_episodes,
-    request_seed,
-    reward_runner,
-)
-from learner.runtime import (
+from learner.loss.grpo import LossConfig
+from learner.model.export import save_model
+from learner.model.setup import build_models
+from learner.run.checkpoint import TrainerState, restore
+from learner.run.metrics import MetricsLogger, Trackers
+from learner.run.perf import peak_tflops, profiled, train_flops
+from learner.run.runtime import (
     SetupError,
     StopOnSigterm,
     TrainingStopped,
@@ -59,7 +50,7 @@ from learner.runtime import (
     start_run,
     use_fused_adamw,
 )
-from learner.servers import (
+from learner.servers.pool import (
     EventLoopThread,
     check_server_limits,
     main_decides,
@@ -69,8 +60,16 @@ from learner.servers import (
     sync_weights,
     updated_by_another,
 )
-from learner.sync import WeightSyncer
-from learner.train_step import (
+from learner.step.dynamic_sampling import fill_step
+from learner.step.rollouts import (
+    StepRollouts,
+    check_episodes,
+    collect,
+    collect_episodes,
+    request_seed,
+    reward_runner,
+)
+from learner.step.update import (
     NonFiniteGuard,
     StepOptions,
     build_micro_batches,
@@ -78,6 +77,7 @@ from learner.train_step import (
     reduce_metrics,
     train_on,
 )
+from learner.sync import WeightSyncer
 from rollout_server.client import RolloutClient
 
 logger = logging.getLogger(__name__)

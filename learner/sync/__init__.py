@@ -131,7 +131,7 @@ class WeightSyncer:
 
     async def _nccl_sender(self) -> Any:
         if self._nccl is None:
-            from learner.embedded import free_port
+            from learner.servers.embedded import free_port
             from learner.sync.nccl import NcclWeightSender
 
             infos = await self.client.info()

@@ -177,7 +177,7 @@ def _record(step: int, t: float, total: float, wait: float, train: float, sync: 
 
 
 def test_summary_of_a_metrics_file_by_hand(tmp_path):
-    from learner.metrics import read_metrics
+    from learner.run.metrics import read_metrics
 
     records = [
         _record(1, 100.0, 10.0, 6.0, 3.0, 1.0),  # warm-up

@@ -43,7 +43,7 @@ DAPO_GSPO = [
 def test_gsm8k_config_runs_colocated_on_one_gpu(qwen3_dir, tmp_path, log_dir, extra):
     from gpu_common import gpu_env
 
-    from learner.metrics import read_metrics
+    from learner.run.metrics import read_metrics
     from tests.learner.test_config_data_batch import write_hub_layout
 
     held_out = _gsm8k_like(16, 100)

@@ -47,7 +47,7 @@ def _accumulate(model: torch.nn.Module, batches: list[torch.Tensor], offload) ->
 def test_offloading_gives_the_same_gradients_on_the_gpu():
     import contextlib
 
-    from learner.perf import ActivationOffload
+    from learner.model.offload import ActivationOffload
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -97,7 +97,7 @@ def test_offloading_lowers_reserved_memory_not_only_allocated():
     does not go down (53.5 GB reserved for 6.0 GB allocated in the first fixed run)."""
     import contextlib
 
-    from learner.perf import ActivationOffload
+    from learner.model.offload import ActivationOffload
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

@@ -3,7 +3,7 @@
 it resumes from its DeepSpeed checkpoint.
 
 Each rank holds only a shard of every parameter under ZeRO-3; the final model is gathered
-(``learner.export.save_model``). The demo config on one GPU, its embedded server on the
+(``learner.model.export.save_model``). The demo config on one GPU, its embedded server on the
 transformers engine (float32, so the bf16 weights are cast for the sync): two steps, then a
 ``--resume`` to a third.
 """
@@ -30,7 +30,7 @@ def test_zero3_grpo_run_saves_a_full_trained_final_model(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from learner.embedded import free_port
+    from learner.servers.embedded import free_port
 
     run_dir = tmp_path / "run"
 
@@ -62,7 +62,7 @@ def test_zero3_grpo_run_saves_a_full_trained_final_model(tmp_path):
 
     resumed = learner(3, "--resume")  # DeepSpeed's sharded states from checkpoints/step_000002
     assert "resumed from" in resumed.stderr and "step_000002" in resumed.stderr
-    from learner.metrics import read_metrics
+    from learner.run.metrics import read_metrics
 
     records = [r for r in read_metrics(run_dir) if r["step"] > 0]
     assert [r["step"] for r in records] == [1, 2, 3]

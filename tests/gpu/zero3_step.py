@@ -17,12 +17,12 @@ import sys
 
 import torch
 
-from learner.batch import Rollout, collate, micro_batches
 from learner.config import load_config
-from learner.loss import LossConfig
-from learner.model_setup import build_models
-from learner.runtime import make_accelerator
-from learner.train_step import StepOptions, build_micro_batches, reduce_metrics, train_on
+from learner.loss.grpo import LossConfig
+from learner.model.setup import build_models
+from learner.run.runtime import make_accelerator
+from learner.step.batch import Rollout, collate, micro_batches
+from learner.step.update import StepOptions, build_micro_batches, reduce_metrics, train_on
 
 
 def rollouts(n: int, vocab: int, seed: int = 0) -> list[Rollout]:

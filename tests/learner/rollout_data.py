@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from learner.batch import Rollout
+from learner.step.batch import Rollout
 
 
 def random_rollouts(n: int = 5, seed: int = 0) -> list[Rollout]:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.batch import Rollout, collate, micro_batches
 from learner.config import ConfigError, load_config
-from learner.data import DataError, PromptFormat, PromptStream, load_rows
+from learner.data.prompts import DataError, PromptFormat, PromptStream, load_rows
+from learner.step.batch import Rollout, collate, micro_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "learner" / "configs").glob("*.toml"))
@@ -345,7 +345,7 @@ def test_a_resume_on_changed_data_says_so(caplog):
     rows = [{"prompt": str(i)} for i in range(5)]
     old = PromptStream(rows, seed=3, shuffle=True)
     old.take(4)
-    with caplog.at_level("WARNING", logger="learner.data"):
+    with caplog.at_level("WARNING", logger="learner.data.prompts"):
         PromptStream(list(rows), seed=3, shuffle=True).load_state_dict(old.state_dict())
         assert not caplog.records  # the same rows: nothing to say
         edited = [*rows[:2], {"prompt": "2, fixed"}, *rows[3:], {"prompt": "5"}]
@@ -382,7 +382,7 @@ def test_micro_batches_cover_everything_once():
 
 
 def test_demo_reward_by_hand():
-    from learner.demo_task import charset_reward
+    from learner.data.demo_task import charset_reward
 
     assert charset_reward(
         [None] * 4, ["aeb", "", "zz", "x"], ["aeiou", "aeiou", "aeiou", None]

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from learner.config import load_config
-from learner.data import PromptStream, load_rows
-from learner.metrics import read_metrics
+from learner.data.prompts import PromptStream, load_rows
+from learner.run.metrics import read_metrics
 from learner.trainer import rows_fingerprint
 from tests.learner.launch import cpu_launch
 
@@ -232,7 +232,7 @@ def test_a_reward_parameter_that_names_no_column_stops_before_any_model_loads(tm
 
 
 def test_unreachable_server_fails_fast_and_clearly(tmp_path):
-    from learner.embedded import free_port
+    from learner.servers.embedded import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
@@ -463,7 +463,7 @@ def test_fresh_run_syncs_a_server_that_another_learner_updated(
 def test_a_config_over_the_servers_limits_stops_before_any_step(
     tmp_path, start_server, tiny_model_dir
 ):
-    from learner.embedded import _limit_args
+    from learner.servers.embedded import _limit_args
     from rollout_server.protocol import Limits
     from rollout_server.settings import ServerSettings
 
@@ -492,7 +492,7 @@ def test_a_restarted_server_gets_the_weights_again_and_the_run_goes_on(tmp_path,
     """The external server is SIGKILLed after step 2 and started again on its port: it serves
     its base weights (version 0), so the learner syncs again (and regenerates the prompts it
     was generating); the run ends with every step and the data order unchanged."""
-    from learner.embedded import free_port
+    from learner.servers.embedded import free_port
 
     port = free_port()
     serve = [sys.executable, "-m", "rollout_server", "--model", str(tiny_model_dir)]
@@ -539,7 +539,7 @@ def test_a_restarted_server_gets_the_weights_again_and_the_run_goes_on(tmp_path,
 
 
 def test_a_sync_is_retried_only_when_a_server_went_away():
-    from learner.servers import server_went_away
+    from learner.servers.pool import server_went_away
     from rollout_server.client import RolloutHTTPError, RolloutUnavailableError, WeightSyncError
 
     def wrapped(cause: Exception) -> WeightSyncError:

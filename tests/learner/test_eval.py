@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from learner.config import ConfigError, load_config
-from learner.metrics import read_metrics
+from learner.run.metrics import read_metrics
 from tests.learner.test_config_data_batch import write_hub_layout
 from tests.learner.test_e2e import DEMO, _env, _run_ok, assert_setup_error
 

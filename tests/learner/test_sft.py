@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from learner.batch import collate
 from learner.config import ConfigError, SFTConfig, load_config
-from learner.data import DataError
-from learner.sft_data import SFTExample, assistant_spans, load_sft_rows, tokenize_row
+from learner.data.prompts import DataError
+from learner.data.sft import SFTExample, assistant_spans, load_sft_rows, tokenize_row
+from learner.step.batch import collate
 from tests.learner.launch import cpu_launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -269,7 +269,7 @@ def test_fused_adamw_takes_the_same_steps_as_the_default():
     parameter-sized temporaries). Here on CPU (where the learner keeps the default): the same
     three updates as the multi-tensor default, weight decay included."""
     from learner.config import OptimConfig
-    from learner.runtime import make_accelerator, optimizer_and_schedule, use_fused_adamw
+    from learner.run.runtime import make_accelerator, optimizer_and_schedule, use_fused_adamw
 
     assert not use_fused_adamw(make_accelerator())  # no GPU here
     torch.manual_seed(0)
@@ -298,7 +298,7 @@ def test_fused_adamw_takes_the_same_steps_as_the_default():
 def test_short_run_learns_and_writes_a_loadable_model(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from learner.metrics import read_metrics
+    from learner.run.metrics import read_metrics
     from learner.sft import train_sft
 
     run = tmp_path / "sft"
@@ -349,7 +349,7 @@ def test_qlora_sft_saves_a_dense_merged_model_and_adapter_checkpoints(tmp_path, 
     # final = the 4-bit base dequantized + the checkpoint's adapter merged, as PEFT loads them
     from peft import PeftModel
 
-    from learner.model_setup import _bnb_4bit
+    from learner.model.setup import _bnb_4bit
     from learner.sync import merged_lora_weights
 
     quantized = AutoModelForCausalLM.from_pretrained(
@@ -369,8 +369,8 @@ def test_sigterm_then_resume_continues_exactly(tmp_path, tiny_model_dir, caplog,
     """SIGTERM during step 2 (a preemption) ends that step, checkpoints it (no periodic
     checkpoint is due) and stops; the resume ends where an uninterrupted run does."""
     import learner.sft
-    from learner.metrics import read_metrics
-    from learner.runtime import TrainingStopped
+    from learner.run.metrics import read_metrics
+    from learner.run.runtime import TrainingStopped
     from learner.sft import train_sft
 
     common = ("run.checkpoint_every=3", "sft.batch_size=4", "sft.micro_batch_size=2")
@@ -417,7 +417,7 @@ def test_two_processes_match_one(tmp_path, tiny_model_dir):
     import os
     import subprocess
 
-    from learner.metrics import read_metrics
+    from learner.run.metrics import read_metrics
     from learner.sft import train_sft
 
     common = ("sft.steps=3", "sft.batch_size=4", "sft.micro_batch_size=2")
@@ -440,7 +440,7 @@ def test_two_processes_match_one(tmp_path, tiny_model_dir):
 def test_warm_start_then_grpo_from_the_sft_weights(tmp_path, tiny_model_dir, start_server):
     """GRPO after SFT starts from RUN_DIR/sft/final, and an external server receives it by a
     weight sync before the first generation (samples of step 1 have weight version 1)."""
-    from learner.metrics import read_metrics
+    from learner.run.metrics import read_metrics
     from learner.trainer import train
     from rollout_server.settings import ServerSettings
 

@@ -1,0 +1,215 @@
+"""The learner's side of the rollout servers: the event loop its HTTP work runs on, the servers
+themselves (embedded or configured), their limits, and the weight sync with its retries.
+
+Every function that ends in a collective (`main_decides`, `sync_weights`) is entered by every
+rank; the HTTP calls run on the main process only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+
+from learner.config import LearnerConfig
+from learner.run.checkpoint import TrainerState
+from learner.run.runtime import SetupError
+from learner.servers.embedded import embedded_for
+from learner.sync import WeightSyncer
+from rollout_server.client import RolloutError, RolloutHTTPError, RolloutUnavailableError
+from rollout_server.protocol import InfoResponse
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EventLoopThread:
+    """A private asyncio loop in a daemon thread: the sync training code submits HTTP work to it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.submit(coro).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def servers(cfg: LearnerConfig, model: str, run_dir: Path, acc: Accelerator) -> Iterator[list[str]]:
+    if cfg.rollout.servers:
+        yield cfg.rollout.servers
+        return
+    urls: list[Any] = [None]
+    with contextlib.ExitStack() as stack:
+        if acc.is_main_process:
+            urls[0] = stack.enter_context(
+                embedded_for(cfg, model, log_path=run_dir / "rollout_server.log")
+            )
+        broadcast_object_list(urls, from_process=0)
+        yield [urls[0]]
+        acc.wait_for_everyone()  # nobody may still be generating when the server stops
+
+
+def check_server_limits(cfg: LearnerConfig, infos: list[InfoResponse], urls: list[str]) -> None:
+    """Refuse, before any step, a config that asks more of a server than its limits allow
+    (the server would refuse every generate request)."""
+    s = cfg.sampling
+    asks = [
+        ("sampling.num_generations", s.num_generations, "max_n", "--max-n"),
+        ("sampling.max_tokens", s.max_tokens, "max_tokens", "--max-tokens"),
+    ]
+    for i, info in enumerate(infos):
+        for setting, value, limit_name, flag in asks:
+            limit = getattr(info.limits, limit_name)
+            if value > limit:
+                where = f"the rollout server {urls[i]}" if urls else "the embedded rollout server"
+                raise SetupError(
+                    f"{setting} = {value} is over {where}'s limit {limit_name} = {limit}: lower "
+                    f"it, or start the server with {flag} {value}"
+                    + ("" if urls else " (rollout.embedded.extra_args)")
+                )
+
+
+def may_prepare(cfg: Any, accelerator: Accelerator, pending: Any) -> bool:
+    """Prepare the NCCL sync during training only when no rollouts are being generated (a
+    prepared update holds the servers' generation paused) and the servers stay awake."""
+    r = cfg.rollout
+    return (
+        accelerator.is_main_process
+        and r.sync == "nccl"
+        and r.prepare_sync
+        and not r.sleep_while_training
+        and not pending
+    )
+
+
+def main_decides(accelerator: Accelerator, decide: Callable[[], bool]) -> bool:
+    """``decide()`` on the main process, its answer on every rank: the collective weight sync
+    that may follow must be entered by all ranks or by none."""
+    flag = [decide() if accelerator.is_main_process else False]
+    broadcast_object_list(flag, from_process=0)
+    return bool(flag[0])
+
+
+def updated_by_another(infos: list[InfoResponse]) -> bool:
+    """Whether external rollout servers serve other weights than the ones they loaded (a weight
+    version above 0: an earlier or another learner updated them). A fresh run then syncs its own
+    weights before the first generation instead of training on another run's samples."""
+    versions = [info.weight_version for info in infos]
+    if any(versions):
+        logger.warning(
+            "the rollout servers serve weight versions %s, not the weights they loaded: "
+            "syncing this learner's weights before the first generation",
+            versions,
+        )
+    return any(versions)
+
+
+def restarted(infos: list[InfoResponse], version: int) -> bool:
+    """Whether a rollout server serves an older weight version than the learner last synced
+    (it restarted, or lost its weights): the learner then syncs again instead of failing on
+    stale samples."""
+    oldest = min(info.weight_version for info in infos)
+    if oldest < version:
+        logger.warning(
+            "a rollout server serves weight version %d, older than the %d this learner "
+            "synced (restarted?): syncing again and generating this step's prompts again",
+            oldest,
+            version,
+        )
+    return oldest < version
+
+
+def sync_weights(
+    accelerator: Accelerator,
+    loop: EventLoopThread,
+    syncer: WeightSyncer,
+    policy: torch.nn.Module,
+    state: TrainerState,
+    *,
+    resync: bool = False,
+) -> None:
+    """Push the weights to the servers; ``state.weight_version`` becomes the version they serve.
+
+    ``resync``: the weights are the ones the learner already served (a resumed run, a restarted
+    server). Servers that serve an older version than the learner's (fresh ones at 0) get the
+    learner's version back, so the version goes on from the checkpoint's instead of counting
+    again from 1 (the staleness bound and the logged weight_version compare versions)."""
+    accelerator.wait_for_everyone()
+    version = [state.weight_version]
+    hf_model = accelerator.unwrap_model(policy).model
+    with torch.no_grad():
+        if accelerator.is_main_process:
+            serve = None
+            if resync:
+                served = max(i.weight_version for i in loop.run(syncer.client.info()))
+                serve = state.weight_version if served < state.weight_version else None
+            answers = push_weights(accelerator, loop, syncer, hf_model, serve)
+            version = [min(a.weight_version for a in answers)]
+        else:
+            syncer.follow(hf_model)
+    broadcast_object_list(version, from_process=0)
+    state.weight_version = int(version[0])
+    accelerator.wait_for_everyone()  # no rank generates before every server has the new weights
+
+
+SYNC_ATTEMPTS = 3
+
+
+def push_weights(
+    accelerator: Accelerator,
+    loop: EventLoopThread,
+    syncer: WeightSyncer,
+    hf_model: Any,
+    version: int | None = None,
+) -> list[Any]:
+    """Push the weights; when a server could not be reached (it restarts, say), wait until the
+    servers are ready and push again, up to ``SYNC_ATTEMPTS`` times. Not for NCCL (its group
+    would have to be formed again) nor under ZeRO-3 (the other ranks' gathers follow one push).
+    A retry lets the servers number the version (another may have taken ``version`` already)."""
+    ds = accelerator.state.deepspeed_plugin
+    retry = syncer.cfg.sync != "nccl" and (ds is None or ds.zero_stage != 3)
+    for attempt in range(1, SYNC_ATTEMPTS):
+        try:
+            return loop.run(syncer.push(hf_model, version if attempt == 1 else None))
+        except RolloutError as e:
+            if not retry or not server_went_away(e):
+                raise
+            logger.warning(
+                "weight sync failed (%s); waiting for the rollout servers, then syncing again "
+                "(attempt %d of %d)",
+                e,
+                attempt + 1,
+                SYNC_ATTEMPTS,
+            )
+            loop.run(syncer.client.wait_ready(syncer.cfg.ready_timeout_s))
+    return loop.run(syncer.push(hf_model))
+
+
+def server_went_away(e: BaseException | None) -> bool:
+    """Whether a failed sync failed because a server was unreachable or lost the update it had
+    staged (a restart), rather than because it refused the weights."""
+    while e is not None:
+        if isinstance(e, RolloutUnavailableError) or (
+            isinstance(e, RolloutHTTPError) and e.status == 404
+        ):
+            return True
+        e = e.__cause__
+    return False
