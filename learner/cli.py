@@ -158,12 +158,12 @@ def _user_traceback(e: BaseException | None) -> str:
     the thread and runner frames that called it); empty if nothing raised."""
     import traceback
 
-    import rewards._threads
+    import grpo_common.threads
     import rewards.scoring
 
     if e is None:
         return ""
-    callers = {rewards._threads.__file__, rewards.scoring.__file__}
+    callers = {grpo_common.threads.__file__, rewards.scoring.__file__}
     tb = e.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in callers:
         tb = tb.tb_next

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from rewards._threads import call_maybe_async
+from grpo_common.threads import call_maybe_async
 from rewards.registry import PluginError
 
 Prompt = str | list[dict[str, Any]]

@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rewards._threads import AbandonedCalls, call_maybe_async, start_in_daemon_thread
+from grpo_common.threads import AbandonedCalls, call_maybe_async, start_in_daemon_thread
 from rewards.builtin._text import strip_reasoning
 from rewards.chat import ChatFormat, HFChatFormat
 from rewards.env import Environment

@@ -7,7 +7,7 @@ the batch become None or 0.0, and ``reward/<name>/failures`` says so). A bad rew
 into a silent 0 copied to every completion, and a hanging one never hangs the run: every call has
 a timeout.
 
-Every call runs in its own daemon thread (``rewards._threads``), an ``async def`` on a fresh event
+Every call runs in its own daemon thread (``grpo_common.threads``), an ``async def`` on a fresh event
 loop of that thread, so that not even a coroutine that blocks its loop can stall the caller's. A
 call that does not return in time is abandoned (an async one is first cancelled on its loop: the
 built-in code reward then kills its sandbox subprocess). Abandoned calls that never end would
@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rewards._threads import AbandonedCalls, start_in_daemon_thread
+from grpo_common.threads import AbandonedCalls, start_in_daemon_thread
 
 logger = logging.getLogger(__name__)
 

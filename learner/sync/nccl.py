@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from grpo_common.threads import run_in_daemon_thread
 from learner.sync.nccl_broadcast import NcclBroadcastMixin, _DaemonWorker, _Slots
 from learner.sync.nccl_buckets import (
     announce_to_all,
@@ -56,7 +57,6 @@ from learner.sync.nccl_buckets import (
     take_tensors,
     update_stats,
 )
-from rewards._threads import run_in_daemon_thread
 from rollout_server.client import RolloutClient, RolloutError, WeightSyncError
 from rollout_server.nccl_wire import (
     Bucket,

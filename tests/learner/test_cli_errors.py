@@ -20,13 +20,13 @@ async def test_a_raising_reward_shows_its_own_frames_only():
     with pytest.raises(RewardFunctionError) as info:
         await runner.score(["p"], ["c"])
     full = "".join(traceback.format_exception(info.value.__cause__))
-    assert "rewards/_threads.py" in full  # what the filter has to drop
+    assert "grpo_common/threads.py" in full  # what the filter has to drop
 
     shown = _user_traceback(info.value.__cause__)
     frames = [line for line in shown.splitlines() if line.startswith("  File ")]
     assert frames[0].endswith(", in reads_a_missing_column")
     assert __file__ in frames[0]
-    assert "rewards/_threads.py" not in shown and "rewards/scoring.py" not in shown
+    assert "grpo_common/threads.py" not in shown and "rewards/scoring.py" not in shown
     assert shown.splitlines()[-1] == "KeyError: 'answer'"
     assert str(info.value) == "reward function 'r': raised KeyError: 'answer'"
 
