@@ -97,7 +97,7 @@ def _guarded(run: Callable[[], int]) -> int:
         from learner.data.prompts import DataError
         from learner.run.runtime import SetupError
         from learner.step.rollouts import EpisodesFailedError
-        from rewards.registry import PluginError
+        from rewards.errors import PluginError
         from rewards.scoring import RewardFunctionError, RewardSpecError
 
         if isinstance(e, (RewardFunctionError, EpisodesFailedError)):  # the user's code failed

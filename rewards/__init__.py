@@ -7,6 +7,7 @@
 - ``rewards.episode``: ``run_episodes`` plays multi-turn tool-using episodes on token ids.
 - ``rewards.chat``: ``HFChatFormat`` turns messages into token ids with a chat template.
 - ``rewards.openreward_adapter``: environments served over the Open Reward Standard.
+- ``rewards.errors``: ``PluginError``, the base of the errors the learner reports in one line.
 
 Importing this package imports nothing heavy; each module imports what it needs.
 """

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, get_type_hints
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from grpo_common.threads import call_maybe_async
-from rewards.registry import PluginError
+from rewards.errors import PluginError
 
 Prompt = str | list[dict[str, Any]]
 """A user message, or a full list of chat messages (``{"role": ..., "content": ...}``)."""

@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 import httpx
 
 from rewards.env import Environment, ToolResult, ToolSpec
-from rewards.registry import PluginError
+from rewards.errors import PluginError
 
 _MODEL_ERRORS = {"not_found", "name_collision", "input_validation", "bad_input_shape"}
 

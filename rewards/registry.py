@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any, Literal
 
+from rewards.errors import PluginError
+
 if TYPE_CHECKING:
     from rewards.env import Environment
 
@@ -39,10 +41,6 @@ _GROUPS: dict[Kind, str] = {"reward": REWARD_GROUP, "environment": ENVIRONMENT_G
 
 RewardFn = Callable[..., Any]
 """``fn(prompts, completions, **columns) -> list[float | None]``, sync or async."""
-
-
-class PluginError(Exception):
-    """Base class of the registry's errors."""
 
 
 class UnknownPluginError(PluginError, LookupError):

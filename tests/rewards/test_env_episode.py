@@ -26,7 +26,7 @@ from rewards.episode import (
     reduce_rewards,
     run_episodes,
 )
-from rewards.registry import PluginError
+from rewards.errors import PluginError
 from rewards.toolcalls import MalformedCall, ToolCall, parse_tool_calls
 
 

@@ -23,8 +23,9 @@ from openreward.environments import (  # noqa: E402
 
 from rewards.env import get_splits, get_tasks  # noqa: E402
 from rewards.episode import run_episodes  # noqa: E402
+from rewards.errors import PluginError  # noqa: E402
 from rewards.openreward_adapter import OpenRewardAdapterError, parse_target  # noqa: E402
-from rewards.registry import PluginError, load_environment  # noqa: E402
+from rewards.registry import load_environment  # noqa: E402
 
 CALLS: list[tuple[str, str, object]] = []  # (task key, tool, argument): what the server ran
 TEARDOWNS: list[str] = []
