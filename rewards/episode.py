@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from grpo_common.threads import AbandonedCalls, call_maybe_async, start_in_daemon_thread
-from rewards.builtin._text import strip_reasoning
 from rewards.chat import ChatFormat, HFChatFormat
 from rewards.env import Environment
+from rewards.text import strip_reasoning
 from rewards.toolcalls import MalformedCall, parse_tool_calls
 
 __all__ = [

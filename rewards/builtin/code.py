@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from rewards.builtin._text import extract_code
+from rewards.text import extract_code
 
 _HARNESS = r"""
 import json, os, resource, sys

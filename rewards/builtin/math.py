@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import Any
 
-from rewards.builtin._text import final_answer_text
+from rewards.text import final_answer_text
 
 
 def _timeouts() -> dict[str, int | None]:

@@ -1,4 +1,4 @@
-"""Small text helpers shared by the built-in rewards."""
+"""Small text helpers on completions, shared by the built-in rewards and the episode runner."""
 
 from __future__ import annotations
 
