@@ -20,16 +20,19 @@ demo: venv
 	$(BIN)/python -m learner --config learner/configs/demo.toml --run-dir runs/demo
 	$(BIN)/python -m learner plot runs/demo
 
+# pytest-xdist: one worker per core (at most 4: each loads torch and tiny models); whole files go
+# to one worker, so a file's module-scoped fixtures (a server, a model) are built once.
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -m "not gpu" --durations=15
+	$(BIN)/lint-imports --no-logo
+	$(BIN)/python -m pytest -q -m "not gpu" --durations=15 -n auto --maxprocesses 4 --dist loadfile
 
 lint: venv
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports --no-logo
 
 format: venv
 	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .import_linter_cache

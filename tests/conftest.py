@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import socket
 import threading
 import time
@@ -19,6 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Under pytest-xdist the workers share the cores: each takes its share of OpenMP threads (torch's
+# intra-op pool, and the subprocesses a test starts), not all of them, as threads spinning on a
+# core another worker needs slow both down. Set before any test module imports torch.
+if _workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // int(_workers)))
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -102,8 +111,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def pids_mentioning(text: str) -> list[int]:
     """PIDs (not this one) whose command line mentions ``text``: tests use it to prove that no
     subprocess (an embedded rollout server, a benchmark's server) outlived its owner."""
-    import os
-
     pids = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit() and int(d.name) != os.getpid():
