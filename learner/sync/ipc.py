@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from learner.sync.nccl import (
+from learner.sync.nccl_buckets import (
     announce_to_all,
     check_checksums,
     drain,

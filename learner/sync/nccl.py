@@ -28,9 +28,10 @@ feed ``send`` from ``learner.sync.zero3.iter_gathered_params`` on rank 0 and exh
 iterator on the other ranks. ``send`` always consumes its iterator to the end, even when it
 fails, so the ranks' gathers stay in step.
 
-The methods that run on the broadcast thread are in ``learner.sync.nccl_broadcast``
-(``NcclWeightSender`` inherits them); the bucket planning and tensor-stream helpers, shared with
-the CUDA IPC sender, in ``learner.sync.nccl_buckets``.
+The communicator and what runs on it, off the event loop (the broadcast thread, the streams, the
+packing buffers), belong to the sender's ``learner.sync.nccl_broadcast.Broadcaster``; the bucket
+planning and tensor-stream helpers, shared with the CUDA IPC sender, are in
+``learner.sync.nccl_buckets``.
 """
 
 from __future__ import annotations
@@ -46,15 +47,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from grpo_common.threads import run_in_daemon_thread
-from learner.sync.nccl_broadcast import NcclBroadcastMixin, _DaemonWorker, _Slots
+from learner.sync.nccl_broadcast import Broadcaster
 from learner.sync.nccl_buckets import (
     announce_to_all,
     check_checksums,
-    drain,
-    fill_bucket,
     plan_buckets,
-    segment_views,
-    take_tensors,
     update_stats,
 )
 from rollout_server.client import RolloutClient, RolloutError, WeightSyncError
@@ -63,7 +60,6 @@ from rollout_server.nccl_wire import (
     NcclGroupError,
     bucket_layout,
     join_group,
-    nccl_abort,
 )
 from rollout_server.protocol import (
     NcclInitRequest,
@@ -75,21 +71,6 @@ from rollout_server.protocol import (
 
 if TYPE_CHECKING:
     import torch
-
-# The bucket helpers are re-exported from nccl_buckets: learner.sync.ipc, the tests and the
-# benches import them from this module.
-__all__ = [
-    "SEGMENT_BYTES",
-    "NcclWeightSender",
-    "announce_to_all",
-    "check_checksums",
-    "drain",
-    "fill_bucket",
-    "plan_buckets",
-    "segment_views",
-    "take_tensors",
-    "update_stats",
-]
 
 log = logging.getLogger(__name__)
 
@@ -117,18 +98,15 @@ class _PreparedSend:
     commit: asyncio.Future  # the servers' commit, posted right after preparing: their answers
 
 
-class NcclWeightSender(NcclBroadcastMixin):
+class NcclWeightSender:
     """Learner rank 0 of the weight-sync group. ``init`` once, then ``send`` after each step
     (``prepare`` before it, while the optimizer steps, takes the announce off its path)."""
 
     def __init__(self) -> None:
         self._client: RolloutClient | None = None
-        self._comm: Any = None
+        self._broadcaster = Broadcaster()  # the group's communicator and broadcast thread
         self._init_args: dict[str, Any] = {}
         self._prepared: _PreparedSend | None = None
-        self._streams: tuple[Any, Any] | None = None  # (fill, wire) on the learner's GPU
-        self._slots: dict[int, _Slots] = {}  # packing buffers by segment size, kept
-        self._thread = _DaemonWorker()  # runs the broadcasts
         self._workers = 0  # the servers' workers in the group (each acknowledges a load)
         self._answers: asyncio.Future | None = None  # a send's HTTP answers not awaited yet
         self.last_stats: dict[str, float] = {}
@@ -136,7 +114,7 @@ class NcclWeightSender(NcclBroadcastMixin):
 
     @property
     def ready(self) -> bool:
-        return self._comm is not None
+        return self._broadcaster.ready
 
     async def init(
         self,
@@ -150,25 +128,9 @@ class NcclWeightSender(NcclBroadcastMixin):
         """Form the group: rank 0 here, then every worker of every server (from ``/info``).
 
         ``master_address`` must be an address of this machine that the servers can reach."""
-        import importlib.util
-
         import torch
 
-        from learner.sync import learner_cuda_device
-
-        dev = learner_cuda_device(device, "nccl", "the learner on a CUDA GPU")
-        if importlib.util.find_spec("vllm") is None:
-            raise ImportError(
-                'rollout.sync = "nccl": the learner joins the group through vLLM\'s NCCL '
-                "wrapper, and vllm is not installed here: pip install 'grpo-service[vllm]' "
-                '(or use sync = "http" / "file")'
-            )
-        if os.environ.get("NCCL_CUMEM_ENABLE") != "0":
-            log.warning(
-                "NCCL_CUMEM_ENABLE is not 0 in the learner; the rollout workers use 0. Export "
-                "NCCL_CUMEM_ENABLE=0 before the learner starts if the first sync hangs."
-            )
-            os.environ["NCCL_CUMEM_ENABLE"] = "0"  # enough if NCCL is not initialized yet
+        dev = _joining_device(device)
         self.close()
         self._client = client
         self._init_args = dict(
@@ -188,11 +150,10 @@ class NcclWeightSender(NcclBroadcastMixin):
         world_size = 1 + sum(sizes)
         self._workers = world_size - 1
         offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
-        self._device = dev
-        if self._device.type == "cuda" and self._device.index is None:
+        if dev.type == "cuda" and dev.index is None:
             # accelerate's device without a launcher is a bare "cuda"; the communicator needs
             # the index its tensors will carry
-            self._device = torch.device("cuda", torch.cuda.current_device())
+            dev = torch.device("cuda", torch.cuda.current_device())
 
         async def post(server: str, offset: int) -> None:
             fields: dict[str, Any] = dict(
@@ -213,13 +174,13 @@ class NcclWeightSender(NcclBroadcastMixin):
             asyncio.ensure_future(post(s, o)) for s, o in zip(client.servers, offsets, strict=True)
         ]
         join = run_in_daemon_thread(
-            join_group, master_address, master_port, 0, world_size, self._device, timeout_s
+            join_group, master_address, master_port, 0, world_size, dev, timeout_s
         )
         try:
             # A refused POST or a failed join ends the wait at once (the other side would only
             # time out); the join thread is a daemon, left to its own store timeout.
             await _first_failure([*posts, join])
-            self._comm = join.result()
+            self._broadcaster.attach(join.result(), dev, timeout_s)
         finally:
             for p in posts:
                 p.cancel()
@@ -239,9 +200,7 @@ class NcclWeightSender(NcclBroadcastMixin):
         if self._answers is not None:
             self._answers.cancel()
             self._answers = None
-        if self._comm is not None:
-            nccl_abort(self._comm)
-            self._comm = None
+        self._broadcaster.abort()
 
     @staticmethod
     def _request(
@@ -288,7 +247,7 @@ class NcclWeightSender(NcclBroadcastMixin):
             if self._prepared.key == key:
                 return True
             await self._abandon()  # a different update
-        if self._comm is None:
+        if not self._broadcaster.ready:
             await self.init(self._client, **self._init_args)
         client = self._client
         start = time.perf_counter()
@@ -355,7 +314,7 @@ class NcclWeightSender(NcclBroadcastMixin):
             request = prepared.request
         else:
             request = self._request(specs, bucket_bytes, version, checksum, segment_bytes)
-        if self._comm is None:  # a failed update aborted the group: form it again
+        if not self._broadcaster.ready:  # a failed update aborted the group: form it again
             await self.init(self._client, **self._init_args)
         try:
             return await self._send(
@@ -412,8 +371,7 @@ class NcclWeightSender(NcclBroadcastMixin):
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, _SWITCH_INTERVAL_S))
         try:
-            sent_checksum, acked = await self._thread.submit(
-                self._broadcast,
+            sent_checksum, acked = await self._broadcaster.run(
                 layout,
                 tensor_iter,
                 stop,
@@ -424,7 +382,7 @@ class NcclWeightSender(NcclBroadcastMixin):
                 worded,
             )
         except NcclGroupError as exc:
-            self._comm = None  # aborted: the next send forms the group again
+            self._broadcaster.forget()  # aborted: the next send forms the group again
             if not worded.is_set():
                 announce.cancel()  # the servers time out (or never got the announce)
             await asyncio.gather(announce, return_exceptions=True)
@@ -486,6 +444,29 @@ class NcclWeightSender(NcclBroadcastMixin):
             await self._send(prepared.request, prepared, iter(()), None, begun, False)
         except Exception as exc:  # expected: the empty stream, or the servers' refusal
             log.info("the prepared update was abandoned (%s)", exc)
+
+
+def _joining_device(device: torch.device | int | str) -> torch.device:
+    """The CUDA device the learner joins the group from, once it can join one at all (a GPU,
+    vLLM's NCCL wrapper, the rollout workers' ``NCCL_CUMEM_ENABLE``)."""
+    import importlib.util
+
+    from learner.sync import learner_cuda_device
+
+    dev = learner_cuda_device(device, "nccl", "the learner on a CUDA GPU")
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(
+            'rollout.sync = "nccl": the learner joins the group through vLLM\'s NCCL '
+            "wrapper, and vllm is not installed here: pip install 'grpo-service[vllm]' "
+            '(or use sync = "http" / "file")'
+        )
+    if os.environ.get("NCCL_CUMEM_ENABLE") != "0":
+        log.warning(
+            "NCCL_CUMEM_ENABLE is not 0 in the learner; the rollout workers use 0. Export "
+            "NCCL_CUMEM_ENABLE=0 before the learner starts if the first sync hangs."
+        )
+        os.environ["NCCL_CUMEM_ENABLE"] = "0"  # enough if NCCL is not initialized yet
+    return dev
 
 
 def _update_key(specs: Sequence[TensorSpec], *args: Any) -> tuple:

@@ -1,12 +1,12 @@
-"""The broadcast thread's half of ``learner.sync.nccl.NcclWeightSender``.
+"""The NCCL half of ``learner.sync.nccl_sender.NcclWeightSender``: the group's communicator and
+what runs on it, off the event loop.
 
-What runs off the event loop, on one kept daemon thread (``_DaemonWorker``): every bucket filled
-and broadcast segment by segment on the learner's fill and wire streams, the packing buffers
-kept between sends (``_Slots``), the commit word and the wait for the workers'
-acknowledgement. ``NcclBroadcastMixin`` holds those methods; ``NcclWeightSender`` (the async
-side: group, announce, prepare, answers) inherits them and owns the state they read
-(``_comm``, ``_device``, ``_init_args``, ``_streams``, ``_slots``). Split along this seam so
-that each half reads in one sitting; torch is imported only inside the methods.
+``Broadcaster`` owns the communicator of the weight group the sender formed, one kept daemon
+thread (``DaemonWorker``), the learner's fill and wire streams and the packing buffers kept
+between sends (``_Slots``). On that thread every bucket is filled and broadcast segment by
+segment, then the commit word goes out and the thread waits for the workers'
+acknowledgement. The sender (group formation over HTTP, announce, prepare, answers) holds one
+``Broadcaster`` and hands it each group it forms; torch is imported only inside the methods.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from learner.sync.nccl_buckets import drain, segment_views, take_tensors
 from rollout_server.nccl_wire import (
     Bucket,
     NcclGroupError,
+    Segment,
     copy_all,
     flat_checksum,
     nccl_abort,
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class _DaemonWorker:
+class DaemonWorker:
     """One daemon thread kept for a sender's broadcasts, so that no thread starts on a sync's
     critical path; jobs run in turn. A daemon, as in ``run_in_daemon_thread``: a broadcast that
     can never finish must not keep the interpreter alive at exit."""
@@ -64,9 +65,63 @@ class _DaemonWorker:
                 future.set_exception(exc)
 
 
-class NcclBroadcastMixin:
-    """``NcclWeightSender``'s methods that run on its broadcast thread (see the module
-    docstring for the attributes they read)."""
+class Broadcaster:
+    """The communicator of the learner's weight group and the thread that broadcasts on it.
+
+    ``attach`` hands it a group just formed; ``abort`` leaves it, ``forget`` drops one that a
+    failed broadcast already aborted (the sender forms the group again). The streams and the
+    packing buffers outlive the groups: they are the learner's, made once."""
+
+    def __init__(self) -> None:
+        self.comm: Any = None  # the group's PyNcclCommunicator; None: no group
+        self.device: torch.device | None = None
+        self.timeout_s = 300.0  # no progress for this long: the group is aborted
+        self._streams: tuple[Any, Any] | None = None  # (fill, wire) on the learner's GPU
+        self._slots: dict[int, _Slots] = {}  # packing buffers by segment size, kept
+        self._thread = DaemonWorker()  # runs the broadcasts
+
+    @property
+    def ready(self) -> bool:
+        return self.comm is not None
+
+    def attach(self, comm: Any, device: torch.device, timeout_s: float) -> None:
+        self.comm, self.device, self.timeout_s = comm, device, float(timeout_s)
+
+    def abort(self) -> None:
+        """Leave the group (``ncclCommAbort``: returns even when a peer is gone)."""
+        if self.comm is not None:
+            nccl_abort(self.comm)
+            self.comm = None
+
+    def forget(self) -> None:
+        """A broadcast failed with ``NcclGroupError``: it aborted the group already."""
+        self.comm = None
+
+    def run(
+        self,
+        layout: list[Bucket],
+        tensor_iter: Iterable[tuple[str, torch.Tensor]],
+        stop: threading.Event,
+        checksum: bool,
+        segment_bytes: int,
+        on_bucket: Callable[[int], None] | None,
+        marks: dict[str, float],
+        worded: threading.Event,
+    ) -> asyncio.Future:
+        """One update's broadcasts on the kept thread; the future's result is ``(checksum, the
+        workers' sum of acknowledgements)``. ``stop`` ends a wait (the announce failed);
+        ``worded`` is set once the commit word is out; ``marks`` gets the thread's progress."""
+        return self._thread.submit(
+            self._broadcast,
+            layout,
+            tensor_iter,
+            stop,
+            checksum,
+            segment_bytes,
+            on_bucket,
+            marks,
+            worded,
+        )
 
     def _broadcast(
         self,
@@ -89,7 +144,7 @@ class NcclBroadcastMixin:
         import torch
 
         marks["thread"] = time.perf_counter()
-        torch.cuda.set_device(self._device)
+        torch.cuda.set_device(self.device)
         it = iter(tensor_iter)
         try:
             total, failure, acked = self._stream_buckets(
@@ -99,7 +154,7 @@ class NcclBroadcastMixin:
             drain(it, quiet=True)
             raise
         except BaseException as exc:
-            nccl_abort(self._comm)
+            nccl_abort(self.comm)
             drain(it, quiet=True)
             raise NcclGroupError(f"the broadcast stopped part way ({exc!r})") from exc
         drain(it, quiet=failure is not None)
@@ -123,23 +178,15 @@ class NcclBroadcastMixin:
         This thread runs on a fill stream, so the stream's tensors (a ZeRO-3 gather's copies)
         are made there too. A segment of one tensor that already has the bucket's dtype leaves
         from that tensor; the others are packed (one fused multi-tensor copy into kept views)
-        into one of two buffers per dtype while the previous segment is on the wire. The two streams wait on each other on
-        the GPU (a few reused events per segment): this thread only launches, and blocks once,
-        for the workers' acknowledgement after the commit word, unless ``on_bucket`` asks it to
-        wait for every bucket. Returns the checksum, the failure if the stream failed (then
+        into one of two buffers per dtype while the previous segment is on the wire. The two
+        streams wait on each other on the GPU (a few reused events per segment): this thread
+        only launches, and blocks once, for the workers' acknowledgement after the commit word,
+        unless ``on_bucket`` asks it to wait for every bucket. Returns the checksum, the failure if the stream failed (then
         the word was 0) and the sum of acknowledgements."""
         import torch
 
-        comm, timeout_s, device = self._comm, float(self._init_args["timeout_s"]), self._device
-        if self._streams is None:
-            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        fill, wire = self._streams
-        slots = self._slots.get(segment_bytes)
-        if slots is None or not slots.serves(layout):
-            if len(self._slots) >= 4:  # one per segment size in use; a few at most
-                self._slots.clear()
-            slots = self._slots[segment_bytes] = _Slots(layout, segment_bytes, device)
-        slots.reset()
+        comm, timeout_s, device = self.comm, self.timeout_s, self.device
+        fill, wire, slots = self._streams_and_slots(layout, segment_bytes)
         failure: Exception | None = None
         total = torch.zeros((), dtype=torch.float64, device=device) if checksum else None
         ready = torch.cuda.Event()  # the segment just packed (or made) on the fill stream
@@ -150,13 +197,7 @@ class NcclBroadcastMixin:
                 for i, g in enumerate(segs):
                     parts = None
                     if failure is None:
-                        try:
-                            parts = take_tensors(bucket.entries[g.first : g.stop], it)
-                            if "taken" not in marks:
-                                marks["taken"] = time.perf_counter()
-                        except Exception as exc:
-                            failure = exc
-                            log.error("weight sync abandoned at bucket %d: %s", b, exc)
+                        parts, failure = _take_segment(bucket, g, it, b, marks)
                     direct = (
                         parts is not None
                         and len(parts) == 1
@@ -194,6 +235,41 @@ class NcclBroadcastMixin:
                 failure = ValueError(
                     "the tensor stream yielded more tensors than the specs announce"
                 )
+        acked = self._commit_word(comm, wire, failure, stop, marks, worded)
+        return (float(total) if total is not None else 0.0), failure, acked
+
+    def _streams_and_slots(
+        self, layout: list[Bucket], segment_bytes: int
+    ) -> tuple[Any, Any, _Slots]:
+        """The fill and wire streams (made once) and the packing buffers for this layout."""
+        import torch
+
+        device = self.device
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        fill, wire = self._streams
+        slots = self._slots.get(segment_bytes)
+        if slots is None or not slots.serves(layout):
+            if len(self._slots) >= 4:  # one per segment size in use; a few at most
+                self._slots.clear()
+            slots = self._slots[segment_bytes] = _Slots(layout, segment_bytes, device)
+        slots.reset()
+        return fill, wire, slots
+
+    def _commit_word(
+        self,
+        comm: Any,
+        wire: Any,
+        failure: Exception | None,
+        stop: threading.Event,
+        marks: dict[str, float],
+        worded: threading.Event,
+    ) -> int:
+        """The commit word (1: load the update; 0, after a ``failure``: discard it) after the
+        last segment, then the workers' sum of acknowledgements, waited for."""
+        import torch
+
+        device = self.device
         with torch.cuda.stream(wire):
             # filled on the GPU: a copy from pageable host memory would first wait for the stream
             word = torch.full((1,), 0 if failure else 1, dtype=torch.int32, device=device)
@@ -205,10 +281,24 @@ class NcclBroadcastMixin:
         done.record(wire)
         marks["word"] = time.perf_counter()
         worded.set()
-        wait_event(done, comm, timeout_s, "the servers' acknowledgement of the load", stop)
+        wait_event(done, comm, self.timeout_s, "the servers' acknowledgement of the load", stop)
         marks["acked"] = time.perf_counter()
-        acked = int(acks.item())
-        return (float(total) if total is not None else 0.0), failure, acked
+        return int(acks.item())
+
+
+def _take_segment(
+    bucket: Bucket, g: Segment, it: Iterator[tuple[str, Any]], b: int, marks: dict[str, float]
+) -> tuple[list[Any] | None, Exception | None]:
+    """Segment ``g``'s tensors from the stream, or the stream's failure (the update is then
+    abandoned: the remaining segments go out as zeros)."""
+    try:
+        parts = take_tensors(bucket.entries[g.first : g.stop], it)
+    except Exception as exc:
+        log.error("weight sync abandoned at bucket %d: %s", b, exc)
+        return None, exc
+    if "taken" not in marks:
+        marks["taken"] = time.perf_counter()
+    return parts, None
 
 
 class _Slots:

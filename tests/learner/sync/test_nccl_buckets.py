@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.sync.nccl import fill_bucket, plan_buckets
+from learner.sync.nccl_buckets import fill_bucket, plan_buckets
 from learner.sync.zero3 import iter_gathered_params, param_specs, strip_wrappers
 from rollout_server.engine.vllm_engine import hf_weight_metadata
 from rollout_server.nccl_wire import bucket_layout, flat_checksum, unflatten
@@ -90,7 +90,7 @@ def test_segments_tile_every_bucket_of_a_real_model(tiny_model_dir) -> None:
     segments hold exactly the tensors a whole-bucket fill would put there."""
     from transformers import AutoModelForCausalLM
 
-    from learner.sync.nccl import segment_views, take_tensors
+    from learner.sync.nccl_buckets import segment_views, take_tensors
     from rollout_server.nccl_wire import copy_all
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -268,9 +268,9 @@ def test_the_sender_runs_its_broadcasts_on_one_kept_thread() -> None:
     import asyncio
     import threading
 
-    from learner.sync.nccl import _DaemonWorker
+    from learner.sync.nccl_broadcast import DaemonWorker
 
-    worker = _DaemonWorker()
+    worker = DaemonWorker()
 
     async def main() -> list:
         first = await worker.submit(threading.get_ident)
