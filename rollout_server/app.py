@@ -1,7 +1,9 @@
 """``build_app(settings)``: the FastAPI app, for uvicorn, the CLI and the tests alike.
 
-The engine loads in the background once the server is up, so ``/health`` answers at once and
-``/ready`` turns 200 when generation can start (vLLM can take minutes to load).
+One ``ServerCore`` (engine, weight version, sleep state, pause gate, metrics) is shared by the
+services of each feature (generation, weights, sleep, status), and each feature's router calls
+its service. The engine loads in the background once the server is up, so ``/health`` answers
+at once and ``/ready`` turns 200 when generation can start (vLLM can take minutes to load).
 """
 
 from __future__ import annotations
@@ -13,13 +15,21 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from rollout_server.core import ServerCore
 from rollout_server.engine import Engine, load_engine
-from rollout_server.errors import install_error_handlers
+from rollout_server.error_handlers import install_error_handlers
+from rollout_server.generation.router import router as generation_router
+from rollout_server.generation.service import GenerationService
 from rollout_server.metrics import Metrics
 from rollout_server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
-from rollout_server.routes import generate, openai, sleep, status, weights
-from rollout_server.service import RolloutService
+from rollout_server.openai_compat.router import router as openai_router
 from rollout_server.settings import ServerSettings
+from rollout_server.sleep.router import router as sleep_router
+from rollout_server.sleep.service import SleepService
+from rollout_server.status.router import router as status_router
+from rollout_server.status.service import StatusService
+from rollout_server.weights.router import router as weights_router
+from rollout_server.weights.service import WeightsService
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +45,20 @@ def build_app(
     ``on_engine_failure`` is called if the engine fails to load (the CLI stops the server)."""
     engine = engine if engine is not None else load_engine(settings.engine, settings)
     metrics = Metrics()
-    service = RolloutService(settings, engine, metrics)
+    core = ServerCore(settings, engine, metrics)
+    weights = WeightsService(core)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        loading = asyncio.create_task(service.start(on_engine_failure), name="engine-start")
+        loading = asyncio.create_task(core.start(on_engine_failure), name="engine-start")
         try:
             yield
         finally:
             if not loading.done():
                 loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
-            await service.close()
+            await weights.close()
+            await core.close()
 
     app = FastAPI(
         title="rollout-server",
@@ -54,14 +66,18 @@ def build_app(
         version="0.1.0",
         lifespan=lifespan,
     )
-    app.state.service = service
+    app.state.core = core
+    app.state.generation = GenerationService(core)
+    app.state.weights = weights
+    app.state.sleep = SleepService(core, weights.prepared)
+    app.state.status = StatusService(core)
     app.state.settings = settings
     install_error_handlers(app)
-    for router in (status.router, generate.router, openai.router):
+    for router in (status_router, generation_router, openai_router):
         app.include_router(router)
     if not settings.disable_admin_endpoints:
-        app.include_router(weights.router)
-        app.include_router(sleep.router)
+        app.include_router(weights_router)
+        app.include_router(sleep_router)
     # Added last = outermost: an unauthenticated request is refused before anything else.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_body_mb * 2**20)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

@@ -1,4 +1,4 @@
-"""HTTP errors of the serving layer and the handlers that turn every failure into JSON.
+"""HTTP errors of the serving layer, and the JSON body every error answer carries.
 
 Every error body is ``{"detail": "<one readable sentence>"}`` with a real status code: 4xx for
 the caller's mistakes (naming the field and the limit), 503 while loading or asleep (with
@@ -6,18 +6,6 @@ the caller's mistakes (naming the field and the limit), 503 while loading or asl
 """
 
 from __future__ import annotations
-
-import logging
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from rollout_server.engine.base import EngineError, UnsupportedError, WeightsError
-
-log = logging.getLogger(__name__)
 
 
 class ServiceError(Exception):
@@ -81,49 +69,3 @@ def error_body(path: str, status: int, detail: str) -> dict[str, object]:
         )
         body["error"] = {"message": detail, "type": kind, "code": status}
     return body
-
-
-def _json(
-    request: Request, status: int, detail: str, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    return JSONResponse(
-        error_body(request.url.path, status, detail), status_code=status, headers=headers
-    )
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ServiceError)
-    async def _service(request: Request, exc: ServiceError) -> JSONResponse:
-        return _json(request, exc.status_code, exc.detail, exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _json(request, 422, format_validation_errors(list(exc.errors())))
-
-    @app.exception_handler(ValidationError)
-    async def _validation(request: Request, exc: ValidationError) -> JSONResponse:
-        return _json(request, 422, format_validation_errors(list(exc.errors())))
-
-    @app.exception_handler(WeightsError)
-    async def _weights(request: Request, exc: WeightsError) -> JSONResponse:
-        return _json(
-            request, 400, f"weight update refused, the previous weights keep serving: {exc}"
-        )
-
-    @app.exception_handler(UnsupportedError)
-    async def _unsupported(request: Request, exc: UnsupportedError) -> JSONResponse:
-        return _json(request, 501, str(exc))
-
-    @app.exception_handler(EngineError)
-    async def _engine(request: Request, exc: EngineError) -> JSONResponse:
-        log.error("engine error: %s", exc)
-        return _json(request, 500, f"engine error: {exc}")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _json(request, exc.status_code, str(exc.detail), getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return _json(request, 500, f"internal server error: {type(exc).__name__}: {exc}")

@@ -49,12 +49,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @dataclass
 class RunningServer:
     url: str  # http://127.0.0.1:<port>
-    app: Any  # the FastAPI app (app.state.service is the RolloutService)
+    app: Any  # the FastAPI app (app.state.core is the ServerCore its services share)
     settings: Any  # ServerSettings
 
     @property
-    def service(self) -> Any:
-        return self.app.state.service
+    def core(self) -> Any:
+        return self.app.state.core
 
 
 @contextlib.contextmanager
@@ -78,15 +78,15 @@ def run_server(
     thread.start()
     try:
         deadline = time.monotonic() + ready_timeout_s
-        service = app.state.service
-        while not server.started or (wait_ready and service.state == "loading"):
+        core = app.state.core
+        while not server.started or (wait_ready and core.state == "loading"):
             if not thread.is_alive():
                 raise RuntimeError("the uvicorn server thread exited during startup")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server not ready after {ready_timeout_s}s")
             time.sleep(0.02)
-        if wait_ready and service.state != "ready":
-            raise RuntimeError(f"engine failed to start: {service.load_error}")
+        if wait_ready and core.state != "ready":
+            raise RuntimeError(f"engine failed to start: {core.load_error}")
         yield RunningServer(f"http://127.0.0.1:{port}", app, settings)
     finally:
         server.should_exit = True

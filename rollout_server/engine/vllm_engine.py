@@ -59,7 +59,7 @@ from rollout_server.engine.vllm_helpers import (
     supports_flat_logprobs,
     to_sample,
 )
-from rollout_server.weights import NON_FINITE_REFUSED
+from rollout_server.finite import NON_FINITE_REFUSED
 
 if TYPE_CHECKING:
     import torch

@@ -94,7 +94,7 @@ def _refuse_non_finite(
     """Before anything is loaded (or, for copies overlapped with the wire, before they commit):
     NaN/inf would load fine and then make every log-prob NaN."""
     from rollout_server.engine.base import WeightsError
-    from rollout_server.weights import NON_FINITE_REFUSED, non_finite_buckets
+    from rollout_server.finite import NON_FINITE_REFUSED, non_finite_buckets
 
     problem = non_finite_buckets(flats, layout, device)
     if problem:

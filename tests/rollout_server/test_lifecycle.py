@@ -57,7 +57,7 @@ def test_a_model_that_fails_to_load_is_reported(start_server, tmp_path):
         httpx.Client(base_url=server.url, timeout=30) as http,
     ):
         deadline = time.monotonic() + 60
-        while server.service.state == "loading":
+        while server.core.state == "loading":
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert http.get("/health").status_code == 200
@@ -126,11 +126,11 @@ def test_the_startup_heap_is_kept_out_of_the_garbage_collector_while_serving(
 
     assert gc.get_freeze_count() == 0
     with start_server(ServerSettings(model=str(tiny_model_dir))) as server:
-        assert server.service.state == "ready"
+        assert server.core.state == "ready"
         assert gc.get_freeze_count() > 10_000  # torch, transformers, the model's modules
         with httpx.Client(base_url=server.url, timeout=30) as http:
             r = http.post("/generate", json={"prompts": ["hi"], "max_tokens": 2})
             assert r.status_code == 200
     assert gc.get_freeze_count() == 0
     with start_server(ServerSettings(model=str(tiny_model_dir), gc_freeze=False)) as server:
-        assert server.service.state == "ready" and gc.get_freeze_count() == 0
+        assert server.core.state == "ready" and gc.get_freeze_count() == 0

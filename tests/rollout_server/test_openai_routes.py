@@ -7,7 +7,7 @@ import json
 import openai
 import pytest
 
-from rollout_server.openai_compat import parse_tool_calls
+from rollout_server.openai_compat.serving import parse_tool_calls
 from rollout_server.settings import ServerSettings
 
 API_KEY = "sk-test-key"
@@ -109,7 +109,7 @@ async def test_models_and_errors_through_the_client(client):
 
 
 def test_openai_requests_ask_the_engine_for_logprobs_only_when_the_client_does():
-    from rollout_server.openai_compat import ChatCompletionRequest, CompletionRequest
+    from rollout_server.openai_compat.protocol import ChatCompletionRequest, CompletionRequest
 
     assert not CompletionRequest(prompt="x").to_generate(16).logprobs
     assert CompletionRequest(prompt="x", logprobs=0).to_generate(16).logprobs

@@ -91,7 +91,7 @@ def test_engines_without_nccl_refuse_to_prepare(start_server, tiny_model_dir) ->
     with start_server(ServerSettings(model=str(tiny_model_dir))) as server:
         r = httpx.post(
             f"{server.url}/weights/nccl/prepare",
-            json=_announce(server.service.engine, tiny_model_dir),
+            json=_announce(server.core.engine, tiny_model_dir),
         )
         assert r.status_code == 501 and "NCCL" in r.json()["detail"]
         # nothing is held: generation and sleep go on

@@ -330,7 +330,7 @@ async def test_weights_holding_nan_answer_500_not_null_log_probs(
     checksum answers the same instead of null. Loading finite weights heals the server."""
     await client.load_weights_file(str(tiny_model_dir))
     version = await _version(client)
-    norm = server.service.engine.model.get_parameter("model.norm.weight")
+    norm = server.core.engine.model.get_parameter("model.norm.weight")
     norm.data.fill_(float("nan"))  # the server is idle: as if an NCCL update had carried it
     try:
         async with httpx.AsyncClient(base_url=client.servers[0], timeout=60) as http:

@@ -8,9 +8,9 @@ from safetensors.torch import save, save_file
 
 from rollout_server.engine.base import TensorMeta, WeightsError
 from rollout_server.errors import Conflict, NotFound
-from rollout_server.weights import (
-    WeightStager,
-    non_finite_buckets,
+from rollout_server.finite import non_finite_buckets
+from rollout_server.weights.staging import WeightStager
+from rollout_server.weights.validation import (
     parse_safetensors,
     read_safetensors_path,
     validate_tensors,

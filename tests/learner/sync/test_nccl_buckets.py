@@ -17,7 +17,7 @@ from learner.sync.zero3 import iter_gathered_params, param_specs, strip_wrappers
 from rollout_server.engine.vllm_engine import hf_weight_metadata
 from rollout_server.nccl_wire import bucket_layout, flat_checksum, unflatten
 from rollout_server.protocol import NcclUpdateRequest, TensorSpec
-from rollout_server.weights import validate_nccl_announce
+from rollout_server.weights.validation import validate_nccl_announce
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 

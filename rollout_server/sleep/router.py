@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
 
 from rollout_server.protocol import SleepRequest, SleepStatus, WakeUpRequest
-from rollout_server.routes.deps import ServiceDep
+from rollout_server.sleep.service import SleepService
 
 router = APIRouter(tags=["sleep"])
 
 
+def get_sleep(request: Request) -> SleepService:
+    return request.app.state.sleep
+
+
+SleepDep = Annotated[SleepService, Depends(get_sleep)]
+
+
 @router.post("/sleep", response_model=SleepStatus)
-async def sleep(request: SleepRequest, service: ServiceDep) -> SleepStatus:
+async def sleep(request: SleepRequest, service: SleepDep) -> SleepStatus:
     """Waits for in-flight generations, then offloads (level 1) or discards (level 2) the
     weights; generate answers 503 until ``/wake_up``."""
     return await service.sleep(request.level)
 
 
 @router.post("/wake_up", response_model=SleepStatus)
-async def wake_up(service: ServiceDep, request: WakeUpRequest | None = None) -> SleepStatus:
+async def wake_up(service: SleepDep, request: WakeUpRequest | None = None) -> SleepStatus:
     """Wake the given parts (default: all). After level 2, sync weights before generating."""
     return await service.wake_up(request.tags if request else None)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
 
+from fastapi import APIRouter, Depends, Request
+
+from rollout_server.generation.service import GenerationService
 from rollout_server.protocol import ErrorResponse, GenerateRequest, GenerateResponse
-from rollout_server.routes.deps import ServiceDep
 
 router = APIRouter(tags=["generate"])
+
+
+def get_generation(request: Request) -> GenerationService:
+    return request.app.state.generation
+
+
+GenerationDep = Annotated[GenerationService, Depends(get_generation)]
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "a limit or the vocabulary was exceeded"},
@@ -17,6 +26,6 @@ _ERRORS = {
 
 
 @router.post("/generate", response_model=GenerateResponse, responses=_ERRORS)
-async def generate(request: GenerateRequest, service: ServiceDep) -> GenerateResponse:
+async def generate(request: GenerateRequest, generation: GenerationDep) -> GenerateResponse:
     """``n`` samples per prompt, with each sampled token's log-prob and the weight version."""
-    return await service.generate(request)
+    return await generation.generate(request)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 
 from rollout_server.engine.base import UnsupportedError, WeightsError
 from rollout_server.errors import ServiceError
@@ -29,11 +30,17 @@ from rollout_server.protocol import (
     WeightUpdateId,
     WeightUpdateResponse,
 )
-from rollout_server.routes.deps import ServiceDep
-from rollout_server.service import RolloutService
-from rollout_server.weights import parse_safetensors, read_safetensors_path
+from rollout_server.weights.service import WeightsService
+from rollout_server.weights.validation import parse_safetensors, read_safetensors_path
 
 router = APIRouter(prefix="/weights", tags=["weights"])
+
+
+def get_weights(request: Request) -> WeightsService:
+    return request.app.state.weights
+
+
+WeightsDep = Annotated[WeightsService, Depends(get_weights)]
 
 _BLOB = {
     "requestBody": {
@@ -55,20 +62,20 @@ _UNSUPPORTED = {
 
 
 @contextlib.contextmanager
-def _counted(service: RolloutService, transport: str) -> Iterator[None]:
+def _counted(service: WeightsService, transport: str) -> Iterator[None]:
     """A refused update (bad body, tensors, version, state or transport) counts in
     ``rollout_weight_updates_total{result="refused"}``; a loaded one counts "ok" where it loads."""
     try:
         yield
     except (ServiceError, WeightsError, UnsupportedError):
-        service.metrics.weight_updates.labels(transport, "refused").inc()
+        service.core.metrics.weight_updates.labels(transport, "refused").inc()
         raise
 
 
 @router.post("/update", response_model=WeightUpdateResponse, responses=_ERRORS, openapi_extra=_BLOB)
 async def update(
     request: Request,
-    service: ServiceDep,
+    service: WeightsDep,
     version: int | None = Query(None, description="version to set; default current + 1"),
 ) -> WeightUpdateResponse:
     """A whole update in one safetensors body (``Content-Type: application/octet-stream``)."""
@@ -80,7 +87,7 @@ async def update(
 
 
 @router.post("/begin", response_model=WeightUpdateId, responses=_ERRORS)
-async def begin(request: WeightUpdateBegin, service: ServiceDep) -> WeightUpdateId:
+async def begin(request: WeightUpdateBegin, service: WeightsDep) -> WeightUpdateId:
     """Open a multi-bucket update (supersedes any open one); nothing is applied until commit."""
     with _counted(service, "http"):
         service.check_update_version(request.version)
@@ -90,7 +97,7 @@ async def begin(request: WeightUpdateBegin, service: ServiceDep) -> WeightUpdate
 @router.post("/bucket", responses=_ERRORS, openapi_extra=_BLOB)
 async def bucket(
     request: Request,
-    service: ServiceDep,
+    service: WeightsDep,
     update_id: str = Query(...),
     index: int = Query(..., ge=0),
 ) -> dict[str, int]:
@@ -99,12 +106,12 @@ async def bucket(
         service.stager.get(update_id)
         blob = await request.body()
         tensors = await asyncio.to_thread(parse_safetensors, blob, what=f"bucket {index}")
-        service.stager.add_bucket(update_id, index, tensors, service.engine.weight_metadata())
+        service.stager.add_bucket(update_id, index, tensors, service.core.engine.weight_metadata())
         return {"index": index, "num_tensors": len(tensors)}
 
 
 @router.post("/commit", response_model=WeightUpdateResponse, responses=_ERRORS)
-async def commit(request: WeightUpdateCommit, service: ServiceDep) -> WeightUpdateResponse:
+async def commit(request: WeightUpdateCommit, service: WeightsDep) -> WeightUpdateResponse:
     """Apply every staged bucket under the pause, then bump the version.
 
     The update is closed by a commit even if the commit is refused (stale version): send it
@@ -117,13 +124,13 @@ async def commit(request: WeightUpdateCommit, service: ServiceDep) -> WeightUpda
 
 
 @router.post("/abort", responses={404: {"model": ErrorResponse}})
-async def abort(request: WeightUpdateId, service: ServiceDep) -> dict[str, str]:
+async def abort(request: WeightUpdateId, service: WeightsDep) -> dict[str, str]:
     service.stager.abort(request.update_id)
     return {"aborted": request.update_id}
 
 
 @router.post("/load_file", response_model=WeightUpdateResponse, responses=_ERRORS)
-async def load_file(request: WeightFileRequest, service: ServiceDep) -> WeightUpdateResponse:
+async def load_file(request: WeightFileRequest, service: WeightsDep) -> WeightUpdateResponse:
     """Load a .safetensors file, or every one in a directory, from a disk the server sees."""
     with _counted(service, "file"):
         service.check_update_version(request.version)
@@ -140,13 +147,13 @@ async def load_file(request: WeightFileRequest, service: ServiceDep) -> WeightUp
     }
     | _UNSUPPORTED,
 )
-async def checksum(service: ServiceDep) -> WeightChecksum:
+async def checksum(service: WeightsDep) -> WeightChecksum:
     """A checksum of the weights being served, to compare with the learner's after a sync."""
     return await service.weights_checksum()
 
 
 @router.post("/nccl/init", responses=_UNSUPPORTED)
-async def nccl_init(request: NcclInitRequest, service: ServiceDep) -> dict[str, bool]:
+async def nccl_init(request: NcclInitRequest, service: WeightsDep) -> dict[str, bool]:
     """Join the learner's weight-sync process group (engines with NCCL support only)."""
     await service.init_weight_group(request)
     return {"ok": True}
@@ -157,7 +164,7 @@ async def nccl_init(request: NcclInitRequest, service: ServiceDep) -> dict[str, 
     response_model=WeightUpdateResponse,
     responses=_ERRORS | _UNSUPPORTED,
 )
-async def nccl_update(request: NcclUpdateRequest, service: ServiceDep) -> WeightUpdateResponse:
+async def nccl_update(request: NcclUpdateRequest, service: WeightsDep) -> WeightUpdateResponse:
     """Announce a whole update, then receive its buckets over NCCL and load them all."""
     with _counted(service, "nccl"):
         return await service.nccl_update(request)
@@ -168,7 +175,7 @@ async def nccl_update(request: NcclUpdateRequest, service: ServiceDep) -> Weight
     response_model=NcclPrepared,
     responses=_ERRORS | _UNSUPPORTED,
 )
-async def nccl_prepare(request: NcclUpdateRequest, service: ServiceDep) -> NcclPrepared:
+async def nccl_prepare(request: NcclUpdateRequest, service: WeightsDep) -> NcclPrepared:
     """Announce an update ahead of its broadcast: generation pauses (once the requests in
     flight finish), the workers queue its receives and the prefix cache is reset. Until the
     update is committed new generations wait, as behind any load; other weight updates, sleep
@@ -182,7 +189,7 @@ async def nccl_prepare(request: NcclUpdateRequest, service: ServiceDep) -> NcclP
     response_model=WeightUpdateResponse,
     responses=_ERRORS | _UNSUPPORTED,
 )
-async def nccl_commit(request: NcclCommitRequest, service: ServiceDep) -> WeightUpdateResponse:
+async def nccl_commit(request: NcclCommitRequest, service: WeightsDep) -> WeightUpdateResponse:
     """Wait for the prepared update's broadcast, load all of it (or none), bump the version
     and resume generation. It may be posted before the broadcast: the workers then wait for
     the bytes, at most the weight-sync group's timeout."""
@@ -195,7 +202,7 @@ async def nccl_commit(request: NcclCommitRequest, service: ServiceDep) -> Weight
     response_model=WeightUpdateResponse,
     responses=_ERRORS | _UNSUPPORTED,
 )
-async def ipc_update(request: IpcUpdateRequest, service: ServiceDep) -> WeightUpdateResponse:
+async def ipc_update(request: IpcUpdateRequest, service: WeightsDep) -> WeightUpdateResponse:
     """Colocated learner: load buckets shared as CUDA IPC handles from the learner's memory on
     this server's GPU (the learner keeps them alive until this answers)."""
     with _counted(service, "ipc"):

@@ -1,0 +1,1 @@
+"""Generation: ``POST /generate``, the native batch API the learner uses."""

@@ -1,0 +1,161 @@
+"""Generation: every prompt checked against the limits and the vocabulary, then sampled under the
+pause gate's read side, so that no sample mixes two weight versions."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import TYPE_CHECKING
+
+from rollout_server.errors import BadRequest, NonFiniteWeights
+from rollout_server.protocol import (
+    GenerateRequest,
+    GenerateResponse,
+    PromptResult,
+    Sample,
+)
+
+if TYPE_CHECKING:
+    from rollout_server.core import ServerCore
+    from rollout_server.engine.base import SampleOutput
+
+
+class GenerationService:
+    def __init__(self, core: ServerCore) -> None:
+        self.core = core
+
+    def check_limits(self, req: GenerateRequest) -> None:
+        lim = self.core.limits
+        for field, value, limit, flag in (
+            ("prompts", len(req.prompts), lim.max_batch_size, "--max-batch-size"),
+            ("n", req.n, lim.max_n, "--max-n"),
+            ("max_tokens", req.max_tokens, lim.max_tokens, "--max-tokens"),
+        ):
+            if value > limit:
+                what = f"{value} prompts" if field == "prompts" else f"{field}={value}"
+                raise BadRequest(
+                    f"{what} exceeds the server limit of {limit} (lower it, or restart the "
+                    f"server with a larger {flag})"
+                )
+
+    def _tokenize(self, req: GenerateRequest) -> list[list[int]]:
+        """Token ids of every prompt, each checked against the limits and the vocabulary."""
+        engine = self.core.engine
+        info = engine.info()
+        out = []
+        for i, prompt in enumerate(req.prompts):
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                prompt = [m.model_dump() for m in prompt]
+            try:
+                ids = engine.tokenize_prompt(
+                    prompt,
+                    add_generation_prompt=req.add_generation_prompt,
+                    chat_template_kwargs=req.chat_template_kwargs,
+                    tools=req.tools,
+                )
+            except Exception as exc:  # template errors, bad message structure
+                raise BadRequest(
+                    f"prompts[{i}] could not be tokenized: {type(exc).__name__}: {exc}"
+                ) from exc
+            out.append(self._check_prompt(i, ids, info.vocab_size, info.max_model_len))
+        for t in req.stop_token_ids:
+            if not 0 <= t < info.vocab_size:
+                raise BadRequest(f"stop_token_ids: {t} is not a token id (vocab {info.vocab_size})")
+        return out
+
+    def _check_prompt(self, i: int, ids: list[int], vocab: int, max_model_len: int) -> list[int]:
+        if not ids:
+            raise BadRequest(f"prompts[{i}] is empty (no tokens); send at least one token")
+        max_prompt_len = self.core.limits.max_prompt_len
+        limit = min(max_prompt_len, max_model_len - 1)
+        if len(ids) > limit:
+            which, flag = (
+                ("max_prompt_len", "--max-prompt-len")
+                if limit == max_prompt_len
+                else ("max_model_len - 1 (room for one completion token)", "--max-model-len")
+            )
+            raise BadRequest(
+                f"prompts[{i}] has {len(ids)} tokens, more than the limit {which} = {limit}: "
+                f"send a shorter prompt, or restart the server with a larger {flag}"
+            )
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(
+                f"prompts[{i}] contains token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+            )
+        return ids
+
+    @staticmethod
+    def check_tools(req: GenerateRequest) -> None:
+        """``tools`` reach the model only through the chat template: refuse them with a prompt
+        the template never sees, rather than drop them silently."""
+        if not req.tools:
+            return
+        for i, prompt in enumerate(req.prompts):
+            if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+                kind = "text" if isinstance(prompt, str) else "token ids"
+                raise BadRequest(
+                    f"prompts[{i}] is {kind}, but tools apply only to chat-message prompts "
+                    "(the chat template renders them): send the prompt as chat messages, or "
+                    "leave tools out"
+                )
+
+    async def generate(self, req: GenerateRequest) -> GenerateResponse:
+        core = self.core
+        core.require_loaded()
+        self.check_limits(req)
+        self.check_tools(req)
+        prompt_ids = await asyncio.to_thread(self._tokenize, req)
+        params = req.sampling()
+        async with core.gate.read():
+            core.require_ready()
+            version = core.version
+            start = time.perf_counter()
+            outputs = await core.engine.generate(prompt_ids, req.n, params)
+        if params.logprobs:
+            self._check_finite_logprobs(outputs, version)
+        results = [
+            PromptResult(
+                prompt_token_ids=ids,
+                samples=[
+                    Sample(
+                        token_ids=o.token_ids,
+                        logprobs=o.logprobs if params.logprobs else [],
+                        text=o.text,
+                        finish_reason=o.finish_reason,
+                        weight_version=version,
+                    )
+                    for o in outs
+                ],
+            )
+            for ids, outs in zip(prompt_ids, outputs, strict=True)
+        ]
+        self._record_generation(results, time.perf_counter() - start)
+        return GenerateResponse(results=results, weight_version=version)
+
+    @staticmethod
+    def _check_finite_logprobs(outputs: list[list[SampleOutput]], version: int) -> None:
+        """JSON has no NaN/inf (they would go out as null and break ``list[float]``): weights
+        holding NaN/inf make every log-prob NaN. Log-probs are <= 0, so a finite list sums to a
+        finite number, and one ``sum`` per sample finds a NaN or an inf."""
+        for i, samples in enumerate(outputs):
+            for o in samples:
+                if not math.isfinite(sum(o.logprobs)):
+                    raise NonFiniteWeights(
+                        f"the served weights (version {version}) produce non-finite log-probs "
+                        f"(NaN or inf) for prompts[{i}]: they hold NaN/inf values, which came with "
+                        "the checkpoint the server started from (updates holding them are "
+                        "refused); load finite weights"
+                    )
+
+    def _record_generation(self, results: list[PromptResult], seconds: float) -> None:
+        m = self.core.metrics
+        generated = sum(len(s.token_ids) for r in results for s in r.samples)
+        m.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in results))
+        m.generation_tokens.inc(generated)
+        for r in results:
+            for s in r.samples:
+                m.samples.labels(s.finish_reason).inc()
+        if seconds > 0:
+            m.tokens_per_second.set(generated / seconds)

@@ -1,0 +1,74 @@
+"""The wire contract of the rollout server: typed pydantic models shared by server and client.
+
+Everything that crosses the HTTP boundary is defined in this package and nowhere else, one module
+per feature (``generation``, ``weights``, ``sleep``, ``status``; the shared base and the error
+body in ``base``), and every model is imported from here: by the feature's router and service,
+the client, the learner and the engines alike. The contract sits below the engines (they take
+its requests), so it cannot live in the feature packages, which sit above them.
+
+Importing it must stay cheap: pydantic only, no torch, no vLLM, no engine code (the learner
+imports it on every rank).
+"""
+
+from __future__ import annotations
+
+from rollout_server.protocol.base import ErrorResponse, WireModel
+from rollout_server.protocol.generation import (
+    ChatMessage,
+    FinishReason,
+    GenerateRequest,
+    GenerateResponse,
+    PromptInput,
+    PromptResult,
+    Sample,
+    SamplingParams,
+)
+from rollout_server.protocol.sleep import SleepRequest, SleepStatus, WakeUpRequest
+from rollout_server.protocol.status import HealthResponse, InfoResponse, Limits
+from rollout_server.protocol.weights import (
+    IpcHandle,
+    IpcUpdateRequest,
+    NcclCommitRequest,
+    NcclInitRequest,
+    NcclPrepared,
+    NcclUpdateRequest,
+    TensorSpec,
+    WeightChecksum,
+    WeightFileRequest,
+    WeightUpdateBegin,
+    WeightUpdateCommit,
+    WeightUpdateId,
+    WeightUpdateResponse,
+)
+
+__all__ = [
+    "ChatMessage",
+    "ErrorResponse",
+    "FinishReason",
+    "GenerateRequest",
+    "GenerateResponse",
+    "HealthResponse",
+    "InfoResponse",
+    "IpcHandle",
+    "IpcUpdateRequest",
+    "Limits",
+    "NcclCommitRequest",
+    "NcclInitRequest",
+    "NcclPrepared",
+    "NcclUpdateRequest",
+    "PromptInput",
+    "PromptResult",
+    "Sample",
+    "SamplingParams",
+    "SleepRequest",
+    "SleepStatus",
+    "TensorSpec",
+    "WakeUpRequest",
+    "WeightChecksum",
+    "WeightFileRequest",
+    "WeightUpdateBegin",
+    "WeightUpdateCommit",
+    "WeightUpdateId",
+    "WeightUpdateResponse",
+    "WireModel",
+]

@@ -1,0 +1,106 @@
+"""The wire models of generation (``POST /generate``): prompts, sampling, samples.
+
+Token ids are the source of truth: a prompt given as text or chat messages is tokenized once by the
+server, and its ids are returned so the learner never re-tokenizes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollout_server.protocol.base import WireModel
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class ChatMessage(BaseModel):
+    """One chat message. Extra keys (``tool_calls``, ``name``, ``tool_call_id``) pass through to
+    the chat template unchanged."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = ""
+
+
+PromptInput = Annotated[
+    list[int] | str | list[ChatMessage],
+    Field(description="token ids, raw text, or a list of chat messages"),
+]
+
+
+class SamplingParams(WireModel):
+    """Sampling parameters, with vLLM's meaning. ``top_k`` <= 0 and ``min_p`` = 0 disable them.
+
+    Strict types (JSON's, with ints allowed where floats are meant): ``"n": true`` or
+    ``"max_tokens": 2.0`` is a 422, not a silent 1 or 2."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 or 0 disables top-k")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    max_tokens: int = Field(256, ge=1, description="completion tokens per sample")
+    stop: list[str] = Field(default_factory=list, description="stop strings (not included)")
+    stop_token_ids: list[int] = Field(default_factory=list, description="extra stop token ids")
+    ignore_eos: bool = False
+    seed: int | None = Field(
+        None,
+        description="same seed + same weights + same request = same output; prompt k's "
+        "sample i draws from seed + k * n + i",
+    )
+    logprobs: bool = Field(
+        True,
+        description="return each sampled token's log-prob; false spares vLLM the work and "
+        "returns empty logprobs lists",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stop_as_list(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("stop"), str):
+            data = {**data, "stop": [data["stop"]]}
+        return data
+
+
+class GenerateRequest(SamplingParams):
+    """``POST /generate``: ``n`` samples for each prompt of a batch."""
+
+    prompts: list[PromptInput] = Field(min_length=1)
+    n: int = Field(1, ge=1, description="samples per prompt")
+    add_generation_prompt: bool = Field(True, description="for chat prompts")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="tool schemas passed to the chat template (chat prompts only)"
+    )
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams.model_validate(
+            self.model_dump(include=set(SamplingParams.model_fields))
+        )
+
+
+class Sample(WireModel):
+    token_ids: list[int]
+    logprobs: list[float] = Field(
+        description="log-prob of each sampled token under the sampling distribution; "
+        "empty when the request set logprobs=false"
+    )
+    text: str
+    finish_reason: FinishReason
+    weight_version: int
+
+
+class PromptResult(WireModel):
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+
+
+class GenerateResponse(WireModel):
+    results: list[PromptResult]
+    weight_version: int = Field(description="version of the weights that produced every sample")
+    server: str | None = Field(None, description="filled in by the client: which server answered")

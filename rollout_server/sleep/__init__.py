@@ -1,0 +1,1 @@
+"""Sleep: ``POST /sleep`` and ``POST /wake_up`` (admin routes)."""

@@ -1,0 +1,1 @@
+"""Status: liveness, readiness, ``/info``, ``/is_sleeping`` and Prometheus metrics."""
