@@ -3,8 +3,6 @@
 # the per-chunk breakdown of `fused` with and without anchored tiles (GRPO_FUSED_ANCHORED) and
 # at several chunk sizes. Output: $OUT/sweep.txt (and the junit report). Usage, in the device
 # run:   OUT=$OUT bash bench/loss_gpu_sweep.sh            # SWEEP_TESTS=0 skips the tests
-# (bench/results/loss_gpu_sweep_h100_session12.txt is an earlier form of this sweep, which also
-# compared the forward kernel's pipelining choices, since fixed: TMA store, flattened loop.)
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
