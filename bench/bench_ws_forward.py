@@ -13,7 +13,7 @@ inputs, grid and outputs as the Triton kernel; the script checks the stored tile
 against it and times both on the Qwen3-0.6B head (1536 rows) and the Qwen3-8B head (2048 rows,
 one forward launch), then writes `ws_forward.json`.
 
-Measured on an H100 (docs/benchmarks.md, session 14; `bench/results/ws_forward_h100_session14.json`):
+Measured on an H100 (`bench/results/ws_forward_gluon_h100.json`):
 identical stored tiles, but 427 vs 532 TFLOP/s on the 0.6B head and 580 vs 684 on the 8B one
 (its best of 3 and 4 stages).
 With one 4-warp group a 128 x 128 accumulator is the largest tile, and 128 x 128 tiles read

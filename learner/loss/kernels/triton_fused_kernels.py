@@ -171,7 +171,7 @@ def _anchor_kernel(
 # epilogue runs on the tile's two column halves of that many, each stored by its own TMA store:
 # 128 x 256 tiles in one block spill registers and their 64 KB store buffer leaves room for 3
 # stages only; in two blocks no spills, and 4 stages fit. H100, one 1536-row launch of the
-# Qwen3-0.6B head (`bench/probe_forward.py`, bench/results/probe_forward*_session15.json):
+# Qwen3-0.6B head (`bench/probe_forward.py`, bench/results/probe_forward_epilogue*_h100.json):
 # 0.854 ms in one block, 0.806 in two, 0.754 in two with 4 stages; 256 x 128 tiles 0.841 and
 # 128 x 128 ones 0.82-0.87; the 8B head's 2048 rows: 3.85 / 3.56 / 3.82 ms, 3.70 and 3.9-4.5.
 # Only the two 128 x 256 configs are tried: under the H100's power cap the autotuner's timings
