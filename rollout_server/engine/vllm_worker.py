@@ -40,36 +40,21 @@ plan against it (``rollout_server.engine.direct_load``); later updates of that l
 straight into the parameters. GPU staging buffers are kept between updates of one layout (no
 allocation per sync) and released before the engine sleeps (``grpo_release_staging``).
 
-The NCCL update's methods (steps 2 and 3), with the staging state they keep, are in
-``vllm_worker_nccl`` (``NcclUpdateMixin``, which this extension inherits).
+The extension is a thin class of the methods vLLM calls by name: the NCCL group, its staging
+state and steps 2 and 3 are an ``NcclReceiver`` (``nccl_receiver``); loading (copy plans, CUDA
+IPC buckets, a file) is a ``WorkerLoader`` (``worker_loader``), which the receiver loads through.
+Both are built on the extension's first call (vLLM builds the worker, so it has no
+``__init__`` of its own).
 
 Import-safe without vLLM or a GPU: vLLM is imported only inside the methods.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import Any
 
-import torch
-
-from rollout_server.engine.vllm_worker_nccl import (
-    NcclUpdateMixin,
-    _Pending,
-    _refuse_non_finite,
-    _Staging,
-    tensor_key,
-)
-from rollout_server.nccl_wire import (  # the wire format, shared with the learner
-    bucket_layout,
-    flat_checksum,
-    join_group,
-    nccl_abort,
-    unflatten,
-)
-
-log = logging.getLogger(__name__)
+from rollout_server.engine.nccl_receiver import NcclReceiver
+from rollout_server.engine.worker_loader import WorkerLoader
 
 
 def _pick_rank(worker: Any, rank_offset: int) -> int:
@@ -86,144 +71,26 @@ def _pick_rank(worker: Any, rank_offset: int) -> int:
     return rank_offset + int(dp_index) * int(pc.world_size) + int(local)
 
 
-class WeightSyncWorkerExtension(NcclUpdateMixin):
-    """Mixed into vLLM's GPU worker: ``self.model_runner`` and ``self.device`` come from it."""
+class WeightSyncWorkerExtension:
+    """Mixed into vLLM's GPU worker (``self`` is the worker): the ``grpo_*`` RPC methods."""
 
-    _grpo_comm: Any = None
-    _grpo_timeout_s: float = 300.0
-    # set per instance on first use (vLLM builds the worker; the extension has no __init__)
-    _grpo_plans: dict[Any, Any] | None = None  # layout key -> verified CopyPlan, or None
-    _grpo_staging: _Staging | None = None
-    _grpo_pending: _Pending | None = None  # queued by begin/prepare, for grpo_finish_update
-    _grpo_side_stream: torch.cuda.Stream | None = None  # prepared receives wait on it
-    _grpo_copy_stream: torch.cuda.Stream | None = None  # prepared copies into the parameters
+    _grpo_nccl: NcclReceiver | None = None  # built on first use, with its WorkerLoader
 
-    # -- helpers ---------------------------------------------------------------------------
+    def _grpo_receiver(self) -> NcclReceiver:
+        if self._grpo_nccl is None:
+            self._grpo_nccl = NcclReceiver(WorkerLoader(self))
+        return self._grpo_nccl
 
-    def _grpo_model(self) -> torch.nn.Module:
-        runner = self.model_runner  # type: ignore[attr-defined]
-        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+    def _grpo_loader(self) -> WorkerLoader:
+        return self._grpo_receiver().loader
 
-    def _grpo_device(self) -> torch.device:
-        device = getattr(self, "device", None)
-        return device if device is not None else torch.device("cuda", torch.cuda.current_device())
-
-    def _grpo_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            self._grpo_model().load_weights(weights=weights)
-        torch.cuda.synchronize()
-
-    def _grpo_load_update(
-        self, weights: list[tuple[str, torch.Tensor]], direct: bool, key: tuple | None = None
-    ) -> str:
-        """Load one received update; returns how ("direct", "load_weights", or
-        "load_weights+verify" for the first update of a layout). ``key``: ``tensor_key`` of
-        ``weights``, when the caller has it."""
-        from rollout_server.engine import direct_load
-
-        if not direct:
-            self._grpo_load(weights)
-            return "load_weights"
-        if self._grpo_plans is None or len(self._grpo_plans) > 64:  # many partial layouts
-            self._grpo_plans = {}
-        if key is None:
-            key = tensor_key(weights)
-        tensors = [t for _, t in weights]
-        if key in self._grpo_plans:
-            plan = self._grpo_plans[key]
-            if plan is None:
-                self._grpo_load(weights)
-                return "load_weights"
-            direct_load.copy_in(plan, tensors)
-            torch.cuda.current_stream().synchronize()  # the forwards' stream, not the device
-            return "direct"
-        plan = self._grpo_copy_plan(key)
-        if isinstance(plan, str):
-            log.info("weight updates go through load_weights: %s", plan)
-            self._grpo_plans[key] = None
-            self._grpo_load(weights)
-            return "load_weights"
-        self._grpo_load(weights)
-        problem = direct_load.verify(plan, tensors)
-        if problem:
-            log.warning("direct weight copies disagree with load_weights (%s); kept off", problem)
-        else:
-            log.info("direct weight copies verified for this layout (%d tensors)", len(key))
-        self._grpo_plans[key] = None if problem else plan
-        return "load_weights" if problem else "load_weights+verify"
-
-    def _grpo_copy_plan(self, key: tuple) -> Any:
-        """A copy plan for this layout, or why there is none (quantized or sharded models,
-        updates of part of the model)."""
-        from rollout_server.engine import direct_load
-
-        config = self.vllm_config  # type: ignore[attr-defined]
-        if getattr(config.model_config, "quantization", None):
-            return "the model is quantized"
-        if int(config.parallel_config.tensor_parallel_size) > 1:
-            return "tensor parallelism shards the parameters"
-        model = self._grpo_model()
-        hf = getattr(config.model_config, "hf_config", None)
-        tied = bool(getattr(hf, "tie_word_embeddings", False))
-        return direct_load.plan_copies(
-            dict(model.named_parameters()),
-            [(n, s, d) for n, s, d in key],
-            getattr(model, "packed_modules_mapping", None) or direct_load.COMMON_PACKED,
-            skip=frozenset({"lm_head.weight"}) if tied else frozenset(),
-        )
+    # -- loading ---------------------------------------------------------------------------
 
     def grpo_params_checksum(self) -> float:
         """``params_checksum`` of this worker's model (its shard under tensor parallelism)."""
         from rollout_server.nccl_wire import params_checksum
 
-        return params_checksum(self._grpo_model())
-
-    def grpo_release_staging(self) -> None:
-        """Free the kept GPU staging buffers (before sleeping: vLLM cannot offload them)."""
-        if self._grpo_pending is not None and self._grpo_pending.prepared:
-            raise RuntimeError("a prepared weight update is receiving into the staging buffers")
-        if self._grpo_staging is not None:
-            self._grpo_staging = None
-            torch.cuda.empty_cache()
-
-    # -- NCCL group ------------------------------------------------------------------------
-
-    def grpo_init_weight_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        timeout_s: float,
-    ) -> int:
-        """Join (or re-join) the weight-sync group; returns this worker's rank in it."""
-        self.grpo_close_weight_group()
-        rank = _pick_rank(self, rank_offset)
-        if not 0 < rank < world_size:
-            raise ValueError(
-                f"worker rank {rank} does not fit world_size={world_size} (rank_offset="
-                f"{rank_offset}); world_size must be 1 + every server worker"
-            )
-        self._grpo_comm = join_group(
-            master_address, master_port, rank, world_size, self._grpo_device(), timeout_s
-        )
-        self._grpo_timeout_s = float(timeout_s)
-        log.info("joined the weight-sync group as rank %d of %d", rank, world_size)
-        return rank
-
-    def grpo_close_weight_group(self) -> None:
-        """Drop the communicator, and any update queued on it. Abort, not destroy: destroy is
-        collective and the learner may be gone; abort also ends receives still waiting."""
-        pending, self._grpo_pending = self._grpo_pending, None
-        if self._grpo_comm is not None:
-            nccl_abort(self._grpo_comm)
-            self._grpo_comm = None
-        if pending is not None and pending.overlap is not None:
-            self._grpo_restore(pending.overlap)  # part of it may be in the parameters already
-        if pending is not None and pending.kept is not None:
-            self._grpo_staging = None  # an aborted receive may have written part of them
-
-    # -- CUDA IPC update (learner on this GPU) ---------------------------------------------
+        return params_checksum(self._grpo_loader().model())
 
     def grpo_receive_ipc(
         self,
@@ -235,47 +102,71 @@ class WeightSyncWorkerExtension(NcclUpdateMixin):
         gpu_uuid: str,
         direct: bool = True,
     ) -> dict[str, Any]:
-        """Open every bucket's IPC handle (all of them before loading anything), then load
-        straight from the learner's memory. The learner keeps the buffers until we answer."""
-        from rollout_server.cuda_ipc import local_device, open_handle
-        from rollout_server.protocol import IpcHandle
-
-        layout = bucket_layout(tensors, buckets, bucket_dtypes)
-        index = local_device(gpu_uuid)
-        device = self._grpo_device()
-        if device.index is not None and device.index != index:
-            log.warning("IPC buckets live on GPU %d, this worker runs on %s", index, device)
-        start = time.perf_counter()
-        flats = [open_handle(IpcHandle(**h), index) for h in handles]
-        try:
-            for flat, b in zip(flats, layout, strict=True):
-                if flat.numel() != b.numel or flat.dtype != b.dtype:
-                    raise ValueError(f"an IPC bucket is {flat.numel()} x {flat.dtype}, not {b}")
-            total = float(sum(flat_checksum(f) for f in flats)) if checksum else None
-            _refuse_non_finite(flats, layout, device)
-            received_s = time.perf_counter() - start
-            weights = [w for f, b in zip(flats, layout, strict=True) for w in unflatten(f, b)]
-            # synchronizes: the learner may free its buffers after
-            loader = self._grpo_load_update(weights, direct)
-            del weights
-        finally:
-            del flats
-        return {
-            "checksum": total,
-            "received_s": received_s,
-            "loaded_s": time.perf_counter() - start - received_s,
-            "staged_on": "learner's gpu (ipc)",
-            "loader": loader,
-        }
-
-    # -- file / HTTP transports ------------------------------------------------------------
+        """Load an update from the colocated learner's CUDA IPC buckets (``load_ipc``)."""
+        return self._grpo_loader().load_ipc(
+            tensors, buckets, bucket_dtypes, checksum, handles, gpu_uuid, direct
+        )
 
     def grpo_load_file(self, path: str) -> int:
         """Load every tensor of a safetensors file (read whole before loading: all or none)."""
-        from safetensors import safe_open
+        return self._grpo_loader().load_file(path)
 
-        with safe_open(path, framework="pt", device="cpu") as f:
-            names = list(f.keys())
-            weights = [(n, f.get_tensor(n)) for n in names]
-        self._grpo_load(weights)
-        return len(weights)
+    # -- NCCL ------------------------------------------------------------------------------
+
+    def grpo_init_weight_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        timeout_s: float,
+    ) -> int:
+        """Join (or re-join) the weight-sync group; returns this worker's rank in it."""
+        receiver = self._grpo_receiver()
+        receiver.close_group()
+        rank = _pick_rank(self, rank_offset)
+        receiver.join(master_address, master_port, rank, rank_offset, world_size, timeout_s)
+        return rank
+
+    def grpo_close_weight_group(self) -> None:
+        """Drop the communicator, and any update queued on it (``close_group``)."""
+        self._grpo_receiver().close_group()
+
+    def grpo_release_staging(self) -> None:
+        """Free the kept GPU staging buffers (before sleeping: vLLM cannot offload them)."""
+        self._grpo_receiver().release_staging()
+
+    def grpo_begin_update(
+        self,
+        tensors: list[dict[str, Any]],
+        buckets: list[list[int]],
+        bucket_dtypes: list[str],
+        checksum: bool,
+        direct: bool = True,
+        segment_bytes: int = 64 << 20,
+        prepared: bool = False,
+        ack: bool = False,
+        cancel_path: str | None = None,
+    ) -> float:
+        """Queue an update's receives (``NcclReceiver.begin``); ``grpo_finish_update`` must
+        follow. Returns the wall-clock time it started."""
+        return self._grpo_receiver().begin(
+            tensors,
+            buckets,
+            bucket_dtypes,
+            checksum,
+            direct,
+            segment_bytes,
+            prepared,
+            ack,
+            cancel_path,
+        )
+
+    def grpo_finish_update(self) -> dict[str, Any]:
+        """Wait for the queued update, then load all of it or none (``NcclReceiver.finish``)."""
+        return self._grpo_receiver().finish()
+
+    def grpo_drop_prepared(self) -> bool:
+        """Give up a prepared update whose commit never came: the group is aborted (that ends
+        the waiting receives); the learner must init again. Returns whether one was dropped."""
+        return self._grpo_receiver().drop_prepared()

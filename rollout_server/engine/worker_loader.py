@@ -1,0 +1,178 @@
+"""Loading a received weight update into a vLLM worker's model (``vllm_worker``).
+
+``WorkerLoader`` owns the copy plans: the first update of a layout goes through vLLM's
+``load_weights`` and verifies a copy plan against it (``rollout_server.engine.direct_load``);
+later updates of that layout are copied straight into the parameters. Every transport loads
+through it: NCCL (``nccl_receiver``), CUDA IPC buckets from a colocated learner, and a
+safetensors file. The checks every received update passes before it is loaded live here too.
+
+Import-safe without vLLM or a GPU: vLLM's objects are only reached through the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from rollout_server.nccl_wire import Bucket, bucket_layout, flat_checksum, unflatten
+
+log = logging.getLogger(__name__)
+
+
+def refuse_non_finite(
+    flats: list[torch.Tensor], layout: list[Bucket], device: torch.device
+) -> None:
+    """Before anything is loaded (or, for copies overlapped with the wire, before they commit):
+    NaN/inf would load fine and then make every log-prob NaN."""
+    from rollout_server.engine.base import WeightsError
+    from rollout_server.finite import NON_FINITE_REFUSED, non_finite_buckets
+
+    problem = non_finite_buckets(flats, layout, device)
+    if problem:
+        raise WeightsError(f"{NON_FINITE_REFUSED}: {problem}")
+
+
+def tensor_key(weights: list[tuple[str, torch.Tensor]]) -> tuple:
+    """What a copy plan depends on: every tensor's name, shape and dtype, in order."""
+    return tuple((n, tuple(t.shape), t.dtype) for n, t in weights)
+
+
+class WorkerLoader:
+    """Loads updates into ``worker``'s model (vLLM's GPU worker: ``model_runner``,
+    ``vllm_config`` and ``device`` are its)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.plans: dict[Any, Any] | None = None  # layout key -> verified CopyPlan, or None
+
+    def model(self) -> torch.nn.Module:
+        runner = self.worker.model_runner
+        return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+    def device(self) -> torch.device:
+        device = getattr(self.worker, "device", None)
+        return device if device is not None else torch.device("cuda", torch.cuda.current_device())
+
+    def verified_plan(self, key: tuple) -> Any:
+        """The verified copy plan of the layout ``key`` (a ``tensor_key``), or None."""
+        return (self.plans or {}).get(key)
+
+    def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            self.model().load_weights(weights=weights)
+        torch.cuda.synchronize()
+
+    def load_update(
+        self, weights: list[tuple[str, torch.Tensor]], direct: bool, key: tuple | None = None
+    ) -> str:
+        """Load one received update; returns how ("direct", "load_weights", or
+        "load_weights+verify" for the first update of a layout). ``key``: ``tensor_key`` of
+        ``weights``, when the caller has it."""
+        from rollout_server.engine import direct_load
+
+        if not direct:
+            self.load(weights)
+            return "load_weights"
+        if self.plans is None or len(self.plans) > 64:  # many partial layouts
+            self.plans = {}
+        if key is None:
+            key = tensor_key(weights)
+        tensors = [t for _, t in weights]
+        if key in self.plans:
+            plan = self.plans[key]
+            if plan is None:
+                self.load(weights)
+                return "load_weights"
+            direct_load.copy_in(plan, tensors)
+            torch.cuda.current_stream().synchronize()  # the forwards' stream, not the device
+            return "direct"
+        plan = self._copy_plan(key)
+        if isinstance(plan, str):
+            log.info("weight updates go through load_weights: %s", plan)
+            self.plans[key] = None
+            self.load(weights)
+            return "load_weights"
+        self.load(weights)
+        problem = direct_load.verify(plan, tensors)
+        if problem:
+            log.warning("direct weight copies disagree with load_weights (%s); kept off", problem)
+        else:
+            log.info("direct weight copies verified for this layout (%d tensors)", len(key))
+        self.plans[key] = None if problem else plan
+        return "load_weights" if problem else "load_weights+verify"
+
+    def _copy_plan(self, key: tuple) -> Any:
+        """A copy plan for this layout, or why there is none (quantized or sharded models,
+        updates of part of the model)."""
+        from rollout_server.engine import direct_load
+
+        config = self.worker.vllm_config
+        if getattr(config.model_config, "quantization", None):
+            return "the model is quantized"
+        if int(config.parallel_config.tensor_parallel_size) > 1:
+            return "tensor parallelism shards the parameters"
+        model = self.model()
+        hf = getattr(config.model_config, "hf_config", None)
+        tied = bool(getattr(hf, "tie_word_embeddings", False))
+        return direct_load.plan_copies(
+            dict(model.named_parameters()),
+            [(n, s, d) for n, s, d in key],
+            getattr(model, "packed_modules_mapping", None) or direct_load.COMMON_PACKED,
+            skip=frozenset({"lm_head.weight"}) if tied else frozenset(),
+        )
+
+    def load_ipc(
+        self,
+        tensors: list[dict[str, Any]],
+        buckets: list[list[int]],
+        bucket_dtypes: list[str],
+        checksum: bool,
+        handles: list[dict[str, Any]],
+        gpu_uuid: str,
+        direct: bool = True,
+    ) -> dict[str, Any]:
+        """Open every bucket's IPC handle (all of them before loading anything), then load
+        straight from the learner's memory. The learner keeps the buffers until we answer."""
+        from rollout_server.cuda_ipc import local_device, open_handle
+        from rollout_server.protocol import IpcHandle
+
+        layout = bucket_layout(tensors, buckets, bucket_dtypes)
+        index = local_device(gpu_uuid)
+        device = self.device()
+        if device.index is not None and device.index != index:
+            log.warning("IPC buckets live on GPU %d, this worker runs on %s", index, device)
+        start = time.perf_counter()
+        flats = [open_handle(IpcHandle(**h), index) for h in handles]
+        try:
+            for flat, b in zip(flats, layout, strict=True):
+                if flat.numel() != b.numel or flat.dtype != b.dtype:
+                    raise ValueError(f"an IPC bucket is {flat.numel()} x {flat.dtype}, not {b}")
+            total = float(sum(flat_checksum(f) for f in flats)) if checksum else None
+            refuse_non_finite(flats, layout, device)
+            received_s = time.perf_counter() - start
+            weights = [w for f, b in zip(flats, layout, strict=True) for w in unflatten(f, b)]
+            # synchronizes: the learner may free its buffers after
+            loader = self.load_update(weights, direct)
+            del weights
+        finally:
+            del flats
+        return {
+            "checksum": total,
+            "received_s": received_s,
+            "loaded_s": time.perf_counter() - start - received_s,
+            "staged_on": "learner's gpu (ipc)",
+            "loader": loader,
+        }
+
+    def load_file(self, path: str) -> int:
+        """Load every tensor of a safetensors file (read whole before loading: all or none)."""
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            weights = [(n, f.get_tensor(n)) for n in names]
+        self.load(weights)
+        return len(weights)
