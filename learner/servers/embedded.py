@@ -18,7 +18,6 @@ import ctypes
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,18 +28,14 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from grpo_common.net import free_port
+
 if TYPE_CHECKING:
     from learner.config import LearnerConfig
 
 
 class EmbeddedServerError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 ORPHAN_GRACE_S = 5.0  # after SIGTERM, for a clean shutdown (vLLM's engine processes)
