@@ -105,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--colocated-launcher", choices=["python", "zero3"], default="python")
     p.add_argument("--split-launcher", choices=["python", "zero3"], default="zero3")
-    p.add_argument("--bucket-mb", type=int, default=1024, help="weight-sync bucket size")
+    p.add_argument(
+        "--bucket-mb", type=int, default=1024, help="rollout.sync.bucket_mb (not for file)"
+    )
     p.add_argument(
         "--learner-set",
         action="append",
@@ -119,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-prepare-sync",
         dest="prepare_sync",
         action="store_false",
-        help="nccl: rollout.prepare_sync = false (announce each sync with its send; to time "
+        help="nccl: rollout.sync.prepare = false (announce each sync with its send; to time "
         "what preparing during training costs or saves)",
     )
     p.add_argument(
@@ -135,12 +137,23 @@ def build_parser() -> argparse.ArgumentParser:
 # -- what each mode runs (pure) ------------------------------------------------------------
 
 
+def sync_section(args: argparse.Namespace, transport: str, sync_dir: Path) -> dict[str, Any]:
+    """[rollout.sync] for ``transport``: the shared directory for file, the bucket size for
+    the others, and whether NCCL prepares each sync while the learner trains."""
+    if transport == "file":
+        return {"type": "file", "dir": str(sync_dir)}
+    section: dict[str, Any] = {"type": transport, "bucket_mb": args.bucket_mb}
+    if transport == "nccl":
+        section["prepare"] = args.prepare_sync
+    return section
+
+
 def learner_config(
     args: argparse.Namespace, mode: str, url: str, run_dir: Path, data: Path, sync_dir: Path
 ) -> dict[str, Any]:
     """The learner's TOML config for ``mode`` as a dict (written next to the logs)."""
     cpu = args.engine == "transformers"
-    sync = args.colocated_sync if mode == "colocated" else args.split_sync
+    transport = args.colocated_sync if mode == "colocated" else args.split_sync
     steps = args.steps_colocated if mode == "colocated" else args.steps_split
     return {
         "model": {
@@ -151,15 +164,12 @@ def learner_config(
         "data": {"path": str(data), "seed": 0},
         "rollout": {
             "servers": [url],
-            "sync": sync,
-            "sync_dir": str(sync_dir) if sync == "file" else None,
-            "bucket_mb": args.bucket_mb,
+            "sync": sync_section(args, transport, sync_dir),
             "ready_timeout_s": args.server_timeout,
             "sleep_while_training": args.sleep_level if mode == "colocated" else None,
             "max_staleness": {"split": args.split_max_staleness}.get(
                 mode, args.overlap_max_staleness if mode == "overlap" else 0
             ),
-            "prepare_sync": args.prepare_sync,
         },
         "sampling": {
             "num_generations": args.num_generations,

@@ -317,7 +317,7 @@ async def measure_sync(
     import torch
     from gpu_sender import connect, load_model, reference_checksum
 
-    from learner.sync.nccl import SEGMENT_BYTES
+    from learner.sync.nccl_sender import SEGMENT_BYTES
     from learner.sync.zero3 import iter_gathered_params, param_specs
 
     model = load_model(model_dir)

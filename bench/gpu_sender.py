@@ -61,7 +61,7 @@ def reference_checksum(model: Any) -> float:
 
 
 async def connect(url: str, master_port: int, timeout_s: float) -> tuple[Any, Any]:
-    from learner.sync.nccl import NcclWeightSender
+    from learner.sync.nccl_sender import NcclWeightSender
     from rollout_server.client import RolloutClient
 
     client = RolloutClient(url, api_key=API_KEY, timeout_s=600.0)

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from learner.config_base import _FieldError, _Section
 
@@ -110,6 +116,79 @@ class EmbeddedServerConfig(_Section):
     extra_args: list[str] = Field(default_factory=list, description="more rollout-server flags")
 
 
+class _SyncSection(_Section):
+    """[rollout.sync]: the weight transport (``type``) and its own settings."""
+
+    @property
+    def prepares(self) -> bool:
+        """Whether the trainer prepares each sync while it trains (NCCL only)."""
+        return False
+
+
+class HttpSyncConfig(_SyncSection):
+    """Safetensors buckets in HTTP request bodies: needs nothing but the servers' URLs (CPU,
+    tests)."""
+
+    type: Literal["http"] = "http"
+    bucket_mb: int = Field(256, ge=1, description="weight-sync bucket size")
+
+
+class FileSyncConfig(_SyncSection):
+    """One safetensors file on a disk the learner and every server share."""
+
+    type: Literal["file"] = "file"
+    dir: str = Field(description="the shared directory the weights file is written to")
+
+
+class NcclSyncConfig(_SyncSection):
+    """Flat buckets broadcast from learner rank 0 to the servers' workers (servers on other
+    GPUs)."""
+
+    type: Literal["nccl"] = "nccl"
+    bucket_mb: int = Field(256, ge=1, description="weight-sync bucket size (~1024 for speed)")
+    master_address: str = Field(
+        "127.0.0.1", description="an address of the learner's host that the servers can reach"
+    )
+    master_port: int = Field(0, ge=0, le=65535, description="0 = a free port")
+    prepare: bool = Field(
+        True,
+        description="while the learner trains on a step whose rollouts are all in, have the "
+        "servers queue the next sync's receives (the sync then broadcasts at once)",
+    )
+
+    @property
+    def prepares(self) -> bool:
+        return self.prepare
+
+
+class IpcSyncConfig(_SyncSection):
+    """Flat buckets shared as CUDA IPC handles with a server on the learner's own GPU
+    (colocated mode)."""
+
+    type: Literal["ipc"] = "ipc"
+    bucket_mb: int = Field(256, ge=1, description="weight-sync bucket size")
+
+
+SyncConfig = Annotated[
+    HttpSyncConfig | FileSyncConfig | NcclSyncConfig | IpcSyncConfig, Field(discriminator="type")
+]
+_SYNC_SECTIONS: dict[str, type[_SyncSection]] = {
+    "http": HttpSyncConfig,
+    "file": FileSyncConfig,
+    "nccl": NcclSyncConfig,
+    "ipc": IpcSyncConfig,
+}
+
+# Sync settings written flat in [rollout]: where each belongs in [rollout.sync].
+_FLAT_SYNC_KEYS = {
+    "sync_dir": 'rollout.sync.dir (with [rollout.sync] type = "file")',
+    "bucket_mb": 'rollout.sync.bucket_mb (with [rollout.sync] type = "http", "nccl" or "ipc")',
+    "nccl_master_address": 'rollout.sync.master_address (with [rollout.sync] type = "nccl")',
+    "nccl_master_port": 'rollout.sync.master_port (with [rollout.sync] type = "nccl")',
+    "prepare_sync": 'rollout.sync.prepare (with [rollout.sync] type = "nccl")',
+}
+
+
 class RolloutConfig(_Section):
     servers: list[str] = Field(
         default_factory=list,
@@ -119,21 +198,11 @@ class RolloutConfig(_Section):
     timeout_s: float = Field(600.0, gt=0)
     max_retries: int = Field(3, ge=0)
     ready_timeout_s: float = Field(300.0, gt=0)
-    sync: Literal["http", "file", "nccl", "ipc"] = Field(
-        "http",
-        description="weight transport: http (CPU/tests), file (shared disk), nccl (servers on "
-        "other GPUs), ipc (a server on the learner's own GPU: colocated mode)",
-    )
-    sync_dir: str | None = Field(None, description="shared directory for sync = 'file'")
-    bucket_mb: int = Field(256, ge=1, description="weight-sync bucket size (NCCL: ~1024)")
-    nccl_master_address: str = Field(
-        "127.0.0.1", description="an address of the learner's host that the servers can reach"
-    )
-    nccl_master_port: int = Field(0, ge=0, le=65535, description="0 = a free port")
-    prepare_sync: bool = Field(
-        True,
-        description="nccl: while the learner trains on a step whose rollouts are all in, have "
-        "the servers queue the next sync's receives (the sync then broadcasts at once)",
+    sync: SyncConfig = Field(
+        default_factory=HttpSyncConfig,
+        description="how the weights reach the servers: http (CPU/tests), file (shared disk), "
+        "nccl (servers on other GPUs) or ipc (a server on the learner's own GPU: colocated "
+        'mode); sync = "nccl" is short for the table with that type and its defaults',
     )
     max_staleness: int = Field(
         0,
@@ -148,16 +217,62 @@ class RolloutConfig(_Section):
     )
     embedded: EmbeddedServerConfig = Field(default_factory=EmbeddedServerConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_sync_keys(cls, data: Any) -> Any:
+        """The sync settings live in [rollout.sync]: a flat key names where it goes."""
+        if isinstance(data, dict):
+            for key, new in _FLAT_SYNC_KEYS.items():
+                if key in data:
+                    raise _FieldError(key, f"is now {new}")
+        return data
+
+    @field_validator("sync", mode="wrap")
+    @classmethod
+    def _sync_section(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """``sync = "nccl"`` is short for ``[rollout.sync] type = "nccl"`` (its defaults). An
+        error inside the table names the field as written (``rollout.sync.dir``), not with the
+        union's tag pydantic puts in its path (``rollout.sync.file.dir``)."""
+        if isinstance(value, str):
+            value = {"type": value}
+        if isinstance(value, dict):
+            kind = value.get("type")
+            if not isinstance(kind, str) or kind not in _SYNC_SECTIONS:
+                given = "required" if kind is None else f"{kind!r} is not a transport"
+                raise _FieldError("type", f"{given}: give 'http', 'file', 'nccl' or 'ipc'")
+        try:
+            return handler(value)
+        except ValidationError as err:
+            if not err.errors()[0]["loc"]:  # not a table at all: pydantic's message says so
+                raise
+            raise _sync_field_error(err) from None
+
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
-        if self.sync == "file" and not self.sync_dir:
-            raise ValueError("rollout.sync = 'file' needs rollout.sync_dir (a shared directory)")
         if self.max_staleness and self.sleep_while_training:
             raise ValueError(
                 "rollout.max_staleness > 0 overlaps generation with training, which a server "
                 "asleep during training cannot do: unset one of them"
             )
         return self
+
+
+def _sync_field_error(err: ValidationError) -> _FieldError:
+    """The first error inside [rollout.sync], under the field's own name, saying what to do."""
+    e = err.errors()[0]
+    tag, path = e["loc"][0], e["loc"][1:]
+    inner = e.get("ctx", {}).get("error")
+    if isinstance(inner, _FieldError):
+        return _FieldError(".".join(map(str, (*path, inner.field))), inner.message)
+    field = ".".join(map(str, path))
+    if e["type"] == "extra_forbidden":
+        takes = ", ".join(n for n in _SYNC_SECTIONS[str(tag)].model_fields if n != "type")
+        return _FieldError(
+            field, f'unknown field for type = "{tag}", which takes: {takes or "nothing else"}'
+        )
+    if e["type"] == "missing":
+        return _FieldError(field, f'required with type = "{tag}" — add it to [rollout.sync]')
+    return _FieldError(field, e["msg"])
 
 
 class SamplingConfig(_Section):
@@ -523,6 +638,11 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
+# Tables a string may stand for: `environment = "gsm8k"` is [environment] name = "gsm8k", and
+# `rollout.sync = "nccl"` is [rollout.sync] type = "nccl"; an override inside one expands it.
+_SHORTHANDS = {"environment": "name", "rollout.sync": "type"}
+
+
 def apply_override(data: dict[str, Any], override: str) -> None:
     """Apply ``section.field=value`` (value in TOML syntax; bare words are strings)."""
     if "=" not in override:
@@ -530,9 +650,10 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     key, raw = override.split("=", 1)
     parts = key.strip().split(".")
     node = data
-    for p in parts[:-1]:
-        if p == "environment" and isinstance(node.get(p), str):  # `environment = "name"`
-            node[p] = {"name": node[p]}
+    for i, p in enumerate(parts[:-1]):
+        short = _SHORTHANDS.get(".".join(parts[: i + 1]))
+        if short is not None and isinstance(node.get(p), str):  # `environment = "name"`
+            node[p] = {short: node[p]}
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {p!r} is not a section")

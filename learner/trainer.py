@@ -77,7 +77,7 @@ from learner.step.update import (
     reduce_metrics,
     train_on,
 )
-from learner.sync import WeightSyncer
+from learner.sync import make_transport
 from rollout_server.client import RolloutClient
 
 logger = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 problems := evaluator.check_limits(infos, cfg.rollout.servers)
             ):
                 raise SetupError("; ".join(problems) + ": lower it, or raise the server's limit")
-            syncer = WeightSyncer(cfg.rollout, client, device=accelerator.device)
+            syncer = make_transport(cfg.rollout, client, device=accelerator.device)
             if accelerator.is_main_process:  # before the first generation: see connect()
                 loop.run(syncer.connect())
             # The servers must serve the checkpoint's (or the SFT's) weights, not the base model's

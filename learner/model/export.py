@@ -73,7 +73,7 @@ def _save_dense(model: nn.Module, path: Path) -> None:
     GRPO, vLLM and the transformers engine load it as any base model."""
     from safetensors.torch import save_file
 
-    from learner.sync import merged_lora_weights
+    from learner.sync.tensors import merged_lora_weights
 
     config = copy.deepcopy(model.get_base_model().config)
     del config.quantization_config

@@ -24,7 +24,7 @@ from learner.config import LearnerConfig
 from learner.run.checkpoint import TrainerState
 from learner.run.runtime import SetupError
 from learner.servers.embedded import embedded_for
-from learner.sync import WeightSyncer
+from learner.sync.base import WeightTransport
 from rollout_server.client import RolloutError, RolloutHTTPError, RolloutUnavailableError
 from rollout_server.protocol import InfoResponse
 
@@ -93,8 +93,7 @@ def may_prepare(cfg: Any, accelerator: Accelerator, pending: Any) -> bool:
     r = cfg.rollout
     return (
         accelerator.is_main_process
-        and r.sync == "nccl"
-        and r.prepare_sync
+        and r.sync.prepares
         and not r.sleep_while_training
         and not pending
     )
@@ -140,7 +139,7 @@ def restarted(infos: list[InfoResponse], version: int) -> bool:
 def sync_weights(
     accelerator: Accelerator,
     loop: EventLoopThread,
-    syncer: WeightSyncer,
+    syncer: WeightTransport,
     policy: torch.nn.Module,
     state: TrainerState,
     *,
@@ -176,7 +175,7 @@ SYNC_ATTEMPTS = 3
 def push_weights(
     accelerator: Accelerator,
     loop: EventLoopThread,
-    syncer: WeightSyncer,
+    syncer: WeightTransport,
     hf_model: Any,
     version: int | None = None,
 ) -> list[Any]:
@@ -185,7 +184,7 @@ def push_weights(
     would have to be formed again) nor under ZeRO-3 (the other ranks' gathers follow one push).
     A retry lets the servers number the version (another may have taken ``version`` already)."""
     ds = accelerator.state.deepspeed_plugin
-    retry = syncer.cfg.sync != "nccl" and (ds is None or ds.zero_stage != 3)
+    retry = syncer.retries_pushes and (ds is None or ds.zero_stage != 3)
     for attempt in range(1, SYNC_ATTEMPTS):
         try:
             return loop.run(syncer.push(hf_model, version if attempt == 1 else None))
@@ -199,7 +198,7 @@ def push_weights(
                 attempt + 1,
                 SYNC_ATTEMPTS,
             )
-            loop.run(syncer.client.wait_ready(syncer.cfg.ready_timeout_s))
+            loop.run(syncer.client.wait_ready(syncer.ready_timeout_s))
     return loop.run(syncer.push(hf_model))
 
 

@@ -1,4 +1,5 @@
-"""Weight sync over CUDA IPC: the colocated learner shares its packed weights with the server.
+"""``[rollout.sync] type = "ipc"``: the colocated learner shares its packed weights with the
+server over CUDA IPC.
 
 For a rollout server on the learner's own GPU (``rollout.sync = "ipc"``, colocated mode), where
 NCCL cannot join two ranks on one device and the host round trip of ``http``/``file`` costs a
@@ -17,8 +18,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from learner.sync.base import WeightTransport
 from learner.sync.nccl_buckets import (
     announce_to_all,
     check_checksums,
@@ -27,12 +29,16 @@ from learner.sync.nccl_buckets import (
     plan_buckets,
     update_stats,
 )
+from learner.sync.tensors import sync_specs, sync_tensors
 from rollout_server.client import RolloutClient
 from rollout_server.nccl_wire import bucket_layout, flat_checksum
 from rollout_server.protocol import IpcUpdateRequest, TensorSpec, WeightUpdateResponse
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
+
+    from learner.config import IpcSyncConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +47,7 @@ class IpcWeightSender:
     """Shares packed weights with rollout servers on this process's GPU."""
 
     def __init__(self, client: RolloutClient, device: torch.device | int | str) -> None:
-        from learner.sync import learner_cuda_device
+        from learner.sync.tensors import learner_cuda_device
 
         self.client = client
         self.device = learner_cuda_device(
@@ -113,4 +119,34 @@ class IpcWeightSender:
             lambda s: self.client.ipc_update(s, request),
             "CUDA IPC",
             wait_for_all=True,
+        )
+
+
+class IpcTransport(WeightTransport):
+    """``[rollout.sync] type = "ipc"``: the packed weights shared with the servers on this
+    process's GPU (colocated mode)."""
+
+    def __init__(
+        self,
+        cfg: IpcSyncConfig,
+        client: RolloutClient,
+        *,
+        device: Any,
+        ready_timeout_s: float,
+    ) -> None:
+        super().__init__(client, ready_timeout_s=ready_timeout_s)
+        self.cfg = cfg
+        self.device = device
+        self._sender: IpcWeightSender | None = None
+
+    async def push(
+        self, model: nn.Module, version: int | None = None
+    ) -> list[WeightUpdateResponse]:
+        if self._sender is None:
+            self._sender = IpcWeightSender(self.client, self.device)  # refuses without a GPU
+        return await self._sender.send(
+            sync_specs(model, await self.server_dtype()),
+            sync_tensors(model),
+            bucket_bytes=self.cfg.bucket_mb << 20,
+            version=version,
         )

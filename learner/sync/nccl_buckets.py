@@ -4,9 +4,8 @@ Which tensors share a flat bucket (``plan_buckets``: runs of one dtype, in strea
 stream's tensors are checked against the announced specs and copied into a bucket
 (``take_tensors``, ``segment_views``, ``fill_bucket``; ``drain`` keeps ZeRO-3 ranks' gathers in
 step), and the parts of an update that do not depend on the transport: the announce to every
-server, the checksum check and the ``last_stats``. They live apart from the NCCL sender
-(``learner.sync.nccl``, which re-exports them) because ``learner.sync.ipc`` uses them too.
-Import-safe without a GPU.
+server, the checksum check and the ``last_stats``. Both senders (``learner.sync.nccl_sender``,
+``learner.sync.ipc``) use them. Import-safe without a GPU.
 """
 
 from __future__ import annotations

@@ -93,18 +93,19 @@ def test_learner_config_is_accepted_by_the_real_learner(mode, tmp_path):
     assert loaded.rewards[0].name == "length" and loaded.rewards[0].kwargs["unit"] == "chars"
     assert loaded.rollout.servers == ["http://127.0.0.1:9"]
     if mode == "colocated":
-        assert (loaded.rollout.sync, loaded.rollout.sleep_while_training) == ("ipc", 1)
+        assert (loaded.rollout.sync.type, loaded.rollout.sleep_while_training) == ("ipc", 1)
         assert loaded.rollout.max_staleness == 0  # no overlap while the server sleeps
-        assert loaded.rollout.sync_dir is None and loaded.run.steps == 8
+        assert not hasattr(loaded.rollout.sync, "dir") and loaded.run.steps == 8
     else:
-        assert (loaded.rollout.sync, loaded.rollout.sleep_while_training) == ("nccl", None)
+        assert (loaded.rollout.sync.type, loaded.rollout.sleep_while_training) == ("nccl", None)
         assert loaded.rollout.max_staleness == (2 if mode == "overlap" else 0)
         assert loaded.run.steps == 20
-    assert loaded.rollout.prepare_sync
+    assert loaded.rollout.sync.bucket_mb == 1024
+    assert loaded.rollout.sync.prepares is (mode != "colocated")  # NCCL prepares, IPC has none
     unprepared = e2e.learner_config(
         _args("--no-prepare-sync"), mode, "http://x:9", tmp_path / "r", tmp_path / "p", tmp_path
     )
-    assert unprepared["rollout"]["prepare_sync"] is False
+    assert unprepared["rollout"]["sync"].get("prepare") is (None if mode == "colocated" else False)
 
 
 def test_split_learner_runs_under_zero3_with_one_process():
@@ -308,7 +309,7 @@ def test_cpu_run_of_both_modes_reports_medians_and_leaves_nothing_behind(
         assert (logs / mode / "metrics.jsonl").is_file() and (logs / mode / "server.log").is_file()
         assert "## by host time" in (logs / mode / "profile_step_3.txt").read_text()
         assert not (tmp_path / "runs" / mode).exists()  # run dirs are removed
-        assert not Path(r["config"]["rollout"]["sync_dir"] or "/nonexistent").exists()
+        assert not Path(r["config"]["rollout"]["sync"].get("dir") or "/nonexistent").exists()
     assert result["colocated"]["config"]["rollout"]["sleep_while_training"] == 1
     assert "colocated" in proc.stdout and "split" in proc.stdout  # the table
     assert proc_scan(str(tmp_path)) == []

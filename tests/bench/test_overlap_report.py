@@ -90,7 +90,7 @@ def test_the_suite_invocations_give_split_runs_with_that_staleness(staleness, tm
     path.write_text(common.toml_text(cfg))
     loaded = load_config(path)
     assert loaded.rollout.max_staleness == staleness and loaded.run.steps == 12
-    assert loaded.rollout.sync == "nccl" and loaded.rollout.sleep_while_training is None
+    assert loaded.rollout.sync.type == "nccl" and loaded.rollout.sleep_while_training is None
 
 
 def test_summary_reports_the_mean_staleness_of_the_measured_steps():

@@ -156,7 +156,7 @@ def test_learner_command_parses_with_accelerate_and_learner(compose: dict) -> No
     cfg = load_config(learner_args.config, learner_args.overrides)
     assert cfg.model.name_or_path == ENV["MODEL"]
     assert cfg.rollout.servers == ["http://127.0.0.1:8000"]
-    assert cfg.rollout.sync == "nccl"
+    assert cfg.rollout.sync.type == "nccl"
     # a crashed learner restarts (compose) and resumes from its last checkpoint
     assert learner_args.resume and compose["services"]["learner"]["restart"].startswith(
         "on-failure"

@@ -113,7 +113,7 @@ def test_none_unsets_a_field_that_may_be_unset():
         ("grpo.loss_typ=dapo", "grpo.loss_typ: unknown field"),
         ("grpo.loss_type=ppo", "grpo.loss_type"),
         ("sampling.num_generations=1", "sampling.num_generations"),
-        ("rollout.sync=file", "rollout.sync_dir"),
+        ("rollout.sync=file", "rollout.sync.dir"),
         ("optim.lr=-1", "optim.lr"),
         ("nonsense", "section.field=value"),
         ("scoring.timeout_s=inf", "scoring.timeout_s: Input should be a finite number"),

@@ -350,7 +350,7 @@ def test_qlora_sft_saves_a_dense_merged_model_and_adapter_checkpoints(tmp_path, 
     from peft import PeftModel
 
     from learner.model.setup import _bnb_4bit
-    from learner.sync import merged_lora_weights
+    from learner.sync.tensors import merged_lora_weights
 
     quantized = AutoModelForCausalLM.from_pretrained(
         tiny_model_dir, quantization_config=_bnb_4bit("nf4", "float32"), dtype=torch.float32

@@ -22,7 +22,7 @@ from learner.run.perf import train_flops_per_token
 from learner.step.batch import collate
 from learner.step.packing import best_fit_decreasing, pack
 from learner.step.update import _forward, _seq_index, regroup
-from learner.sync import merged_lora_weights, sync_specs
+from learner.sync.tensors import merged_lora_weights, sync_specs
 from tests.learner.rollout_data import random_rollouts
 
 

@@ -17,7 +17,7 @@ from learner.model.policy import PolicyLogprobs
 from learner.model.setup import build_models
 from learner.step.batch import collate
 from learner.step.update import _forward
-from learner.sync import merged_lora_weights, sync_specs
+from learner.sync.tensors import merged_lora_weights, sync_specs
 
 pytest.importorskip("bitsandbytes")  # in the dev extra: CI runs these
 

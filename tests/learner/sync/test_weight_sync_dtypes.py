@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from learner.config import RolloutConfig
-from learner.sync import WeightSyncer
+from learner.sync import make_transport
 from rollout_server.client import RolloutClient
 from rollout_server.nccl_wire import params_checksum
 from rollout_server.settings import ServerSettings
@@ -21,16 +21,18 @@ def server(start_server, tiny_model_dir):
         yield s
 
 
-@pytest.mark.parametrize("sync", ["http", "file"])
-async def test_a_bf16_learner_updates_a_float32_server(server, tmp_path, sync):
+@pytest.mark.parametrize("transport", ["http", "file"])
+async def test_a_bf16_learner_updates_a_float32_server(server, tmp_path, transport):
     from transformers import AutoModelForCausalLM
 
-    other = save_tiny_model(tmp_path / "other", seed=int(sync == "file") + 5)
+    other = save_tiny_model(tmp_path / "other", seed=int(transport == "file") + 5)
     model = AutoModelForCausalLM.from_pretrained(other, dtype=torch.bfloat16)
-    cfg = RolloutConfig(servers=[server.url], sync=sync, sync_dir=str(tmp_path / "sync"))
+    file = {"type": "file", "dir": str(tmp_path / "sync")}
+    section = file if transport == "file" else transport
+    cfg = RolloutConfig(servers=[server.url], sync=section)
     async with RolloutClient(server.url, max_retries=0) as client:
         before = (await client.weights_checksum())[0]
-        await WeightSyncer(cfg, client).push(model)
+        await make_transport(cfg, client).push(model)
         after = (await client.weights_checksum())[0]
     assert after.weight_version == before.weight_version + 1
     # the server holds the bf16 weights, widened to its float32

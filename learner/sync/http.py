@@ -1,0 +1,33 @@
+"""``[rollout.sync] type = "http"``: safetensors buckets in HTTP request bodies. Needs nothing
+but the servers' URLs (CPU, tests); the servers stage the buckets and load them all at once."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from learner.sync.base import WeightTransport
+from learner.sync.tensors import in_dtype, sync_tensors
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from learner.config import HttpSyncConfig
+    from rollout_server.client import RolloutClient
+    from rollout_server.protocol import WeightUpdateResponse
+
+
+class HttpTransport(WeightTransport):
+    def __init__(
+        self, cfg: HttpSyncConfig, client: RolloutClient, *, ready_timeout_s: float
+    ) -> None:
+        super().__init__(client, ready_timeout_s=ready_timeout_s)
+        self.cfg = cfg
+
+    async def push(
+        self, model: nn.Module, version: int | None = None
+    ) -> list[WeightUpdateResponse]:
+        return await self.client.update_weights(
+            in_dtype(sync_tensors(model), await self.server_dtype()),
+            version=version,
+            bucket_bytes=self.cfg.bucket_mb << 20,
+        )
