@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm import LLM, EngineArgs, SamplingParams
 
-    from rollout_server.cli import _key_value
+    from rollout_server.cli import vllm_arg
     from rollout_server.engine.vllm_engine import (
         engine_kwargs,
         served_sampling_kwargs,
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_server.protocol import SamplingParams as OurParams
     from rollout_server.settings import ServerSettings
 
-    extra = dict(_key_value(item) for item in args.vllm_arg)
+    extra = dict(vllm_arg(item) for item in args.vllm_arg)
     settings = ServerSettings(
         model=args.model,
         engine="vllm",

@@ -92,13 +92,14 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     limits = {k: fields.pop(k) for k in _LIMIT_FLAGS if k in fields}
     extra = fields.pop("vllm_arg", None) or []
     if extra:
-        fields["vllm_engine_args"] = dict(_key_value(item) for item in extra)
+        fields["vllm_engine_args"] = dict(vllm_arg(item) for item in extra)
     if limits:
         fields["limits"] = limits
     return ServerSettings.model_validate(fields)
 
 
-def _key_value(item: str) -> tuple[str, Any]:
+def vllm_arg(item: str) -> tuple[str, Any]:
+    """One ``--vllm-arg KEY=VALUE``: VALUE read as JSON (``true``, ``4096``), else a string."""
     key, sep, raw = item.partition("=")
     if not sep or not key:
         raise SystemExit(f"rollout-server: error: --vllm-arg {item!r} must look like KEY=VALUE")
