@@ -1,8 +1,9 @@
 """The production engine: vLLM's ``AsyncLLM`` on dedicated GPUs.
 
 Everything vLLM-specific lives here, in ``vllm_helpers`` (the engine arguments, sampling
-parameters, outputs and weight metadata, as pure functions) and in ``vllm_worker`` (the worker
-extension that receives weights); vLLM is imported only when this engine starts. The service
+parameters, outputs and weight metadata, as pure functions), in ``vllm_updates`` (NCCL and CUDA
+IPC updates through the workers) and in ``vllm_worker`` (the worker extension that receives
+weights); vLLM is imported only when this engine starts. The service
 layer owns versions, the pause gate and the sleep bookkeeping; this class translates requests
 and calls into vLLM.
 
@@ -32,9 +33,8 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from rollout_server.engine.base import (
@@ -46,7 +46,6 @@ from rollout_server.engine.base import (
     SampleOutput,
     TensorMeta,
     UnsupportedError,
-    WeightsError,
 )
 from rollout_server.engine.vllm_helpers import (
     WORKER_EXTENSION,
@@ -59,7 +58,7 @@ from rollout_server.engine.vllm_helpers import (
     supports_flat_logprobs,
     to_sample,
 )
-from rollout_server.finite import NON_FINITE_REFUSED
+from rollout_server.engine.vllm_updates import AnnouncedUpdates
 
 if TYPE_CHECKING:
     import torch
@@ -100,7 +99,10 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         self._metadata: dict[str, TensorMeta] = {}
         self._asleep: set[str] = set()
         self._in_flight = 0
-        self._cancel: Any = None  # the prepared update's CancelFlag (nccl_wire), if any
+        # NCCL and CUDA IPC updates through the workers (vLLM is reached when they run)
+        self._updates = AnnouncedUpdates(
+            self._rpc, self._paused, self.reset_prefix_cache, settings.direct_weight_copy
+        )
         # HF fast tokenizers are not safe to call from several threads at once ("Already
         # borrowed"), and the service tokenizes in worker threads.
         self._tokenizer_lock = threading.Lock()
@@ -302,161 +304,22 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         )
 
     async def receive_nccl_update(self, request: NcclUpdateRequest) -> ReceivedUpdate:
-        """The workers queue every receive (``grpo_begin_update``); while the bytes arrive the
-        prefix cache is reset (vLLM walks every KV block: milliseconds); then the workers
-        wait and load (``grpo_finish_update``)."""
-
-        async def receive(specs: list[dict[str, Any]], timeline: dict[str, float]) -> list[Any]:
-            begun = await self._rpc("grpo_begin_update", specs, *self._queue_args(request, False))
-            timeline["worker_begin"] = min(begun)
-            timeline["queued"] = time.time()
-            return await self._reset_then_finish(timeline)
-
-        return await self._receive("NCCL", request, receive, prefix_cache_reset=True)
+        return await self._updates.receive_nccl(request)
 
     async def prepare_nccl_update(self, request: NcclUpdateRequest) -> None:
-        """Called paused, and the pause holds until the commit: the prefix cache is reset now
-        (no generation can fill it before the load), off the commit's critical path."""
-        from rollout_server.nccl_wire import CancelFlag
-
-        specs = [t.model_dump() for t in request.tensors]
-        self._forget_cancel()
-        self._cancel = CancelFlag.new()  # the workers read its file while they wait
-        try:
-            await self._rpc(
-                "grpo_begin_update", specs, *self._queue_args(request, True, self._cancel.path)
-            )
-        except Exception as exc:
-            self._forget_cancel()
-            raise EngineError(f"could not prepare the NCCL update: {exc}") from exc
-        try:
-            await self._llm.reset_prefix_cache()
-        except BaseException:
-            await self.drop_prepared_update()
-            raise
+        await self._updates.prepare_nccl(request)
 
     async def commit_nccl_update(self, request: NcclUpdateRequest) -> ReceivedUpdate:
-        async def finish(_: list[dict[str, Any]], timeline: dict[str, float]) -> list[Any]:
-            results = await self._rpc("grpo_finish_update")
-            timeline["finished"] = time.time()
-            return results
-
-        # the prefix cache was reset at prepare, with generation paused since
-        try:
-            return await self._receive("NCCL", request, finish, prefix_cache_reset=True)
-        finally:
-            self._forget_cancel()
+        return await self._updates.commit_nccl(request)
 
     async def cancel_nccl_commit(self) -> bool:
-        """Raise the prepared update's ``CancelFlag``: the workers stop waiting for its bytes
-        (within ~10 ms), abort the group, restore what they had copied in, and the commit
-        fails. Out of band, as the workers are busy in the commit's RPC."""
-        if self._cancel is None:
-            return False
-        self._cancel.set()
-        return True
-
-    def _forget_cancel(self) -> None:
-        if self._cancel is not None:
-            self._cancel.remove()
-            self._cancel = None
+        return self._updates.cancel_commit()
 
     async def drop_prepared_update(self) -> None:
-        try:
-            await self._rpc("grpo_drop_prepared")
-        finally:
-            self._forget_cancel()
-
-    def _queue_args(
-        self, request: NcclUpdateRequest, prepared: bool, cancel_path: str | None = None
-    ) -> tuple[Any, ...]:
-        """``grpo_begin_update``'s arguments after the specs."""
-        direct = self.settings.direct_weight_copy
-        segment = request.segment_bytes
-        return (
-            request.buckets,
-            request.bucket_dtypes,
-            request.checksum,
-            direct,
-            segment,
-            prepared,
-            request.ack,
-            cancel_path,
-        )
-
-    async def _reset_then_finish(self, timeline: dict[str, float]) -> list[Any]:
-        """Reset the prefix cache, then wait for the queued receives and load. Both go to the
-        engine core back to back (it runs them in order), so the reset overlaps the wire."""
-        reset = asyncio.ensure_future(self._llm.reset_prefix_cache())
-        await asyncio.sleep(0)  # let the reset go out first
-        try:
-            results = await self._rpc("grpo_finish_update")
-        finally:
-            await asyncio.wait([reset])
-        timeline["finished"] = time.time()
-        reset.result()  # raises if the reset failed
-        return results
+        await self._updates.drop_prepared()
 
     async def receive_ipc_update(self, request: IpcUpdateRequest) -> ReceivedUpdate:
-        handles = [h.model_dump() for h in request.handles]
-
-        async def receive(specs: list[dict[str, Any]], timeline: dict[str, float]) -> list[Any]:
-            args = (request.buckets, request.bucket_dtypes, request.checksum, handles)
-            direct = self.settings.direct_weight_copy
-            results = await self._rpc("grpo_receive_ipc", specs, *args, request.gpu_uuid, direct)
-            timeline["finished"] = time.time()
-            return results
-
-        return await self._receive("CUDA IPC", request, receive, prefix_cache_reset=False)
-
-    async def _receive(
-        self,
-        transport: str,
-        request: NcclUpdateRequest,
-        receive: Callable[[list[dict[str, Any]], dict[str, float]], Awaitable[list[Any]]],
-        *,
-        prefix_cache_reset: bool,
-    ) -> ReceivedUpdate:
-        """One announced update through the workers (``receive``), under vLLM's pause."""
-        specs = [t.model_dump() for t in request.tensors]
-        start = time.perf_counter()
-        timeline = {"engine": time.time()}
-        try:
-            async with self._paused():
-                results = await receive(specs, timeline)
-        except Exception as exc:
-            if NON_FINITE_REFUSED in str(exc):  # the worker's WeightsError, through vLLM's RPC
-                message = str(exc)[str(exc).index(NON_FINITE_REFUSED) :].split("\n")[0]
-                raise WeightsError(
-                    f"{transport} weight update refused, the previous weights still serve: "
-                    f"{message}"
-                ) from exc
-            raise EngineError(
-                f"{transport} weight update failed, the previous weights still serve: {exc}"
-            ) from exc
-        first = results[0]
-        log.info(
-            "%s update: %d tensors received in %.4fs, loaded in %.4fs (%s, staged on %s), "
-            "%.4fs in all",
-            transport,
-            len(specs),
-            first["received_s"],
-            first["loaded_s"],
-            first["loader"],
-            first["staged_on"],
-            time.perf_counter() - start,
-        )
-        sums = {r["checksum"] for r in results}
-        if len(sums) > 1:
-            raise EngineError(f"workers received different bytes (checksums {sorted(sums)})")
-        return ReceivedUpdate(
-            checksum=first["checksum"],
-            received_s=max(r["received_s"] for r in results),
-            loaded_s=max(r["loaded_s"] for r in results),
-            loader=first["loader"],
-            prefix_cache_reset=prefix_cache_reset,
-            timeline={**timeline, **first.get("timeline", {})},
-        )
+        return await self._updates.receive_ipc(request)
 
     # -- sleep -----------------------------------------------------------------------------
 

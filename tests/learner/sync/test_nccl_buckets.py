@@ -229,16 +229,15 @@ def test_the_parameter_stream_is_lazy(tiny_model_dir) -> None:
 
 
 def test_the_engine_queues_updates_with_the_workers_argument_order() -> None:
-    """``VLLMEngine._queue_args`` feeds ``grpo_begin_update`` positionally: its order must be
+    """``begin_update_args`` feeds ``grpo_begin_update`` positionally: its order must be
     the worker's, or a field (``ack``, ``prepared``) would land in another's place."""
     import inspect
 
-    from rollout_server.engine.vllm_engine import VLLMEngine
+    from rollout_server.engine.vllm_updates import begin_update_args
     from rollout_server.engine.vllm_worker import WeightSyncWorkerExtension
     from rollout_server.settings import ServerSettings
 
-    engine = VLLMEngine.__new__(VLLMEngine)
-    engine.settings = ServerSettings(model="/m", engine="vllm", direct_weight_copy=False)
+    settings = ServerSettings(model="/m", engine="vllm", direct_weight_copy=False)
     request = NcclUpdateRequest(
         tensors=[spec("w", "bfloat16", 4)],
         buckets=[[0]],
@@ -248,7 +247,8 @@ def test_the_engine_queues_updates_with_the_workers_argument_order() -> None:
         ack=True,
     )
     names = list(inspect.signature(WeightSyncWorkerExtension.grpo_begin_update).parameters)
-    args = dict(zip(names[2:], engine._queue_args(request, True, "/tmp/flag"), strict=True))
+    queued = begin_update_args(request, settings.direct_weight_copy, True, "/tmp/flag")
+    args = dict(zip(names[2:], queued, strict=True))
     assert args == {
         "buckets": [[0]],
         "bucket_dtypes": ["bfloat16"],
