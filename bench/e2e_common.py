@@ -22,7 +22,7 @@ MAX_TOKENS = 256
 MAX_MODEL_LEN = 1024  # prompts are ~120 tokens: room for 256 more, same for both sides
 REWARD_TARGET_CHARS = 64
 TRL_REFERENCE_S = 3.88  # TRL 1.16 GRPOTrainer + colocated vLLM, H200 (issue); 3.99 with Liger
-DESIGN_TARGET_COLOCATED_S = 2.6  # docs: DESIGN.md "Performance targets"
+DESIGN_TARGET_COLOCATED_S = 2.6  # the colocated step this workload aims at (one GPU)
 
 # Phase timings of one learner step (metrics.jsonl keys, learner/trainer.py and rollouts.py).
 # wait_generate = what the training thread waited for generate + score + advantages.
@@ -220,7 +220,7 @@ def verdicts(
     add("colocated faster than TRL (same GPU, this run)", colo, trl, "TRL median, this run")
     add("split faster than colocated", split, colo, "colocated median, this run")
     add("colocated faster than TRL reference", colo, TRL_REFERENCE_S, "3.88 s (issue, H200)")
-    add("colocated within design target", colo, DESIGN_TARGET_COLOCATED_S, "2.6 s (DESIGN.md)")
+    add("colocated within design target", colo, DESIGN_TARGET_COLOCATED_S, "2.6 s (target)")
     if "overlap" in results:
         add("overlap faster than synchronous split", overlap, split, "split median, this run")
         # the issue's "the 2-GPU run must be faster still": its best 2-GPU mode

@@ -2,8 +2,8 @@
 
 A small model's GRPO step is largely bound by the host: Python and torch's dispatcher issuing
 kernels (DeepSpeed ZeRO-3's per-module hooks most of all), and vLLM's scheduler. Two runs of
-the same code on two hosts of the same GPU can differ by a third (docs/benchmarks.md,
-session 10). This records, in a fresh subprocess (so the bench's own process never holds a
+the same code on two hosts of the same GPU can differ by a third (docs/benchmarks.md: the e2e
+step's generation phase on different hosts). This records, in a fresh subprocess (so the bench's own process never holds a
 CUDA context on the GPUs its servers use):
 
 - CPUs: ``os.cpu_count()``, the ones this process may run on, the cgroup quota, load average;

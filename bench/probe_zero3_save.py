@@ -3,8 +3,8 @@
 Run on a GPU under ``accelerate launch --config_file deploy/accelerate/zero3.yaml
 --num_processes 1 bench/probe_zero3_save.py OUT_DIR``: builds the demo's tiny Qwen3, prepares it
 with DeepSpeed ZeRO-3, saves it both ways and prints one JSON line per way: how many tensors
-came out empty or at a shape other than the model's. (Up to session 23 the GRPO learner wrote
-``RUN_DIR/final`` the first way.)
+came out empty or at a shape other than the model's. (``save_pretrained`` on the unwrapped
+module writes what this rank holds: under ZeRO-3 an empty shard of each tensor.)
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main(out: str) -> None:
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     policy, opt = acc.prepare(policy, opt)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if acc.is_main_process:  # the learner's final save up to session 23
+    if acc.is_main_process:  # the plain way: save_pretrained on the unwrapped module
         acc.unwrap_model(policy).model.save_pretrained(root / "old", safe_serialization=True)
     save_model(acc, policy, tokenizer, root / "new")
     if acc.is_main_process:

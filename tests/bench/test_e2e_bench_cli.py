@@ -222,7 +222,7 @@ def test_verdicts_follow_the_issue():
     assert with_overlap[-2]["ok"] is True and with_overlap[-2]["bound_s"] == 1.8
     assert with_overlap[-1]["check"] == "overlap (2 GPUs) faster than colocated"
     assert with_overlap[-1]["ok"] is True and with_overlap[-1]["bound_s"] == 2.5
-    slower = common.verdicts({**runs, "overlap": _ok(2.6)})  # session 10's case
+    slower = common.verdicts({**runs, "overlap": _ok(2.6)})  # overlap slower than both
     assert [v["ok"] for v in slower[-2:]] == [False, False]
     no_split = common.verdicts({"colocated": _ok(3.19), "overlap": _ok(2.2)})
     assert no_split[-2]["ok"] is None and no_split[-1]["ok"] is True
