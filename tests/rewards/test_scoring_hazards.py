@@ -75,7 +75,7 @@ def test_base_exception_is_a_named_error_and_the_loop_survives(loop_thread, exc,
     )
     fut = asyncio.run_coroutine_threadsafe(runner.score(PROMPTS, COMPLETIONS), loop_thread)
     with pytest.raises(RewardFunctionError, match=f"raised {exc.__name__}") as info:
-        fut.result(timeout=5)  # before the fix: the loop thread died, so this timed out
+        fut.result(timeout=5)  # a loop thread killed by the error would time this out
     assert info.value.function == "bad"
     assert not isinstance(info.value, RewardTimeoutError)
     # The loop is still alive and the runner still scores.

@@ -158,7 +158,7 @@ def test_a_checkpoint_is_on_disk_before_its_name_appears(tmp_path):
 
 def test_a_metrics_record_cut_off_by_a_host_crash_is_dropped_on_resume(tmp_path):
     """metrics.jsonl is flushed, not fsynced: after a host crash its tail may be a partial record
-    or zeros. The resumed run's logger used to fail on it (JSONDecodeError) before any step."""
+    or zeros. The resumed run's logger must read past it, not stop on a JSONDecodeError."""
     path = tmp_path / "metrics.jsonl"
     records = "".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in (1, 2, 3))
     for tail in ('{"step": 4, "lo', "\0" * 40):
@@ -180,7 +180,8 @@ def test_a_metrics_record_cut_off_by_a_host_crash_is_dropped_on_resume(tmp_path)
 
 
 def test_a_killed_embedded_server_stops_the_run_with_a_named_error(tmp_path, proc_scan):
-    """The learner used to end with the client's 'All connection attempts failed' only."""
+    """The run stops with an error saying how the server died, not with the client's bare 'All
+    connection attempts failed'."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         _cmd(run_dir, "run.steps=20"),
