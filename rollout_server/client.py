@@ -8,6 +8,9 @@ Retries: only calls that are safe to repeat are retried (health/info/generate, u
 staged bucket). A weight *commit* is never retried blindly: if its answer is lost, the server may
 or may not have applied it, so the error says to check ``/info``'s ``weight_version``.
 
+The HTTP calls themselves (one connection pool, retries with backoff) and the errors are
+``client_http``'s; the errors are part of this module's API and imported from here.
+
 Importing this module imports neither torch nor any engine; ``update_weights`` imports
 safetensors/torch lazily.
 """
@@ -15,14 +18,20 @@ safetensors/torch lazily.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import httpx
-from pydantic import BaseModel
-
+from rollout_server.client_http import (
+    RETRY_STATUSES,
+    RolloutAuthError,
+    RolloutError,
+    RolloutHTTPError,
+    RolloutUnavailableError,
+    ServerCalls,
+    WeightSyncError,
+    logger,
+)
 from rollout_server.protocol import (
     GenerateRequest,
     GenerateResponse,
@@ -46,50 +55,15 @@ from rollout_server.protocol import (
 if TYPE_CHECKING:
     import torch
 
-logger = logging.getLogger(__name__)
-
-M = TypeVar("M", bound=BaseModel)
-
-RETRY_STATUSES = frozenset({502, 503, 504})
-
-
-class RolloutError(Exception):
-    """A rollout-server call failed. ``server`` says which one."""
-
-    def __init__(self, server: str, message: str) -> None:
-        super().__init__(f"rollout server {server}: {message}")
-        self.server = server
-        self.reason = message
-
-
-class RolloutHTTPError(RolloutError):
-    """The server answered with an error status; ``detail`` is its explanation."""
-
-    def __init__(
-        self, server: str, method: str, path: str, status: int, detail: str, hint: str = ""
-    ) -> None:
-        super().__init__(server, f"{method} {path} -> HTTP {status}: {detail}{hint}")
-        self.status = status
-        self.detail = detail
-
-
-class RolloutAuthError(RolloutHTTPError):
-    """The server refused the API key (401/403): retrying or waiting cannot help."""
-
-    def __init__(self, server: str, method: str, path: str, status: int, detail: str) -> None:
-        hint = (
-            "; give the learner the server's API key (its --api-key): set rollout.api_key in "
-            "the learner's config or the ROLLOUT_API_KEY environment variable"
-        )
-        super().__init__(server, method, path, status, detail, hint)
-
-
-class RolloutUnavailableError(RolloutError):
-    """The server could not be reached (or stayed unavailable) after the allowed retries."""
-
-
-class WeightSyncError(RolloutError):
-    """A weight update failed; the message says whether the old weights are still serving."""
+__all__ = [
+    "RETRY_STATUSES",
+    "RolloutAuthError",
+    "RolloutClient",
+    "RolloutError",
+    "RolloutHTTPError",
+    "RolloutUnavailableError",
+    "WeightSyncError",
+]
 
 
 def _shards(count: int, parts: int) -> list[tuple[int, int]]:
@@ -123,14 +97,30 @@ class RolloutClient:
                 "RolloutClient needs at least one server URL (e.g. http://127.0.0.1:8000)"
             )
         self.servers = [u.rstrip("/") for u in urls]
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        self._calls = ServerCalls(
+            self.servers,
+            api_key=api_key,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
         )
+
+    @property
+    def max_retries(self) -> int:
+        return self._calls.max_retries
+
+    @max_retries.setter
+    def max_retries(self, value: int) -> None:
+        self._calls.max_retries = value
+
+    @property
+    def backoff_s(self) -> float:
+        return self._calls.backoff_s
+
+    @backoff_s.setter
+    def backoff_s(self, value: float) -> None:
+        self._calls.backoff_s = value
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -139,62 +129,7 @@ class RolloutClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
-
-    # -- transport -------------------------------------------------------------------------
-
-    async def _call(
-        self,
-        server: str,
-        method: str,
-        path: str,
-        *,
-        body: BaseModel | None = None,
-        content: bytes | None = None,
-        params: dict[str, Any] | None = None,
-        retry: bool = True,
-    ) -> httpx.Response:
-        """One call, retried with backoff when ``retry``; each failed attempt that will be
-        retried is a warning (a single probe's failure is the caller's to report)."""
-        attempts = 1 + (self.max_retries if retry else 0)
-        last: str = "no attempt made"
-        for attempt in range(attempts):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                resp = await self._http.request(
-                    method,
-                    server + path,
-                    json=body.model_dump(mode="json") if body is not None else None,
-                    content=content,
-                    params=params,
-                    headers={"Content-Type": "application/octet-stream"} if content else None,
-                )
-            except httpx.TimeoutException as e:
-                last = f"{method} {path} timed out ({type(e).__name__})"
-            except httpx.TransportError as e:
-                last = f"{method} {path} failed to connect: {type(e).__name__}: {e}"
-            else:
-                if resp.status_code < 400:
-                    return resp
-                detail = _detail(resp)
-                if resp.status_code in (401, 403):
-                    raise RolloutAuthError(server, method, path, resp.status_code, detail)
-                if resp.status_code not in RETRY_STATUSES or attempt == attempts - 1:
-                    raise RolloutHTTPError(server, method, path, resp.status_code, detail)
-                last = f"{method} {path} -> HTTP {resp.status_code}: {detail}"
-            if attempt < attempts - 1:
-                logger.warning(
-                    "rollout server %s: %s (attempt %d/%d)", server, last, attempt + 1, attempts
-                )
-        raise RolloutUnavailableError(server, f"{last} (after {attempts} attempt(s))")
-
-    async def _json(self, server: str, method: str, path: str, model: type[M], **kw: Any) -> M:
-        resp = await self._call(server, method, path, **kw)
-        return model.model_validate(resp.json())
-
-    async def _all(self, coro_fn: Any) -> list[Any]:
-        return list(await asyncio.gather(*(coro_fn(s) for s in self.servers)))
+        await self._calls.aclose()
 
     # -- status ----------------------------------------------------------------------------
 
@@ -202,7 +137,7 @@ class RolloutClient:
         """``None`` when ``server`` answers ``GET path``, else why not (one attempt: a poll).
         ``auth_fails``: a refused API key raises ``RolloutAuthError`` (waiting cannot fix it)."""
         try:
-            await self._call(server, "GET", path, retry=False)
+            await self._calls.call(server, "GET", path, retry=False)
             return None
         except RolloutError as e:
             if auth_fails and isinstance(e, RolloutAuthError):
@@ -210,10 +145,10 @@ class RolloutClient:
             return e.reason
 
     async def health(self) -> list[bool]:
-        return [w is None for w in await self._all(lambda s: self._probe(s, "/health"))]
+        return [w is None for w in await self._calls.all(lambda s: self._probe(s, "/health"))]
 
     async def ready(self) -> list[bool]:
-        return [w is None for w in await self._all(lambda s: self._probe(s, "/ready"))]
+        return [w is None for w in await self._calls.all(lambda s: self._probe(s, "/ready"))]
 
     async def wait_ready(
         self, timeout_s: float = 300.0, poll_s: float = 0.5, note_every_s: float = 15.0
@@ -226,7 +161,7 @@ class RolloutClient:
         start = time.monotonic()
         next_note = start
         while True:
-            why = await self._all(lambda s: self._probe(s, "/ready", auth_fails=True))
+            why = await self._calls.all(lambda s: self._probe(s, "/ready", auth_fails=True))
             down = {s: w for s, w in zip(self.servers, why, strict=True) if w is not None}
             waited = time.monotonic() - start
             if not down:
@@ -249,7 +184,7 @@ class RolloutClient:
             await asyncio.sleep(poll_s)
 
     async def info(self) -> list[InfoResponse]:
-        return await self._all(lambda s: self._json(s, "GET", "/info", InfoResponse))
+        return await self._calls.all(lambda s: self._calls.json(s, "GET", "/info", InfoResponse))
 
     # -- generation ------------------------------------------------------------------------
 
@@ -262,7 +197,7 @@ class RolloutClient:
             if request.seed is not None:  # prompt k draws from seed + k * n on any server
                 update["seed"] = request.seed + start * request.n
             sub = request.model_copy(update=update)
-            out = await self._json(server, "POST", "/generate", GenerateResponse, body=sub)
+            out = await self._calls.json(server, "POST", "/generate", GenerateResponse, body=sub)
             if len(out.results) != end - start:
                 raise RolloutError(
                     server, f"returned {len(out.results)} results for {end - start} prompts"
@@ -282,50 +217,58 @@ class RolloutClient:
     # -- sleep -----------------------------------------------------------------------------
 
     async def sleep(self, level: int = 1) -> None:
-        await self._all(
-            lambda s: self._call(s, "POST", "/sleep", body=SleepRequest(level=level), retry=False)
+        await self._calls.all(
+            lambda s: self._calls.call(
+                s, "POST", "/sleep", body=SleepRequest(level=level), retry=False
+            )
         )
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         body = WakeUpRequest.model_validate({"tags": tags})
-        await self._all(lambda s: self._call(s, "POST", "/wake_up", body=body, retry=False))
+        await self._calls.all(
+            lambda s: self._calls.call(s, "POST", "/wake_up", body=body, retry=False)
+        )
 
     async def is_sleeping(self) -> list[SleepStatus]:
-        return await self._all(lambda s: self._json(s, "GET", "/is_sleeping", SleepStatus))
+        return await self._calls.all(
+            lambda s: self._calls.json(s, "GET", "/is_sleeping", SleepStatus)
+        )
 
     # -- weights ---------------------------------------------------------------------------
 
     async def nccl_init(self, server: str, request: NcclInitRequest) -> None:
         """Ask one server's workers to join the NCCL weight-sync group (they block until the
         learner, rank 0, joins too: run this concurrently with the learner's own join)."""
-        await self._call(server, "POST", "/weights/nccl/init", body=request, retry=False)
+        await self._calls.call(server, "POST", "/weights/nccl/init", body=request, retry=False)
 
     async def weights_checksum(self) -> list[WeightChecksum]:
         """Every server's checksum of the weights it serves (``GET /weights/checksum``)."""
-        return await self._all(lambda s: self._json(s, "GET", "/weights/checksum", WeightChecksum))
+        return await self._calls.all(
+            lambda s: self._calls.json(s, "GET", "/weights/checksum", WeightChecksum)
+        )
 
     async def nccl_update(self, server: str, request: NcclUpdateRequest) -> WeightUpdateResponse:
         """Announce one NCCL update to one server; answers once it loaded (or refused) it."""
-        return await self._json(
+        return await self._calls.json(
             server, "POST", "/weights/nccl/update", WeightUpdateResponse, body=request, retry=False
         )
 
     async def nccl_prepare(self, server: str, request: NcclUpdateRequest) -> NcclPrepared:
         """Queue an update's receives on ``server`` ahead of its broadcast (``nccl_commit``)."""
-        return await self._json(
+        return await self._calls.json(
             server, "POST", "/weights/nccl/prepare", NcclPrepared, body=request, retry=False
         )
 
     async def nccl_commit(self, server: str, prepared_id: str) -> WeightUpdateResponse:
         body = NcclCommitRequest(prepared_id=prepared_id)
-        return await self._json(
+        return await self._calls.json(
             server, "POST", "/weights/nccl/commit", WeightUpdateResponse, body=body, retry=False
         )
 
     async def ipc_update(self, server: str, request: IpcUpdateRequest) -> WeightUpdateResponse:
         """One server loads an update shared as CUDA IPC handles (it must be on the learner's
         GPU); answers once it loaded (or refused) it. Keep the buffers alive until then."""
-        return await self._json(
+        return await self._calls.json(
             server, "POST", "/weights/ipc/update", WeightUpdateResponse, body=request, retry=False
         )
 
@@ -337,7 +280,7 @@ class RolloutClient:
 
         async def one(s: str) -> WeightUpdateResponse:
             try:
-                return await self._json(
+                return await self._calls.json(
                     s, "POST", "/weights/load_file", WeightUpdateResponse, body=body, retry=False
                 )
             except RolloutError as e:
@@ -345,7 +288,7 @@ class RolloutClient:
                     s, f"file update refused, old weights still serve: {e}"
                 ) from e
 
-        return await self._all(one)
+        return await self._calls.all(one)
 
     async def update_weights(
         self,
@@ -359,14 +302,46 @@ class RolloutClient:
         Tensors are consumed lazily (a ZeRO-3 gather can feed this bucket by bucket); each bucket is
         serialised once and uploaded to all servers concurrently. Any failure aborts the update on
         every server, which keeps serving its old weights."""
+        staged, num_buckets = await self._upload(named_tensors, version, bucket_bytes)
+        if num_buckets == 0:
+            await self._abort(staged)
+            raise ValueError("update_weights got no tensors")
+
+        async def commit(s: str) -> WeightUpdateResponse:
+            try:
+                return await self._calls.json(
+                    s,
+                    "POST",
+                    "/weights/commit",
+                    WeightUpdateResponse,
+                    body=WeightUpdateCommit(update_id=staged[s], num_buckets=num_buckets),
+                    retry=False,
+                )
+            except RolloutUnavailableError as e:
+                raise WeightSyncError(
+                    s, f"commit sent but no answer ({e}); check GET /info weight_version"
+                ) from e
+            except RolloutError as e:
+                raise WeightSyncError(s, f"commit refused, old weights still serve: {e}") from e
+
+        return await self._calls.all(commit)
+
+    async def _upload(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int | None,
+        bucket_bytes: int,
+    ) -> tuple[dict[str, str], int]:
+        """Open the update on every server and upload every bucket to all of them; returns
+        each server's update id and the bucket count. Any failure aborts it everywhere."""
         from safetensors.torch import save as st_save
 
         staged: dict[str, str] = {}
         num_buckets = 0
         try:
             begin = WeightUpdateBegin(version=version)
-            ids = await self._all(
-                lambda s: self._json(
+            ids = await self._calls.all(
+                lambda s: self._calls.json(
                     s, "POST", "/weights/begin", WeightUpdateId, body=begin, retry=False
                 )
             )
@@ -376,7 +351,7 @@ class RolloutClient:
                 del bucket
                 await asyncio.gather(
                     *(
-                        self._call(
+                        self._calls.call(
                             s,
                             "POST",
                             "/weights/bucket",
@@ -394,33 +369,12 @@ class RolloutClient:
                     e.server, f"update aborted, old weights still serve: {e}"
                 ) from e
             raise
-        if num_buckets == 0:
-            await self._abort(staged)
-            raise ValueError("update_weights got no tensors")
-
-        async def commit(s: str) -> WeightUpdateResponse:
-            try:
-                return await self._json(
-                    s,
-                    "POST",
-                    "/weights/commit",
-                    WeightUpdateResponse,
-                    body=WeightUpdateCommit(update_id=staged[s], num_buckets=num_buckets),
-                    retry=False,
-                )
-            except RolloutUnavailableError as e:
-                raise WeightSyncError(
-                    s, f"commit sent but no answer ({e}); check GET /info weight_version"
-                ) from e
-            except RolloutError as e:
-                raise WeightSyncError(s, f"commit refused, old weights still serve: {e}") from e
-
-        return await self._all(commit)
+        return staged, num_buckets
 
     async def _abort(self, staged: dict[str, str]) -> None:
         for s, uid in staged.items():
             try:
-                await self._call(
+                await self._calls.call(
                     s, "POST", "/weights/abort", body=WeightUpdateId(update_id=uid), retry=False
                 )
             except RolloutError as e:  # the server drops stale staged updates itself
@@ -443,14 +397,3 @@ def _bucketize(
         size += nbytes
     if bucket:
         yield bucket
-
-
-def _detail(resp: httpx.Response) -> str:
-    try:
-        data = resp.json()
-    except ValueError:
-        return resp.text[:500] or resp.reason_phrase
-    if isinstance(data, dict) and "detail" in data:
-        d = data["detail"]
-        return d if isinstance(d, str) else str(d)[:1000]
-    return str(data)[:500]

@@ -103,7 +103,7 @@ async def test_wait_ready_fails_at_once_on_a_403():
     client = RolloutClient("http://rollout.test")
     await client.aclose()
     forbidden = httpx.Response(403, json={"detail": "forbidden by the gateway"})
-    client._http = httpx.AsyncClient(transport=httpx.MockTransport(lambda _: forbidden))
+    client._calls._http = httpx.AsyncClient(transport=httpx.MockTransport(lambda _: forbidden))
     async with client:
         with pytest.raises(RolloutAuthError, match="HTTP 403: forbidden by the gateway; give"):
             await client.wait_ready(timeout_s=5, poll_s=0.05)
