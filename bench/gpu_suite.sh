@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one command, for the GPU machine (see ../shared/device/README.md):
+# The GPU checks in one command, run on the GPU machine (docs/benchmarks.md cites its runs):
 #
 #   OUT=/some/dir bash bench/gpu_suite.sh                     # every step that fits the budget
 #   SUITE_STEPS="setup model tests" bash bench/gpu_suite.sh   # a subset, in this order
