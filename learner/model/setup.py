@@ -28,7 +28,7 @@ def build_models(
         kwargs["attn_implementation"] = cfg.model.attn_implementation
     lora = cfg.model.lora
     if lora is not None and lora.quantization != "none":
-        kwargs["quantization_config"] = _bnb_4bit(lora.quantization, cfg.model.dtype)
+        kwargs["quantization_config"] = bnb_4bit(lora.quantization, cfg.model.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         model_path,
         dtype=getattr(torch, cfg.model.dtype),
@@ -104,7 +104,7 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def _bnb_4bit(quant_type: str, dtype: str) -> Any:
+def bnb_4bit(quant_type: str, dtype: str) -> Any:
     """QLoRA's base-weight format: 4-bit ``quant_type`` blocks with double-quantized scales,
     matmuls computed in the model's dtype."""
     try:

@@ -8,15 +8,11 @@ loss type sees exactly the same numbers whatever the layout.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import itertools
-import logging
-import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import Accelerator
@@ -26,9 +22,11 @@ from learner.loss.grpo import LossConfig, LossInputs, grpo_loss, row_weights
 from learner.loss.token import GRPOTokenLoss
 from learner.model.offload import ActivationOffload
 from learner.step.batch import Rollout, TrainBatch, collate, micro_batches
+from learner.step.optimizer import accumulating, backward, deepspeed_engine, optimizer_step
 from learner.step.packing import PackedBatch, pack, packed_micro_batches
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from learner.config import LearnerConfig
 
 
 @dataclass
@@ -45,6 +43,25 @@ class StepOptions:
     reference_is_adapterless: bool = False  # LoRA: reference = adapters disabled
     skip_zero_advantage: bool = True  # grpo.skip_zero_advantage: see `rollouts_to_train`
     count_zero_advantage: bool = True  # grpo.count_zero_advantage: see `build_micro_batches`
+
+    @classmethod
+    def of(cls, cfg: LearnerConfig) -> StepOptions:
+        """The step's options as the validated config sets them ([grpo], [optim], [model])."""
+        g = cfg.grpo
+        return cls(
+            micro_batch_size=g.micro_batch_size,
+            num_iterations=g.num_iterations,
+            max_grad_norm=cfg.optim.max_grad_norm,
+            packing=g.packing,
+            fused_loss=g.fused_loss,
+            max_tokens_per_micro_batch=g.max_tokens_per_micro_batch,
+            pad_to_multiple_of=g.pad_to_multiple_of,
+            activation_offloading=cfg.model.activation_offloading,
+            need_reference=g.beta > 0,
+            reference_is_adapterless=cfg.model.lora is not None,
+            skip_zero_advantage=g.skip_zero_advantage,
+            count_zero_advantage=g.count_zero_advantage,
+        )
 
 
 class PhaseClock:
@@ -155,7 +172,7 @@ def build_micro_batches(
     return StepBatches(batches, kept, loss_tokens, skipped)
 
 
-def _equalize(accelerator: Accelerator, step: StepBatches) -> StepBatches:
+def equalize_batches(accelerator: Accelerator, step: StepBatches) -> StepBatches:
     """Every rank runs as many micro-batches (each forward gathers ZeRO-3's parameters, DDP
     may broadcast buffers: collectives every rank must join): the ranks with fewer repeat
     their smallest one at weight 0."""
@@ -171,7 +188,7 @@ def _equalize(accelerator: Accelerator, step: StepBatches) -> StepBatches:
     )
 
 
-def _seq_index(b: TrainBatch) -> torch.Tensor:
+def seq_index(b: TrainBatch) -> torch.Tensor:
     """The rollout (row of ``b.advantages``) of every loss position, flat ``[N]``."""
     sel = b.loss_mask.bool()
     if isinstance(b, PackedBatch):
@@ -191,26 +208,45 @@ def regroup(flat: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Tenso
     return out.index_put((seq, col), flat)
 
 
-def _forward(policy, b: TrainBatch, **kw):  # type: ignore[no-untyped-def]
+def policy_forward(policy, b: TrainBatch, **kw):  # type: ignore[no-untyped-def]
+    """The policy (``PolicyLogprobs``) on a padded or a packed micro-batch: flat per-token
+    log-probs at its loss positions (and what ``kw`` asks for: entropies, a fused loss)."""
     if isinstance(b, PackedBatch):
         # flash-attention reads sequence starts from position_ids; SDPA/eager need the mask
         return policy(b.input_ids, b.block_causal_mask(), b.loss_mask, b.position_ids, **kw)
     return policy(b.input_ids, b.attention_mask, b.loss_mask, **kw)
 
 
-def train_on(
+@dataclass
+class PreparedStep:
+    """A step's micro-batches on the device, with what every pass over them reuses: each
+    loss position's rollout, the no-grad log-probs (old policy, reference) and the loss
+    normaliser's token counts over all ranks."""
+
+    batches: list[TrainBatch]
+    real: int  # the first `real` batches are the step's; the rest are fillers of weight 0
+    seqs: list[torch.Tensor]  # seq_index of each batch
+    olds: list[torch.Tensor | None]  # the policy's log-probs before the step (num_iterations > 1)
+    refs: list[torch.Tensor | None]  # the reference's (beta > 0)
+    num_items: float  # the loss normaliser: the step's counted tokens on every rank
+    local_tokens: int  # the loss tokens of this rank's real batches
+    global_trained: float
+    global_skipped: float
+
+    def group(self, i: int, flat: torch.Tensor) -> torch.Tensor:
+        """Batch ``i``'s flat per-token values as ``[B, L]`` (``regroup``)."""
+        return regroup(flat, self.seqs[i], self.batches[i].advantages.numel())
+
+
+def prepare_step(
     accelerator: Accelerator,
     policy: torch.nn.Module,
     ref_policy: torch.nn.Module | None,
-    optimizer: torch.optim.Optimizer,
-    loss_cfg: LossConfig,
     step: StepBatches,
     opts: StepOptions,
-) -> dict[str, float]:
-    """Forward/backward every micro-batch ``num_iterations`` times, stepping after each pass."""
+) -> PreparedStep:
+    """The batches to the device, the token counts over the ranks, the no-grad passes."""
     dev = accelerator.device
-    clock = PhaseClock(torch.device(dev))
-    step = _equalize(accelerator, step)
     batches = [b.to(dev) for b in step.batches]
     real = len(batches) - step.fillers  # the fillers' metrics are not the step's
     local_tokens = sum(b.num_loss_tokens for b in batches[:real])
@@ -223,156 +259,146 @@ def train_on(
     ).tolist()
     # no counted token anywhere (every completion masked, say): every row's token sum or weight
     # is 0 and any normaliser gives the zero loss (0 itself would be refused as a count)
-    num_items = max(global_tokens, 1.0)
-    seqs = [_seq_index(b) for b in batches]
-    group = [
-        functools.partial(regroup, seq=s, num_seqs=b.advantages.numel())
-        for s, b in zip(seqs, batches, strict=True)
-    ]
-
-    olds: list[torch.Tensor | None] = [None] * len(batches)
-    refs: list[torch.Tensor | None] = [None] * len(batches)
+    prep = PreparedStep(
+        batches=batches,
+        real=real,
+        seqs=[seq_index(b) for b in batches],
+        olds=[None] * len(batches),
+        refs=[None] * len(batches),
+        num_items=max(global_tokens, 1.0),
+        local_tokens=local_tokens,
+        global_trained=global_trained,
+        global_skipped=global_skipped,
+    )
     with torch.no_grad():
         for i, b in enumerate(batches):
             if opts.num_iterations > 1:
-                olds[i] = group[i](_forward(policy, b)[0])
+                prep.olds[i] = prep.group(i, policy_forward(policy, b)[0])
             if opts.need_reference:
                 if opts.reference_is_adapterless:
-                    lp = _forward(accelerator.unwrap_model(policy), b, reference=True)[0]
+                    lp = policy_forward(accelerator.unwrap_model(policy), b, reference=True)[0]
                 else:
                     assert ref_policy is not None
-                    lp = _forward(ref_policy, b)[0]
-                refs[i] = group[i](lp)
-    clock.lap("prepare")  # batches to the device, the no-grad passes (old/reference log-probs)
+                    lp = policy_forward(ref_policy, b)[0]
+                prep.refs[i] = prep.group(i, lp)
+    return prep
 
-    offload = ActivationOffload(keep=policy.parameters()) if opts.activation_offloading else None
-    # DeepSpeed owns accumulation and the optimizer step: tell its engine where the step ends
-    # (accelerate's backward would step it after every micro-batch).
-    engine = policy if hasattr(policy, "set_gradient_accumulation_boundary") else None
-    # loss and metrics summed on the device, read back once at the end: a read per micro-batch
-    # would make the host wait for the GPU before it may queue the next micro-batch's work
-    sums: dict[str, torch.Tensor | float] = {}
-    grad_norm = 0.0
-    total_loss = torch.zeros((), dtype=torch.float64, device=dev)
-    for _ in range(opts.num_iterations):
-        for i, b in enumerate(batches):
-            last = i == len(batches) - 1
-            if engine is not None:
-                engine.set_gradient_accumulation_boundary(last)
-                sync = contextlib.nullcontext()
-            else:
-                sync = accelerator.no_sync(policy) if not last else contextlib.nullcontext()
-            saved = offload() if offload is not None else contextlib.nullcontext()
-            with sync, saved:
-                if opts.fused_loss:  # loss fused with the LM head, gradients in the forward
-                    token_loss = GRPOTokenLoss.for_batch(
-                        loss_cfg,
-                        b,
-                        seqs[i],
-                        old_logprobs=olds[i],
-                        ref_logprobs=refs[i],
-                        num_items_in_batch=num_items,
-                        dp_world_size=accelerator.num_processes,
-                        num_micro_batches=len(batches),
-                    )
-                    loss = _forward(policy, b, token_loss=token_loss)[0]
-                    m = token_loss.metrics
-                else:
-                    lp_flat, ent_flat = _forward(policy, b, with_entropy=True)
-                    logprobs = group[i](lp_flat)
-                    mask = group[i](torch.ones_like(lp_flat))
-                    inputs = LossInputs(
-                        logprobs=logprobs,
-                        old_logprobs=olds[i] if olds[i] is not None else logprobs.detach(),
-                        advantages=b.advantages,
-                        mask=mask,
-                        sampling_logprobs=group[i](b.sampling_logprobs[b.loss_mask.bool()])
-                        if loss_cfg.tis_cap
-                        else None,
-                        ref_logprobs=refs[i],
-                        entropy=group[i](ent_flat) if ent_flat is not None else None,
-                        num_items_in_batch=num_items,
-                        dp_world_size=accelerator.num_processes,
-                        num_micro_batches=len(batches),
-                        seq_weights=b.seq_weights,
-                    )
-                    loss, m = grpo_loss(inputs, loss_cfg)
-                clock.lap("forward")
-                if engine is not None:
-                    engine.backward(loss)  # gradient_accumulation_steps = 1: no extra scaling
-                else:
-                    accelerator.backward(loss)
-                clock.lap("backward")
-            total_loss += loss.detach().double()
-            weight = float(b.num_loss_tokens) if i < real else 0.0
-            for k, v in m.items():
-                if k != "num_tokens":
-                    add = v.detach().double() * weight if torch.is_tensor(v) else float(v) * weight
-                    sums[k] = sums.get(k, 0.0) + add
-        if engine is not None:  # clips with the DeepSpeed config's gradient_clipping
-            engine.step()
-            grad_norm = float(engine.get_global_grad_norm() or 0.0)
-        else:
-            grad_norm = step_if_finite(accelerator, policy, optimizer, opts.max_grad_norm)
-        clock.lap("optimizer")
-    # token means over every rank's trained tokens (a rank may train few or none of its own)
-    keys = sorted(sums)
-    totals = torch.tensor(
-        [float(sums[k]) for k in keys] + [float(local_tokens)], dtype=torch.float64, device=dev
+
+def micro_batch_loss(
+    accelerator: Accelerator,
+    policy: torch.nn.Module,
+    loss_cfg: LossConfig,
+    prep: PreparedStep,
+    i: int,
+    fused: bool,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The loss of micro-batch ``i`` (with gradient) and its metrics; ``fused``: the loss
+    fused with the LM head, its gradients computed in the forward."""
+    b = prep.batches[i]
+    if fused:
+        token_loss = GRPOTokenLoss.for_batch(
+            loss_cfg,
+            b,
+            prep.seqs[i],
+            old_logprobs=prep.olds[i],
+            ref_logprobs=prep.refs[i],
+            num_items_in_batch=prep.num_items,
+            dp_world_size=accelerator.num_processes,
+            num_micro_batches=len(prep.batches),
+        )
+        loss = policy_forward(policy, b, token_loss=token_loss)[0]
+        return loss, token_loss.metrics
+    lp_flat, ent_flat = policy_forward(policy, b, with_entropy=True)
+    logprobs = prep.group(i, lp_flat)
+    mask = prep.group(i, torch.ones_like(lp_flat))
+    old = prep.olds[i]
+    inputs = LossInputs(
+        logprobs=logprobs,
+        old_logprobs=old if old is not None else logprobs.detach(),
+        advantages=b.advantages,
+        mask=mask,
+        sampling_logprobs=prep.group(i, b.sampling_logprobs[b.loss_mask.bool()])
+        if loss_cfg.tis_cap
+        else None,
+        ref_logprobs=prep.refs[i],
+        entropy=prep.group(i, ent_flat) if ent_flat is not None else None,
+        num_items_in_batch=prep.num_items,
+        dp_world_size=accelerator.num_processes,
+        num_micro_batches=len(prep.batches),
+        seq_weights=b.seq_weights,
     )
-    if accelerator.num_processes > 1:
-        totals = accelerator.reduce(totals, reduction="sum")
-    *values, tokens = totals.tolist()
-    out = {
-        k: v / (max(1.0, tokens) * opts.num_iterations) for k, v in zip(keys, values, strict=True)
-    }
-    out["loss"] = float(total_loss) / opts.num_iterations
+    return grpo_loss(inputs, loss_cfg)
+
+
+class MetricSums:
+    """A step's loss and its metrics' token-weighted sums, kept on the device and read back
+    once at the end: a read per micro-batch would make the host wait for the GPU before it
+    may queue the next micro-batch's work."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.sums: dict[str, torch.Tensor | float] = {}
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+
+    def add(self, loss: torch.Tensor, metrics: dict[str, Any], weight: float) -> None:
+        self.loss += loss.detach().double()
+        for k, v in metrics.items():
+            if k != "num_tokens":
+                add = v.detach().double() * weight if torch.is_tensor(v) else float(v) * weight
+                self.sums[k] = self.sums.get(k, 0.0) + add
+
+    def means(self, accelerator: Accelerator, tokens: int, passes: int) -> dict[str, float]:
+        """Token means over every rank's trained tokens (``tokens``: this rank's; a rank may
+        train few or none of its own), and the loss, averaged over the ``passes``."""
+        keys = sorted(self.sums)
+        totals = torch.tensor(
+            [float(self.sums[k]) for k in keys] + [float(tokens)],
+            dtype=torch.float64,
+            device=accelerator.device,
+        )
+        if accelerator.num_processes > 1:
+            totals = accelerator.reduce(totals, reduction="sum")
+        *values, total_tokens = totals.tolist()
+        out = {k: v / (max(1.0, total_tokens) * passes) for k, v in zip(keys, values, strict=True)}
+        out["loss"] = float(self.loss) / passes
+        return out
+
+
+def train_on(
+    accelerator: Accelerator,
+    policy: torch.nn.Module,
+    ref_policy: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    loss_cfg: LossConfig,
+    step: StepBatches,
+    opts: StepOptions,
+) -> dict[str, float]:
+    """Forward/backward every micro-batch ``num_iterations`` times, stepping after each pass."""
+    clock = PhaseClock(torch.device(accelerator.device))
+    prep = prepare_step(accelerator, policy, ref_policy, equalize_batches(accelerator, step), opts)
+    clock.lap("prepare")  # batches to the device, the no-grad passes (old/reference log-probs)
+    offload = ActivationOffload(keep=policy.parameters()) if opts.activation_offloading else None
+    engine = deepspeed_engine(policy)
+    sums = MetricSums(accelerator.device)
+    grad_norm = 0.0
+    for _ in range(opts.num_iterations):
+        for i, b in enumerate(prep.batches):
+            last = i == len(prep.batches) - 1
+            with accumulating(accelerator, policy, engine, last=last, saved=offload):
+                loss, m = micro_batch_loss(accelerator, policy, loss_cfg, prep, i, opts.fused_loss)
+                clock.lap("forward")
+                backward(accelerator, engine, loss)
+                clock.lap("backward")
+            sums.add(loss, m, float(b.num_loss_tokens) if i < prep.real else 0.0)
+        grad_norm = optimizer_step(accelerator, policy, optimizer, engine, opts.max_grad_norm)
+        clock.lap("optimizer")
+    out = sums.means(accelerator, prep.local_tokens, opts.num_iterations)
     out["grad_norm"] = grad_norm
-    out["tokens/trained"] = global_trained
-    out["tokens/skipped"] = global_skipped  # zero gradient: left out (`rollouts_to_train`)
-    out["tokens/padded"] = float(sum(b.input_ids.numel() for b in batches))
+    out["tokens/trained"] = prep.global_trained
+    out["tokens/skipped"] = prep.global_skipped  # zero gradient: left out (`rollouts_to_train`)
+    out["tokens/padded"] = float(sum(b.input_ids.numel() for b in prep.batches))
     for phase, secs in clock.seconds().items():  # where the train phase went
         out[f"time/train/{phase}"] = secs
     return out
-
-
-class NonFiniteError(RuntimeError):
-    """Steps in a row had a non-finite gradient: the run cannot make progress."""
-
-
-def step_if_finite(
-    accelerator: Accelerator, policy: torch.nn.Module, optimizer: Any, max_grad_norm: float
-) -> float:
-    """Clip, then step only if the gradient norm is finite: one nan or inf gradient would
-    otherwise make every weight nan, and the next sync would serve them. Returns the norm
-    (nan or inf for a skipped step; ``NonFiniteGuard`` stops a run that keeps skipping)."""
-    grad_norm = float(accelerator.clip_grad_norm_(policy.parameters(), max_grad_norm))
-    if math.isfinite(grad_norm):
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm
-
-
-@dataclass
-class NonFiniteGuard:
-    """Warns for a step skipped for a non-finite gradient, stops after ``limit`` in a row."""
-
-    limit: int = 3
-    in_a_row: int = 0
-
-    def check(self, step: int, metrics: dict[str, float]) -> None:
-        if math.isfinite(metrics["grad_norm"]):
-            self.in_a_row = 0
-            return
-        self.in_a_row += 1
-        what = f"step {step}: gradient norm {metrics['grad_norm']} (loss {metrics['loss']})"
-        if self.in_a_row >= self.limit:
-            raise NonFiniteError(
-                f"{what}: {self.in_a_row} steps in a row with a non-finite gradient (the "
-                "weights are those of the last finite step). Lower optim.lr, check the data and "
-                "rewards, or resume from a checkpoint"
-            )
-        logger.warning("%s: the optimizer step was skipped, the weights are unchanged", what)
 
 
 def max_over_ranks(accelerator: Accelerator, n: int) -> int:

@@ -349,11 +349,11 @@ def test_qlora_sft_saves_a_dense_merged_model_and_adapter_checkpoints(tmp_path, 
     # final = the 4-bit base dequantized + the checkpoint's adapter merged, as PEFT loads them
     from peft import PeftModel
 
-    from learner.model.setup import _bnb_4bit
+    from learner.model.setup import bnb_4bit
     from learner.sync.tensors import merged_lora_weights
 
     quantized = AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir, quantization_config=_bnb_4bit("nf4", "float32"), dtype=torch.float32
+        tiny_model_dir, quantization_config=bnb_4bit("nf4", "float32"), dtype=torch.float32
     )
     expected = dict(merged_lora_weights(PeftModel.from_pretrained(quantized, ckpt / "adapter")))
     assert expected.keys() == base.keys()

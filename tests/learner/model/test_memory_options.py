@@ -14,15 +14,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from learner.config import load_config
-from learner.loss.grpo import LossConfig, LossInputs, grpo_loss
 from learner.model.offload import ActivationOffload
 from learner.model.policy import PolicyLogprobs
 from learner.model.setup import build_models
 from learner.run.perf import train_flops_per_token
 from learner.step.batch import collate
 from learner.step.packing import best_fit_decreasing, pack
-from learner.step.update import _forward, _seq_index, regroup
+from learner.step.update import policy_forward
 from learner.sync.tensors import merged_lora_weights, sync_specs
+from tests.learner.model.policy_checks import assert_only_adapters_train, policy_loss
 from tests.learner.rollout_data import random_rollouts
 
 
@@ -30,22 +30,6 @@ from tests.learner.rollout_data import random_rollouts
 def model(tiny_model_dir):
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-
-
-def _loss(policy, batch, loss_type="grpo"):
-    flat, ent = _forward(policy, batch, with_entropy=True)
-    seq = _seq_index(batch)
-    n = batch.advantages.numel()
-    lp = regroup(flat, seq, n)
-    inputs = LossInputs(
-        logprobs=lp,
-        old_logprobs=lp.detach() + 0.05,  # ratio != 1: exercise the clip path too
-        advantages=batch.advantages,
-        mask=regroup(torch.ones_like(flat), seq, n),
-        sampling_logprobs=regroup(batch.sampling_logprobs[batch.loss_mask.bool()], seq, n),
-        entropy=regroup(ent, seq, n),
-    )
-    return grpo_loss(inputs, LossConfig(loss_type=loss_type, max_completion_length=16))[0]
 
 
 def _grads(model, fn):
@@ -76,8 +60,8 @@ def test_best_fit_decreasing_by_hand():
 def test_packed_and_padded_give_the_same_loss_and_gradients(model, loss_type):
     rs = random_rollouts()
     policy = PolicyLogprobs(model)
-    padded = _grads(model, lambda: _loss(policy, collate(rs, pad_id=0), loss_type))
-    packed = _grads(model, lambda: _loss(policy, pack(rs), loss_type))
+    padded = _grads(model, lambda: policy_loss(policy, collate(rs, pad_id=0), loss_type))
+    packed = _grads(model, lambda: policy_loss(policy, pack(rs), loss_type))
     _assert_same(padded, packed)
     assert pack(rs).input_ids.numel() < collate(rs, pad_id=0).input_ids.numel()
 
@@ -89,9 +73,9 @@ def test_checkpointing_and_offloading_give_the_same_gradients(tiny_model_dir):
     m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     m.train()
     policy = PolicyLogprobs(m)
-    plain = _grads(m, lambda: _loss(policy, batch))
+    plain = _grads(m, lambda: policy_loss(policy, batch))
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ckpt = _grads(m, lambda: _loss(policy, batch))
+    ckpt = _grads(m, lambda: policy_loss(policy, batch))
     _assert_same(plain, ckpt)
     m.gradient_checkpointing_disable()
     offload = ActivationOffload(min_bytes=0)  # offload every saved tensor
@@ -106,7 +90,7 @@ def test_checkpointing_and_offloading_give_the_same_gradients(tiny_model_dir):
 
     def with_offload():
         with offload():
-            return _loss(policy, batch)
+            return policy_loss(policy, batch)
 
     _assert_same(plain, _grads(m, with_offload))
     assert len(packed_calls) > 10  # the hooks really parked the activations
@@ -118,7 +102,7 @@ def test_offloading_keeps_the_weights_in_place(tiny_model_dir):
     batch = collate(random_rollouts(seed=1), pad_id=0)
     m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
     policy = PolicyLogprobs(m)
-    plain = _grads(m, lambda: _loss(policy, batch))
+    plain = _grads(m, lambda: policy_loss(policy, batch))
     offload = ActivationOffload(min_bytes=0, keep=m.parameters())
     weights = {p.untyped_storage().data_ptr() for p in m.parameters()}
     kept, moved = [], []
@@ -133,7 +117,7 @@ def test_offloading_keeps_the_weights_in_place(tiny_model_dir):
 
     def with_offload():
         with offload():
-            return _loss(policy, batch)
+            return policy_loss(policy, batch)
 
     _assert_same(plain, _grads(m, with_offload))
     assert any(kept) and moved and not any(moved)  # weights kept, every moved tensor is not one
@@ -232,7 +216,7 @@ def test_offloading_reuses_host_memory_across_micro_batches(tiny_model_dir):
     chunks = []
     for _ in range(2):
         with offload():
-            loss = _loss(policy, batch)
+            loss = policy_loss(policy, batch)
         loss.backward()
         del loss
         chunks.append(len(arena.chunks))
@@ -255,8 +239,8 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model(tmp_path, tin
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     batch = collate(random_rollouts(seed=2), pad_id=0)
     with torch.no_grad():
-        ref_lp = _forward(policy, batch, reference=True)[0]
-        base_lp = _forward(PolicyLogprobs(base), batch)[0]
+        ref_lp = policy_forward(policy, batch, reference=True)[0]
+        base_lp = policy_forward(PolicyLogprobs(base), batch)[0]
     torch.testing.assert_close(ref_lp, base_lp, atol=1e-6, rtol=1e-6)
 
     assert_only_adapters_train(policy, batch)
@@ -269,20 +253,6 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model(tmp_path, tin
         torch.testing.assert_close(t, reference[name], atol=1e-6, rtol=1e-6, msg=name)
     specs = sync_specs(policy.model, "float32")
     assert [s.name for s in specs] == list(merged)
-
-
-def assert_only_adapters_train(policy: PolicyLogprobs, batch) -> None:
-    """Two optimizer steps (lora_B starts at 0: the second moves lora_A too) change both adapter
-    matrices and nothing else."""
-    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
-    for _ in range(2):
-        _loss(policy, batch).backward()
-        opt.step()
-        opt.zero_grad()
-    changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
-    assert changed and all("lora_" in n for n in changed), sorted(changed)[:5]
-    assert any("lora_A" in n for n in changed) and any("lora_B" in n for n in changed)
 
 
 def _lora_saved_bytes(tiny_model_dir, adapter_dtype: str) -> tuple[set, int]:
@@ -303,7 +273,7 @@ def _lora_saved_bytes(tiny_model_dir, adapter_dtype: str) -> tuple[set, int]:
 
     batch = collate(random_rollouts(seed=3), pad_id=0)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _loss(policy, batch)
+        policy_loss(policy, batch)
     return adapters, sum(saved.values())
 
 
@@ -369,17 +339,17 @@ def test_compiled_layers_give_the_same_loss_and_gradients(tiny_model_dir):
 
     def offloaded(policy, batch):
         with offload():
-            return _loss(policy, batch)
+            return policy_loss(policy, batch)
 
     for seed in (3, 4):
         batch = collate(random_rollouts(seed=seed), pad_id=0)
-        want = _grads(eager, partial(_loss, eager, batch))
-        _assert_same(want, _grads(comp, partial(_loss, comp, batch)))
+        want = _grads(eager, partial(policy_loss, eager, batch))
+        _assert_same(want, _grads(comp, partial(policy_loss, comp, batch)))
         _assert_same(want, _grads(comp, partial(offloaded, comp, batch)))
         with torch.no_grad():
             torch.testing.assert_close(
-                _forward(comp_ref, batch)[0],
-                _forward(eager_ref, batch)[0],
+                policy_forward(comp_ref, batch)[0],
+                policy_forward(eager_ref, batch)[0],
                 atol=1e-5,
                 rtol=1e-5,
             )
@@ -399,12 +369,13 @@ def test_compiled_layers_under_lora_give_the_same_gradients(tiny_model_dir):
     )
     batch = collate(random_rollouts(seed=5), pad_id=0)
     _assert_same(
-        _grads(eager, partial(_loss, eager, batch)), _grads(comp, partial(_loss, comp, batch))
+        _grads(eager, partial(policy_loss, eager, batch)),
+        _grads(comp, partial(policy_loss, comp, batch)),
     )
     with torch.no_grad():
         torch.testing.assert_close(
-            _forward(comp, batch, reference=True)[0],
-            _forward(eager, batch, reference=True)[0],
+            policy_forward(comp, batch, reference=True)[0],
+            policy_forward(eager, batch, reference=True)[0],
             atol=1e-5,
             rtol=1e-5,
         )

@@ -16,12 +16,12 @@ from learner.config import load_config
 from learner.model.policy import PolicyLogprobs
 from learner.model.setup import build_models
 from learner.step.batch import collate
-from learner.step.update import _forward
+from learner.step.update import policy_forward
 from learner.sync.tensors import merged_lora_weights, sync_specs
 
 pytest.importorskip("bitsandbytes")  # in the dev extra: CI runs these
 
-from tests.learner.model.test_memory_options import _loss, assert_only_adapters_train
+from tests.learner.model.policy_checks import assert_only_adapters_train, policy_loss
 from tests.learner.rollout_data import random_rollouts
 
 QLORA = ['data.path="x.jsonl"', 'rewards=[{name="length"}]', "model.lora.r=4"]
@@ -39,7 +39,7 @@ def test_qlora_trains_only_adapters_over_a_4bit_base(tiny_model_dir):
     import bitsandbytes as bnb
     from transformers import AutoModelForCausalLM
 
-    from learner.model.setup import _bnb_4bit
+    from learner.model.setup import bnb_4bit
 
     policy = _qlora(tiny_model_dir, "grpo.beta=0.1", "model.gradient_checkpointing=true")
     base = policy.model.get_base_model()
@@ -49,17 +49,17 @@ def test_qlora_trains_only_adapters_over_a_4bit_base(tiny_model_dir):
 
     # The reference is the same quantized weights with the adapters off: no second model.
     plain = AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir, quantization_config=_bnb_4bit("nf4", "float32"), dtype=torch.float32
+        tiny_model_dir, quantization_config=bnb_4bit("nf4", "float32"), dtype=torch.float32
     ).train()  # on CPU, bitsandbytes repacks 4-bit weights for its eval-mode kernel (bf16)
     with torch.no_grad():
-        ref_lp = _forward(policy, batch, reference=True)[0]
-        plain_lp = _forward(PolicyLogprobs(plain), batch)[0]
+        ref_lp = policy_forward(policy, batch, reference=True)[0]
+        plain_lp = policy_forward(PolicyLogprobs(plain), batch)[0]
     torch.testing.assert_close(ref_lp, plain_lp, atol=1e-5, rtol=1e-5)
 
     assert all(p.dtype == torch.float32 for p in policy.parameters() if p.requires_grad)
     assert_only_adapters_train(policy, batch)
     with torch.no_grad():
-        assert not torch.allclose(_forward(policy, batch)[0], ref_lp)  # the adapters act
+        assert not torch.allclose(policy_forward(policy, batch)[0], ref_lp)  # the adapters act
 
 
 def test_qlora_sync_sends_dequantized_merged_weights_under_the_base_names(tiny_model_dir):
@@ -109,7 +109,7 @@ def test_adapter_only_checkpoint_round_trip(tmp_path, tiny_model_dir):
     assert adapter_only_checkpoints(accelerator, policy)
     batch = collate(random_rollouts(seed=4), pad_id=0)
     for _ in range(2):
-        _loss(policy, batch).backward()
+        policy_loss(policy, batch).backward()
         opt.step()
         opt.zero_grad()
     saved = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}

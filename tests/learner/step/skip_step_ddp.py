@@ -16,8 +16,8 @@ from learner.loss.grpo import LossConfig
 from learner.model.policy import PolicyLogprobs
 from learner.step.update import (
     StepOptions,
-    _equalize,
     build_micro_batches,
+    equalize_batches,
     reduce_metrics,
     train_on,
 )
@@ -39,7 +39,7 @@ def main(model_dir: str, out: str) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         policy, opt = acc.prepare(policy, opt)
         opts = StepOptions(micro_batch_size=2, skip_zero_advantage=mode == "skip")
-        step = _equalize(acc, build_micro_batches(rollouts, opts, cfg, pad_id=0))
+        step = equalize_batches(acc, build_micro_batches(rollouts, opts, cfg, pad_id=0))
         result["micro_batches"][mode] = len(step.batches)
         if mode == "skip":
             result["fillers"] = step.fillers

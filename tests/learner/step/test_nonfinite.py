@@ -10,13 +10,8 @@ import torch
 
 from learner.loss.grpo import LossConfig
 from learner.model.policy import PolicyLogprobs
-from learner.step.update import (
-    NonFiniteError,
-    NonFiniteGuard,
-    StepOptions,
-    build_micro_batches,
-    train_on,
-)
+from learner.step.optimizer import NonFiniteError, NonFiniteGuard
+from learner.step.update import StepOptions, build_micro_batches, train_on
 from tests.learner.rollout_data import random_rollouts
 
 
