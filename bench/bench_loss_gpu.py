@@ -68,8 +68,8 @@ from loss_gpu_variants import (
     TEMP,
     VARIANTS,
     VOCAB,
-    _fused_at,
     accuracy,
+    fused_at,
     make_inputs,
     matmul_tflops,
     measure,
@@ -84,9 +84,12 @@ HEADS = {"qwen3-0.6b": (1024, 2048, [2, 4, 8, 16]), "qwen3-8b": (4096, 4096, [1,
 
 def _print_tile_configs():
     """The forward kernels' autotuned configs, per (H, V) key."""
-    from learner.loss.kernels.triton_fused import _anchored_tiles_kernel, _softmax_tiles_kernel
+    from learner.loss.kernels.triton_fused_kernels import (
+        anchored_tiles_kernel,
+        softmax_tiles_kernel,
+    )
 
-    for kern in (_anchored_tiles_kernel, _softmax_tiles_kernel):
+    for kern in (anchored_tiles_kernel, softmax_tiles_kernel):
         for key, cfg in getattr(kern, "cache", {}).items():
             print(f"{kern.fn.__name__} {key[:2]}: {cfg}")
 
@@ -94,6 +97,7 @@ def _print_tile_configs():
 def breakdown(hd, b, t):
     """Time each stage of ours at one shape (forward kernel, then the backward's pieces)."""
     from learner.loss.kernels import triton_logprobs as tk
+    from learner.loss.numerics import cublas_fp32_addmm_works
 
     h, w, ids, *_ = make_inputs(b, t, hd)
     h2, ids2 = h.detach().view(-1, hd), ids.view(-1)
@@ -113,35 +117,33 @@ def breakdown(hd, b, t):
             ts.append(s.elapsed_time(e))
         return statistics.median(ts)
 
-    _, lse, ent = tk._forward(h2, w, ids2, TEMP)
+    _, lse, ent = tk.forward_stats(h2, w, ids2, TEMP)
     g_lp = torch.randn(n, device="cuda")
     flop = 2 * n * hd * VOCAB
     rows = {
-        "forward kernel": ev(lambda: tk._forward(h2, w, ids2, TEMP)),
+        "forward kernel": ev(lambda: tk.forward_stats(h2, w, ids2, TEMP)),
         "backward (both grads)": ev(
-            lambda: tk._backward(h2, w, ids2, lse, ent, g_lp, None, TEMP, True, True)
+            lambda: tk.backward_grads(h2, w, ids2, lse, ent, g_lp, None, TEMP, True, True)
         ),
         "backward grad_weight only": ev(
-            lambda: tk._backward(h2, w, ids2, lse, ent, g_lp, None, TEMP, False, True)
+            lambda: tk.backward_grads(h2, w, ids2, lse, ent, g_lp, None, TEMP, False, True)
         ),
         "backward grad_hidden only": ev(
-            lambda: tk._backward(h2, w, ids2, lse, ent, g_lp, None, TEMP, True, False)
+            lambda: tk.backward_grads(h2, w, ids2, lse, ent, g_lp, None, TEMP, True, False)
         ),
         "cuBLAS h @ W.T (bf16 out)": ev(lambda: h2 @ w.T),
     }
     tk.DH_IMPL = "triton"
     rows["backward, grad_hidden by Triton"] = ev(
-        lambda: tk._backward(h2, w, ids2, lse, ent, g_lp, None, TEMP, True, True)
+        lambda: tk.backward_grads(h2, w, ids2, lse, ent, g_lp, None, TEMP, True, True)
     )
     tk.DH_IMPL = "auto"
-    print(
-        f"cuBLAS fp32-output addmm for grad_hidden: {tk._cublas_fp32_addmm_works(w.device, w.dtype)}"
-    )
+    print(f"cuBLAS fp32-output addmm for grad_hidden: {cublas_fp32_addmm_works(w.device, w.dtype)}")
     print(f"breakdown H={hd} N={n} (one N·H·V product = {flop / 1e12:.2f} TFLOP)")
     for k, ms in rows.items():
         print(f"  {k:<32}{ms:9.2f} ms  ({flop / ms / 1e9:6.0f} TFLOP/s per product)")
-    print(f"  blocking (CN, CV) = {tk._blocking(n, VOCAB, hd)}")
-    for kern in (tk._fwd_kernel, tk._grad_logits_kernel, tk._mm_acc_kernel):
+    print(f"  blocking (CN, CV) = {tk.backward_blocking(n, VOCAB, hd)}")
+    for kern in (tk.fwd_kernel, tk.grad_logits_kernel, tk.mm_acc_kernel):
         print(f"  {kern.fn.__name__}: {getattr(kern, 'best_config', None)}")
     return rows
 
@@ -149,19 +151,15 @@ def breakdown(hd, b, t):
 def breakdown_fused(hd, b, t, chunk, entropy_coef=0.0):
     """Time each stage of one chunk of fused (and the whole fwd+bwd) at one shape; with
     `entropy_coef`, of fused-ent."""
-    from learner.loss.fused import (
-        _GraphedTokenGrads,
-        _token_grads,
-        grad_hidden_rows,
-        grad_weight_add,
-    )
     from learner.loss.grpo import LossConfig
-    from learner.loss.kernels.triton_fused import (
-        TritonChunks,
-        _anchored_tiles_kernel,
-        _softmax_tiles_kernel,
+    from learner.loss.kernels.triton_fused import TritonChunks
+    from learner.loss.kernels.triton_fused_kernels import (
+        anchored_tiles_kernel,
+        softmax_tiles_kernel,
     )
+    from learner.loss.products import grad_hidden_rows, grad_weight_add
     from learner.loss.token import GRPOTokenLoss
+    from learner.loss.token_grads import GraphedTokenGrads, autograd_token_grads
 
     h, w, ids, old, ref, adv, _ = make_inputs(b, t, hd)
     n = b * t
@@ -175,7 +173,7 @@ def breakdown_fused(hd, b, t, chunk, entropy_coef=0.0):
     logp = torch.zeros(n, device="cuda")
     ent = torch.zeros(n, device="cuda")
     chunks.stats(0, c, logp[:c], ent[:c])
-    g_lp, g_ent = _token_grads(token_loss, logp, ent, 0, c)
+    g_lp, g_ent = autograd_token_grads(token_loss, logp, ent, 0, c)
     g, scale = chunks.logits_grad(g_lp, g_ent)
     grad_w = torch.empty_like(w2)
     gh = torch.empty(c, hd, device="cuda", dtype=h2.dtype)
@@ -197,7 +195,7 @@ def breakdown_fused(hd, b, t, chunk, entropy_coef=0.0):
 
     stats_ms = ev(lambda: chunks.stats(0, c, logp[:c], ent[:c]))
     # the autograd path of a token loss without closed-form gradients, as a CUDA graph
-    graphed = _GraphedTokenGrads(token_loss, logp, ent)
+    graphed = GraphedTokenGrads(token_loss, logp, ent)
     rows = [  # (stage, ms, is an N·H·V product)
         ("softmax tiles + merge", stats_ms, True),
         ("token loss gradients (closed form)", ev(lambda: token_loss.token_grads(logp, ent, 0, c)), False),
@@ -206,7 +204,7 @@ def breakdown_fused(hd, b, t, chunk, entropy_coef=0.0):
         ("grad_weight += Gᵀ @ h", ev(lambda: grad_weight_add(g, scale, h2[:c], grad_w, first=False)), True),
     ]  # fmt: skip
     extra = [  # not part of the sum
-        ("token loss gradients, autograd", ev(lambda: _token_grads(token_loss, logp, ent, 0, c)), False),
+        ("token loss gradients, autograd", ev(lambda: autograd_token_grads(token_loss, logp, ent, 0, c)), False),
         ("token loss gradients, CUDA graph", ev(lambda: graphed(0, c)), False),
         ("grad_weight = Gᵀ @ h (beta 0)", ev(lambda: torch.mm(g.T, h2[:c], out=grad_w)), True),
         ("grad_hidden, bf16 product", ev(lambda: grad_hidden_rows(g, scale, w2, gh, 0, c)), True),
@@ -224,7 +222,7 @@ def breakdown_fused(hd, b, t, chunk, entropy_coef=0.0):
     h.grad = w.grad = None
     whole = run_fused_ent if entropy_coef else run_fused
     print(f"  whole fwd+bwd (median): {measure(whole, make_inputs(b, t, hd), 5)[0]:.1f} ms")
-    kernel = _anchored_tiles_kernel if chunks.anchored else _softmax_tiles_kernel
+    kernel = anchored_tiles_kernel if chunks.anchored else softmax_tiles_kernel
     print(f"  {kernel.fn.__name__} config: {getattr(kernel, 'best_config', None)}")
     return rows
 
@@ -360,7 +358,7 @@ def main():
             floor_ms = 6 * n * hd * VOCAB / (tflops * 1e12) * 1e3
             for name in args.variants + [f"fused@{c}" for c in args.fused_configs]:
                 inputs = make_inputs(b, t, hd)
-                fn = VARIANTS.get(name) or _fused_at(name.split("@")[1])
+                fn = VARIANTS.get(name) or fused_at(name.split("@")[1])
                 iters = args.iters if name != "liger" else max(2, args.iters // 3)
                 if name == "liger":  # compile each shape afresh: torch 2.11's dynamic-shape
                     torch._dynamo.reset()  # recompile of Liger's loss fails on the second shape

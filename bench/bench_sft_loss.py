@@ -6,7 +6,7 @@
 
 Variants: ``full`` is what a Hugging Face model's ``loss`` does — the ``[tokens, vocab]`` logits
 of every token (prompt tokens too), upcast to float32, then ``cross_entropy(ignore_index=-100)``;
-``chunked-C`` is ``learner.loss.logprobs.chunked_nll`` with ``chunk_size=C`` (the torch path on CPU,
+``chunked-C`` is ``learner.loss.nll.chunked_nll`` with ``chunk_size=C`` (the torch path on CPU,
 the Triton kernel on CUDA), which sends only the target rows through the head and never holds
 more than one chunk's logits; ``trl`` (``--trl``, needs TRL 1.16) is TRL's SFT loss as its
 ``SFTTrainer`` computes it (``loss_type="nll"``, the successor of v1.4's ``chunked_nll``): the
@@ -41,7 +41,7 @@ def _loss_fn(variant: str):
     import torch
     import torch.nn.functional as F
 
-    from learner.loss.logprobs import chunked_nll
+    from learner.loss.nll import chunked_nll
 
     def run(h, w, targets, mask):
         if variant == "full":

@@ -3,7 +3,7 @@ warp-specialised Gluon kernel on Hopper, against the Triton kernel it would repl
 
     python bench/bench_ws_forward.py --out-dir $OUT      # H100/H200, triton >= 3.6 (Gluon)
 
-The Triton kernel (`triton_fused._anchored_tiles_kernel`) runs the softmax epilogue of every
+The Triton kernel (`triton_fused_kernels.anchored_tiles_kernel`) runs the softmax epilogue of every
 logits tile in the same warps as its matrix products, so the tensor cores idle during it. This
 kernel splits the work across three warp partitions: one warp issues the TMA loads into a ring
 of STAGES shared-memory stages, a 4-warp group runs the wgmma products into a 128 x 128 fp32
@@ -44,7 +44,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from learner.loss.kernels import triton_fused as tf
-from learner.loss.kernels.triton_logprobs import LOG2E
+from learner.loss.kernels import triton_fused_kernels as tfk
+from learner.loss.kernels.triton_common import LOG2E
 
 V = 151_936
 
@@ -149,7 +150,7 @@ def ws_anchored_tiles_kernel(
     h_desc, w_desc, r_ptr, tgt_ptr, pt_ptr, s_ptr, t_ptr, N, V, H, P_STRIDE, PART_STRIDE,
     v_per_split, inv_t2, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """`triton_fused._anchored_tiles_kernel`'s outputs from three warp partitions."""
+    """`triton_fused_kernels.anchored_tiles_kernel`'s outputs from three warp partitions."""
     BLOCK_N: gl.constexpr = h_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = h_desc.block_type.shape[1]
     BLOCK_V: gl.constexpr = w_desc.block_type.shape[0]
@@ -231,7 +232,7 @@ def triton_launch(h, w, tgt, r, buf, sx, tx, v_per_split, splits, inv_t2):
     def grid(meta):
         return (triton.cdiv(rows, meta["BLOCK_N"]), splits)
 
-    tf._anchored_tiles_kernel[grid](
+    tfk.anchored_tiles_kernel[grid](
         h, w, tgt, r, buf, sx, tx, rows, w.shape[0], hd, buf.shape[1], sx.shape[1],
         v_per_split, inv_t2,
     )  # fmt: skip
@@ -246,7 +247,7 @@ def run_head(hd, rows):
     ch = tf.TritonChunks(h, w, tgt, 0.9, rows, entropy_grad=False)
     inv_t2 = LOG2E / 0.9
     r = torch.empty(rows, dtype=torch.float32, device="cuda")
-    tf._anchor_kernel[(triton.cdiv(rows, 16),)](
+    tfk.anchor_kernel[(triton.cdiv(rows, 16),)](
         h, w, tgt, r, rows, hd, inv_t2, BLOCK_N=16, BLOCK_K=128, num_warps=4
     )
     _, sx, tx = ch.parts.unbind(0)
@@ -257,7 +258,7 @@ def run_head(hd, rows):
     want = (ch.buf.view(torch.bfloat16)[:, :V].float(), sx.clone(), tx.clone())
     flops = 2 * rows * hd * V
     t_ref = bench(ref)
-    cfg = tf._anchored_tiles_kernel.best_config
+    cfg = tfk.anchored_tiles_kernel.best_config
     print(f"H={hd} rows={rows}: triton {t_ref:.3f} ms {flops / t_ref / 1e9:.0f} TFLOP/s ({cfg})")
     out = [{"hidden": hd, "rows": rows, "kernel": "triton", "ms": t_ref, "config": str(cfg)}]
     for stages in (4, 3):

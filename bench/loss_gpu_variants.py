@@ -96,7 +96,7 @@ def _entropy_coef(variant: str) -> float:
     return ENT_COEF if variant.endswith("-ent") else 0.0
 
 
-def _fused_at(spec):
+def fused_at(spec):
     """run_fused at `CHUNK[:FWD_ROWS]` (see --fused-configs)."""
     from learner.loss.kernels import triton_fused
 

@@ -29,7 +29,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.loss.kernels.triton_logprobs import _MASKED, _logits_tile, _num_sms, _set_allocator
+from learner.loss.kernels.triton_common import MASKED, logits_tile, num_sms, set_allocator
 
 MODES = {
     "full": 0,
@@ -57,7 +57,7 @@ def _piece(z2, c0, r, tgt, hit, V, row0, desc, FAST: tl.constexpr):
     cols = c0 + tl.arange(0, z2.shape[1])
     d = z2 - r[:, None]
     if c0 + z2.shape[1] > V:
-        d = tl.where(cols[None, :] < V, d, _MASKED)
+        d = tl.where(cols[None, :] < V, d, MASKED)
     if FAST:  # noqa: SIM108 (a constexpr branch)
         p = _exp2_ftz(d)
     else:
@@ -90,7 +90,7 @@ def _probe_kernel(
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
     for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=FLAT, warp_specialize=WS):
-        z2 = _logits_tile(h_desc, w_desc, row0, v0, H, inv_t2, False, BLOCK_N, BLOCK_V, BLOCK_K)
+        z2 = logits_tile(h_desc, w_desc, row0, v0, H, inv_t2, False, BLOCK_N, BLOCK_V, BLOCK_K)
         if MODE == 4:
             s += tl.sum(z2, 1)
         elif MODE >= 5:  # pieces, a conditional target exclusion, optionally a ftz exp2
@@ -115,7 +115,7 @@ def _probe_kernel(
                 cols = v0 + half * (BLOCK_V // 2) + tl.arange(0, BLOCK_V // 2)
                 d = zh - r[:, None]
                 if v0 + BLOCK_V > V:
-                    d = tl.where(cols[None, :] < V, d, _MASKED)
+                    d = tl.where(cols[None, :] < V, d, MASKED)
                 p = tl.exp2(d)
                 half_desc.store(
                     [row0, v0 + half * (BLOCK_V // 2)], p.to(tl.bfloat16).to(tl.int16, bitcast=True)
@@ -127,7 +127,7 @@ def _probe_kernel(
             cols = v0 + tl.arange(0, BLOCK_V)
             d = z2 - r[:, None]
             if v0 + BLOCK_V > V:
-                d = tl.where(cols[None, :] < V, d, _MASKED)
+                d = tl.where(cols[None, :] < V, d, MASKED)
             p = tl.exp2(d)
             bits = p.to(tl.bfloat16).to(tl.int16, bitcast=True)
             if MODE == 0:
@@ -170,7 +170,7 @@ def probe(
     r = (h.float() * w[tgt].float()).sum(1) * inv_t2
     buf = torch.empty(rows, triton.cdiv(vocab, 128) * 128, dtype=torch.int16, device=dev)
     n_tiles = triton.cdiv(rows, 128)
-    splits = max(1, min(triton.cdiv(4 * _num_sms(dev), n_tiles), triton.cdiv(vocab, 2048)))
+    splits = max(1, min(triton.cdiv(4 * num_sms(dev), n_tiles), triton.cdiv(vocab, 2048)))
     vps = triton.cdiv(triton.cdiv(vocab, splits), 256) * 256
     splits = triton.cdiv(vocab, vps)
     parts = torch.empty(2, splits, rows, dtype=torch.float32, device=dev)
@@ -241,7 +241,7 @@ def main() -> None:
     )
     p.add_argument("--shapes", nargs="+", default=["1024:1536", "4096:2048"], help="H:rows")
     args = p.parse_args()
-    _set_allocator()
+    set_allocator()
     print(torch.cuda.get_device_name(), "triton", triton.__version__, "torch", torch.__version__)
     results = []
     for spec in args.shapes:

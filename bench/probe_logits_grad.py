@@ -3,8 +3,8 @@ against a plain copy of the same bytes (CUDA only).
 
 `fused_grpo_loss` differentiating the entropy rewrites its forward kernel's tiles as bf16
 ∂loss/∂logits in one elementwise pass over the chunk's C × V values: fp16 softmax tiles
-(`triton_fused._logits_grad_kernel`, fp16 weights) or bf16 anchored ones
-(`_anchored_ent_grad_kernel`, bf16 weights), 4 bytes an entry, bound by memory bandwidth.
+(`triton_fused_kernels.logits_grad_kernel`, fp16 weights) or bf16 anchored ones
+(`anchored_ent_grad_kernel`, bf16 weights), 4 bytes an entry, bound by memory bandwidth.
 This times both at the Qwen3-0.6B and Qwen3-8B heads' chunk sizes:
 
     python3 bench/probe_logits_grad.py --out $OUT/probe_logits_grad.json
@@ -22,7 +22,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.loss.kernels.triton_fused import TILE_V, _anchored_ent_grad_kernel, _logits_grad_kernel
+from learner.loss.kernels.triton_fused import TILE_V
+from learner.loss.kernels.triton_fused_kernels import anchored_ent_grad_kernel, logits_grad_kernel
 
 VOCAB = 151936
 CHUNKS = {"qwen3-0.6b": 1536, "qwen3-8b": 4096}
@@ -50,7 +51,7 @@ def probe_head(head: str, c: int, dev: torch.device) -> list[dict]:
         grid = (triton.cdiv(c, block_m), n_tiles)
 
         def run(grid=grid, block_m=block_m, warps=warps):
-            _logits_grad_kernel[grid](
+            logits_grad_kernel[grid](
                 buf, ref, lse2, glp, gent, ent, tgt, c, VOCAB, stride, c, ENT_GRAD=True,
                 OUT_BF16=True, BLOCK_M=block_m, BLOCK_V=TILE_V, num_warps=warps,
             )  # fmt: skip
@@ -76,7 +77,7 @@ def probe_head(head: str, c: int, dev: torch.device) -> list[dict]:
 
     def anchored():
         buf.copy_(q)
-        _anchored_ent_grad_kernel[grid](
+        anchored_ent_grad_kernel[grid](
             buf, total, logp, ent, glp, gent, tgt, c, VOCAB, stride, 1.0, HAS_LP=True,
             BLOCK_M=16, BLOCK_V=TILE_V, num_warps=4,
         )  # fmt: skip

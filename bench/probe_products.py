@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learner.loss.fused import grad_hidden_rows, grad_weight_add
+from learner.loss.products import grad_hidden_rows, grad_weight_add
 
 HEADS = {"qwen3-0.6b": (1024, 1536), "qwen3-8b": (4096, 4096)}  # H, chunk rows
 VOCAB = 151936

@@ -47,25 +47,16 @@ attribute it is assumed True.
 
 from __future__ import annotations
 
-import warnings
 from functools import partial
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-from learner.loss.logprobs import (
-    _check_inputs,
-    _scaled_logits,
-    check_target_range,
-    compute_dtype,
-    fp16_grad_scale,
-    logits_grad,
-    triton_importable,
-)
+from learner.loss.logprobs import check_head_inputs, check_target_range, logits_grad, scaled_logits
+from learner.loss.numerics import Impl, compute_dtype, fp16_grad_scale, triton_importable
+from learner.loss.products import grad_hidden_rows, grad_weight_add
 from learner.loss.token import TokenLoss
-
-Impl = Literal["auto", "torch", "triton"]
+from learner.loss.token_grads import GraphedTokenGrads, autograd_token_grads
 
 
 def fused_grpo_loss(
@@ -92,7 +83,7 @@ def fused_grpo_loss(
     by autograd chunk by chunk, which `cuda_graph` (on CUDA) captures in a CUDA graph replayed
     for every chunk (one launch instead of ~180 small ones a chunk; captured before the first
     chunk, or after an eager first chunk for the process's first capture, see
-    `_GraphedTokenGrads`); a token loss that cannot be captured (a host sync, say) falls back
+    `GraphedTokenGrads`); a token loss that cannot be captured (a host sync, say) falls back
     to eager, with one warning.
     """
     if chunk_size is None:
@@ -100,7 +91,7 @@ def fused_grpo_loss(
     # On CUDA the targets' range is checked in the forward without a host sync (it would hold
     # the host until the GPU has run everything queued before this loss, the model's forward
     # say, and then leave the GPU idle while the host launches the loss's first kernels).
-    _check_inputs(
+    check_head_inputs(
         hidden, weight, targets, temperature, chunk_size, target_range=not targets.is_cuda
     )
     if impl == "auto":
@@ -144,25 +135,11 @@ class FusedLinearLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, token_loss, opts):
         temperature, chunk, fp32_dw, impl, (need_h, need_w), cuda_graph = opts
         n = hidden.shape[0]
-        closed = getattr(token_loss, "token_grads", None)  # closed-form per-token gradients
-        cuda_graph = (
-            cuda_graph
-            and closed is None
-            and hidden.is_cuda
-            and (need_h or need_w)
-            and not getattr(token_loss, "constant_grads", False)
-            and not torch.cuda.is_current_stream_capturing()
-        )
         cdtype = compute_dtype(hidden.dtype)
         in_range = _TargetRange(targets, weight.shape[0]) if targets.is_cuda and n else None
         if in_range is not None:  # the kernels read clamped targets: no out-of-bounds access
             targets = in_range.clamped
-        graphed = _GraphedTokenGrads.for_call(token_loss, n, chunk, hidden) if cuda_graph else None
-        if graphed is not None:  # [N] each, where the graph reads them
-            logp, ent = graphed.logp.zero_(), graphed.ent.zero_()
-        else:
-            logp = hidden.new_empty(n, dtype=cdtype)  # [N], every chunk's `stats` fills it
-            ent = hidden.new_empty(n, dtype=cdtype)  # [N]
+        grads = _ChunkTokenGrads(token_loss, hidden, chunk, need_h or need_w, cuda_graph)
         if impl == "triton":
             from learner.loss.kernels.triton_fused import TritonChunks
 
@@ -173,51 +150,10 @@ class FusedLinearLoss(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, H], every chunk's rows set
         dw_dtype = torch.float32 if fp32_dw and weight.dtype != cdtype else weight.dtype
         grad_w = torch.empty(weight.shape, dtype=dw_dtype, device=weight.device) if need_w else None
-        dw_empty = True  # grad_w holds no chunk yet: the first product writes it (no memset)
-        const = (need_h or need_w) and getattr(token_loss, "constant_grads", False)
-        if const:  # once, at any values (zeros); the closed form needs no host sync
-            zeros = logp.new_zeros(n)
-            g_lp_all, g_ent_all = (closed or partial(_token_grads, token_loss))(zeros, zeros, 0, n)
-        loss = None
-        for s in range(0, n, chunk):
-            e = min(s + chunk, n)
-            chunks.stats(s, e, logp[s:e], ent[s:e])
-            if in_range is not None and s == 0:  # after the first launches: off their path
-                in_range.start()
-            if not (need_h or need_w):
-                continue
-            if const:
-                g_lp = None if g_lp_all is None else g_lp_all[s:e]
-                g_ent = None if g_ent_all is None else g_ent_all[s:e]
-            elif closed is not None:
-                g_lp, g_ent = closed(logp, ent, s, e)
-            elif graphed is not None and (s > 0 or graphed.ready):
-                g_lp, g_ent = graphed(s, e)
-            elif graphed is not None:  # eager: the warm-up, which also looks for host syncs
-                g_lp, g_ent = graphed.warm_up(s, e)
-            else:
-                g_lp, g_ent = _token_grads(token_loss, logp, ent, s, e)
-            if e == n:  # every token filled: the exact loss and metrics, queued before the
-                with torch.no_grad():  # last chunk's two products (the host runs ahead)
-                    loss = token_loss(logp, ent)
-            if g_lp is None and g_ent is None:
-                if grad_h is not None:
-                    grad_h[s:e].zero_()
-                continue
-            # [C, V] ∂loss/∂logits in the matmul dtype, times `scale` (a power of two, fp16
-            # only), or such that ∂loss/∂logits = diag(scale) @ g (scale [C], anchored tiles)
-            g, scale = chunks.logits_grad(g_lp, g_ent)
-            grad_hidden_rows(g, scale, chunks.w, grad_h, s, e, getattr(chunks, "fp32_rows", None))
-            if grad_w is not None:
-                grad_weight_add(g, scale, chunks.h[s:e], grad_w, first=dw_empty)
-                dw_empty = False
-            del g
-        if grad_w is not None and dw_empty:
-            grad_w.zero_()
-        if loss is None:  # no gradients were asked for
-            with torch.no_grad():
-                loss = token_loss(logp, ent)  # exact value and metrics: every token filled now
-        del graphed  # frees the graph's memory pool
+        grads.prepare_constant()
+        loss = _chunk_pass(chunks, grads, grad_h, grad_w, in_range, chunk)
+        logp, ent = grads.logp, grads.ent
+        del grads  # frees the graph's memory pool
         if in_range is not None:  # its copy has long landed: no wait
             in_range.check()
         ctx.grads = (grad_h, grad_w)
@@ -242,11 +178,115 @@ class FusedLinearLoss(torch.autograd.Function):
         return grad_h, grad_w, None, None, None
 
 
+def _chunk_pass(
+    chunks: TorchChunks, grads: _ChunkTokenGrads, grad_h: Tensor | None,
+    grad_w: Tensor | None, in_range: _TargetRange | None, chunk: int,
+) -> Tensor:  # fmt: skip
+    """Every chunk's log-probs and entropies (into `grads.logp`, `grads.ent`) and, where
+    gradients are asked for, its per-token gradients and the two products into `grad_h` and
+    `grad_w`. Returns the loss, its value and metrics from one call with every token filled."""
+    token_loss, logp, ent = grads.token_loss, grads.logp, grads.ent
+    n = logp.shape[0]
+    need = grad_h is not None or grad_w is not None
+    dw_empty = True  # grad_w holds no chunk yet: the first product writes it (no memset)
+    loss = None
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        chunks.stats(s, e, logp[s:e], ent[s:e])
+        if in_range is not None and s == 0:  # after the first launches: off their path
+            in_range.start()
+        if not need:
+            continue
+        g_lp, g_ent = grads(s, e)
+        if e == n:  # every token filled: the exact loss and metrics, queued before the
+            with torch.no_grad():  # last chunk's two products (the host runs ahead)
+                loss = token_loss(logp, ent)
+        if g_lp is None and g_ent is None:
+            if grad_h is not None:
+                grad_h[s:e].zero_()
+            continue
+        # [C, V] ∂loss/∂logits in the matmul dtype, times `scale` (a power of two, fp16
+        # only), or such that ∂loss/∂logits = diag(scale) @ g (scale [C], anchored tiles)
+        g, scale = chunks.logits_grad(g_lp, g_ent)
+        grad_hidden_rows(g, scale, chunks.w, grad_h, s, e, getattr(chunks, "fp32_rows", None))
+        if grad_w is not None:
+            grad_weight_add(g, scale, chunks.h[s:e], grad_w, first=dw_empty)
+            dw_empty = False
+        del g
+    if grad_w is not None and dw_empty:
+        grad_w.zero_()
+    if loss is None:  # no gradients were asked for
+        with torch.no_grad():
+            loss = token_loss(logp, ent)  # exact value and metrics: every token filled now
+    return loss
+
+
+class _ChunkTokenGrads:
+    """Where one fused-loss call takes each chunk's ∂loss/∂logp and ∂loss/∂entropy from, in
+    this order: computed once for all chunks (`constant_grads`), the token loss's closed form
+    (`token_grads`), its autograd captured in a CUDA graph (`GraphedTokenGrads`), eager
+    autograd. Owns the [N] log-prob and entropy buffers the chunks fill (where a graph reads
+    them)."""
+
+    def __init__(
+        self, token_loss: TokenLoss, hidden: Tensor, chunk: int, need_grads: bool,
+        cuda_graph: bool,
+    ) -> None:  # fmt: skip
+        n = hidden.shape[0]
+        self.token_loss = token_loss
+        self.closed = getattr(token_loss, "token_grads", None)  # closed-form per-token grads
+        constant = getattr(token_loss, "constant_grads", False)
+        cuda_graph = (
+            cuda_graph
+            and self.closed is None
+            and hidden.is_cuda
+            and need_grads
+            and not constant
+            and not torch.cuda.is_current_stream_capturing()
+        )
+        self.graphed = (
+            GraphedTokenGrads.for_call(token_loss, n, chunk, hidden) if cuda_graph else None
+        )
+        if self.graphed is not None:  # [N] each, where the graph reads them
+            self.logp, self.ent = self.graphed.logp.zero_(), self.graphed.ent.zero_()
+        else:
+            cdtype = compute_dtype(hidden.dtype)
+            self.logp = hidden.new_empty(n, dtype=cdtype)  # [N], every chunk's `stats` fills it
+            self.ent = hidden.new_empty(n, dtype=cdtype)  # [N]
+        self.const = need_grads and constant
+        self.all: tuple[Tensor | None, Tensor | None] = (None, None)
+
+    def prepare_constant(self) -> None:
+        """Gradients independent of the values: once, at any values (zeros); the closed form
+        needs no host sync."""
+        if self.const:
+            n = self.logp.shape[0]
+            zeros = self.logp.new_zeros(n)
+            grads = self.closed or partial(autograd_token_grads, self.token_loss)
+            self.all = grads(zeros, zeros, 0, n)
+
+    def __call__(self, s: int, e: int) -> tuple[Tensor | None, Tensor | None]:
+        """∂loss/∂logp and ∂loss/∂entropy of tokens `[s, e)`, once `logp[:e]` is filled."""
+        graphed = self.graphed
+        if self.const:
+            g_lp_all, g_ent_all = self.all
+            g_lp = None if g_lp_all is None else g_lp_all[s:e]
+            g_ent = None if g_ent_all is None else g_ent_all[s:e]
+            return g_lp, g_ent
+        if self.closed is not None:
+            return self.closed(self.logp, self.ent, s, e)
+        if graphed is not None and (s > 0 or graphed.ready):
+            return graphed(s, e)
+        if graphed is not None:  # eager: the warm-up, which also looks for host syncs
+            return graphed.warm_up(s, e)
+        return autograd_token_grads(self.token_loss, self.logp, self.ent, s, e)
+
+
 class _TargetRange:
     """The targets' range on CUDA without a host sync. The kernels read `clamped`, the
     targets clamped into [0, V) (nothing reads out of bounds); `start`, called once the first
     chunk's kernels are queued, copies min and max to the host asynchronously; `check`, at
-    the end of the forward, reads them (a ValueError, as `_check_inputs` gives)."""
+    the end of the forward, reads them (a ValueError, as `check_head_inputs` gives)."""
 
     def __init__(self, targets: Tensor, vocab: int) -> None:
         self.targets, self.vocab = targets, vocab
@@ -281,190 +321,6 @@ def _scale_by(x: Tensor, s: Tensor) -> None:
         x.mul_(s)
 
 
-def _row_scaled(x: Tensor, scale: Tensor, out: Tensor) -> Tensor:
-    """`out = diag(scale) @ x`, one rounding (out may be x)."""
-    if x.is_cuda and triton_importable():
-        from learner.loss.kernels.triton_fused import row_scale
-
-        return row_scale(x, scale, out)
-    return torch.mul(x, scale[:, None], out=out)
-
-
-def grad_hidden_rows(
-    g: Tensor, scale: float | Tensor, weight: Tensor, grad_h: Tensor | None, s: int, e: int,
-    fp32_rows: Tensor | None = None,
-) -> None:  # fmt: skip
-    """`grad_h[s:e] = ∂loss/∂logits @ weight` from a chunk engine's `logits_grad` output.
-    `fp32_rows` (anchored tiles, CUDA): a [≥ e - s, H] fp32 buffer the product is written to
-    before its row scaling (one rounding, and cuBLAS's fp32-output kernel is faster at the
-    8B head's shape: 6.86 vs 8.08 ms for 4096 × 151936 × 4096 on an H100, `--breakdown`)."""
-    if grad_h is None:
-        return
-    out = grad_h[s:e]
-    if isinstance(scale, Tensor):  # ∂loss/∂logits = diag(scale) @ g
-        if fp32_rows is not None:
-            y = torch.mm(g, weight, out_dtype=torch.float32, out=fp32_rows[: e - s])
-        else:
-            y = torch.mm(g, weight, out=out)
-        _row_scaled(y, scale, out)
-    else:  # beta 0: the rows' old values are not read
-        torch.addmm(out, g, weight, beta=0, alpha=1.0 / scale, out=out)
-
-
-def grad_weight_add(
-    g: Tensor, scale: float | Tensor, hidden: Tensor, grad_w: Tensor, *, first: bool
-) -> None:
-    """`grad_w (+)= ∂loss/∂logitsᵀ @ hidden` (the chunk's rows) from `logits_grad`'s output."""
-    if isinstance(scale, Tensor):  # Gᵀ h = gᵀ (diag(scale) h): the small operand is scaled
-        hidden = _row_scaled(hidden, scale, torch.empty_like(hidden))
-        _accumulate(grad_w, g.T, hidden, first=first)
-    else:
-        _accumulate(grad_w, g.T, hidden, first=first, alpha=1.0 / scale)
-
-
-def _token_grads(
-    token_loss: TokenLoss, logp: Tensor, ent: Tensor, s: int, e: int
-) -> tuple[Tensor | None, Tensor | None]:
-    """∂loss/∂logp and ∂loss/∂entropy of tokens `[s, e)` (None where the loss ignores it)."""
-    lp = logp.detach().requires_grad_()
-    en = ent.detach().requires_grad_()
-    with torch.enable_grad():
-        loss = token_loss(lp, en)
-        if not loss.requires_grad:
-            return None, None
-        g_lp, g_ent = torch.autograd.grad(loss, (lp, en), allow_unused=True)
-    return (None if g_lp is None else g_lp[s:e]), (None if g_ent is None else g_ent[s:e])
-
-
-_GRAPH_WARNED: set[str] = set()  # token-loss types whose capture failed (warned once)
-_GRAPH_WARM: set[tuple[type, torch.device]] = set()  # captured once in this process
-
-
-class _GraphedTokenGrads:
-    """`_token_grads` of all N tokens captured in a CUDA graph and replayed for each chunk:
-    the graph reads `logp` and `ent` where they are (the chunks fill them in place) and writes
-    the same two output tensors each time; a call returns chunk `[s, e)` of them, valid until
-    the next call (stream order: its users run before the next replay). A failed capture
-    leaves the caller on eager `_token_grads`.
-
-    `for_call` picks the capture's moment. The first call of a token-loss type in the process
-    runs its first chunk eagerly (the warm-up: lazy initialisation cannot happen in a capture)
-    and captures at the second. Later calls capture before the first chunk, on the host while
-    the GPU still runs whatever produced `hidden`."""
-
-    def __init__(self, token_loss: TokenLoss, logp: Tensor, ent: Tensor) -> None:
-        self.token_loss, self.logp, self.ent = token_loss, logp, ent
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: tuple[Tensor | None, Tensor | None] = (None, None)
-        self.failed = False
-
-    @property
-    def ready(self) -> bool:
-        return self.graph is not None
-
-    @classmethod
-    def for_call(
-        cls, token_loss: TokenLoss, n: int, chunk: int, hidden: Tensor
-    ) -> _GraphedTokenGrads | None:
-        """The graph for a fused-loss call over `n` tokens (None: differentiate eagerly)."""
-        dtype = compute_dtype(hidden.dtype)
-        warm = (type(token_loss), hidden.device) in _GRAPH_WARM
-        if n <= (chunk if warm else 2 * chunk):  # the capture would not pay for itself
-            return None
-        graphed = cls(
-            token_loss, hidden.new_zeros(n, dtype=dtype), hidden.new_zeros(n, dtype=dtype)
-        )
-        if warm:
-            graphed._capture()
-        return graphed
-
-    def warm_up(self, s: int, e: int) -> tuple[Tensor | None, Tensor | None]:
-        """The eager first chunk, run with CUDA's sync debug mode on: a token loss that syncs
-        with the host (``.item()``, ``.cpu()``, data-dependent shapes) cannot be captured, and
-        a capture that fails part way leaves the process's CUDA RNG marked as capturing (every
-        later ``torch.randint(device="cuda")`` raised "Offset increment outside graph capture")
-        and its memory pool behind. Such a loss is found here, before any capture."""
-        previous = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return _token_grads(self.token_loss, self.logp, self.ent, s, e)
-        except RuntimeError as err:
-            if "synchronizing" not in str(err):
-                raise
-            self._give_up(err)
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-        return _token_grads(self.token_loss, self.logp, self.ent, s, e)
-
-    def _give_up(self, err: BaseException) -> None:
-        self.failed = True
-        name = type(self.token_loss).__qualname__
-        if name not in _GRAPH_WARNED:
-            _GRAPH_WARNED.add(name)
-            warnings.warn(
-                f"fused_grpo_loss: {name} could not be captured in a CUDA graph ({err}); "
-                "differentiating it eagerly once per chunk (slower; cuda_graph=False "
-                "silences this)",
-                stacklevel=5,
-            )
-
-    def __call__(self, s: int, e: int) -> tuple[Tensor | None, Tensor | None]:
-        if self.graph is None and not self.failed:
-            self._capture()
-        if self.graph is None:  # the capture failed
-            return _token_grads(self.token_loss, self.logp, self.ent, s, e)
-        self.graph.replay()
-        g_lp, g_ent = self.out
-        return (None if g_lp is None else g_lp[s:e]), (None if g_ent is None else g_ent[s:e])
-
-    def _capture(self) -> None:
-        token_loss, logp, ent = self.token_loss, self.logp, self.ent
-        n = logp.shape[0]
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream(device=logp.device)
-        side.wait_stream(torch.cuda.current_stream(logp.device))
-        try:  # not `torch.cuda.graph`: its gc.collect() and empty_cache() cost a training step
-            with torch.cuda.stream(side):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    out = _token_grads(token_loss, logp, ent, 0, n)
-                finally:
-                    graph.capture_end()
-        except RuntimeError as err:
-            self._give_up(err)
-            return
-        finally:
-            torch.cuda.current_stream(logp.device).wait_stream(side)
-        self.graph, self.out = graph, out
-        _GRAPH_WARM.add((type(token_loss), logp.device))
-
-
-def _accumulate(acc: Tensor, a: Tensor, b: Tensor, *, first: bool, alpha: float = 1.0) -> None:
-    """`acc (+)= alpha · a @ b` with fp32 accumulation inside the product (cuBLAS does so for
-    bf16); `acc` is in a's dtype or, for `fp32_weight_grad`, fp32. `first`: `acc` holds nothing
-    yet (beta 0: its values are not read)."""
-    beta = 0.0 if first else 1.0
-    if acc.dtype != a.dtype and _fp32_output_mm_works(acc.device, a.dtype):
-        # bf16/fp16 inputs, fp32 output: no fp32 copies
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, beta=beta, alpha=alpha, out=acc)
-        return
-    if acc.dtype != a.dtype:  # fp32 copies (CPU, or torch without out_dtype)
-        a, b = a.to(acc.dtype), b.to(acc.dtype)
-    torch.addmm(acc, a, b, beta=beta, alpha=alpha, out=acc)
-
-
-def _fp32_output_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """cuBLAS `addmm(out_dtype=float32)` probed once by the Triton module (it checks that the
-    accumulation into `out` is right, not only that the call exists)."""
-    if device.type != "cuda":
-        return False
-    try:
-        from learner.loss.kernels.triton_logprobs import _cublas_fp32_addmm_works
-    except ImportError:
-        return False
-    return _cublas_fp32_addmm_works(device, dtype)
-
-
 class TorchChunks:
     """The PyTorch chunk engine (reference, CPU, float64): logits in the compute dtype."""
 
@@ -476,7 +332,7 @@ class TorchChunks:
 
     def stats(self, s: int, e: int, logp: Tensor, ent: Tensor) -> None:
         """Log-probs and entropies of tokens `[s, e)`, written into `logp` and `ent`."""
-        z = _scaled_logits(self.h[s:e], self.w, self.inv_t, self.cdtype)  # [C, V]
+        z = scaled_logits(self.h[s:e], self.w, self.inv_t, self.cdtype)  # [C, V]
         lse = torch.logsumexp(z, dim=-1)  # [C]
         torch.sub(z.gather(1, self.tgt[s:e, None]).squeeze(1), lse, out=logp)
         p = (z - lse[:, None]).exp_()  # [C, V]

@@ -43,7 +43,7 @@ num_items_in_batch`), with `w_b` from the micro-batch's layout (`row_weights`). 
 computes the `w_b` once from the layout of *all* the step's rollouts and passes them as
 `seq_weights`: rows can then be trained in any grouping, and rows whose every token has a
 zero gradient (zero advantage without KL or entropy bonus) left out, with the same gradient
-(`train_step.build_micro_batches`).
+(`learner.step.update.build_micro_batches`).
 """
 
 from __future__ import annotations
@@ -53,8 +53,6 @@ from typing import Literal
 
 import torch
 from torch import Tensor
-
-from learner.loss.logprobs import chunked_nll  # re-exported: the SFT warm-start loss
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -251,7 +249,6 @@ __all__ = [
     "LOSS_TYPES",
     "LossConfig",
     "LossInputs",
-    "chunked_nll",
     "global_factor",
     "grpo_loss",
     "row_weights",

@@ -9,7 +9,9 @@ chunk's logits instead of all of them, for the price of one more `hidden @ weigh
 
 This module holds the dispatching entry point and the plain-PyTorch implementation, which is
 the reference (tests compare it to float64 full logits) and the CPU path; the Triton kernels
-in `learner/loss/kernels/` are the GPU path and are checked against it.
+in `learner/loss/kernels/` are the GPU path and are checked against it. The fused loss
+(`learner.loss.fused`) builds its PyTorch path on the same pieces: the input checks, a
+chunk's `scaled_logits` and their gradient `logits_grad`.
 
 The maths, with z = logits / T (temperature-scaled), p = softmax(z), lse = logsumexp(z):
     logp_t   = z_t - lse
@@ -21,14 +23,10 @@ and ∂/∂logits = ∂/∂z / T, then grad_hidden = G @ W and grad_weight = G�
 
 from __future__ import annotations
 
-import functools
-import math
-from typing import Literal
-
 import torch
 from torch import Tensor
 
-Impl = Literal["auto", "torch", "triton"]
+from learner.loss.numerics import Impl, compute_dtype, triton_importable
 
 
 def token_logprobs(
@@ -51,7 +49,7 @@ def token_logprobs(
     `impl="auto"` takes the Triton kernels for CUDA tensors when triton imports (unless the
     dtype is float64 or a row of hidden is not a multiple of 16 bytes), else the torch path.
     """
-    _check_inputs(hidden, weight, targets, temperature, chunk_size)
+    check_head_inputs(hidden, weight, targets, temperature, chunk_size)
     if impl == "auto":
         impl = "triton" if _triton_usable(hidden) else "torch"
     if impl == "triton":
@@ -68,7 +66,7 @@ def token_logprobs(
     return logp, (ent if with_entropy else None)
 
 
-def _check_inputs(
+def check_head_inputs(
     hidden: Tensor,
     weight: Tensor,
     targets: Tensor,
@@ -119,21 +117,7 @@ def _triton_usable(hidden: Tensor) -> bool:
     return triton_importable()
 
 
-@functools.cache
-def triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half/bf16/float32 inputs, float64 for float64 (the reference precision)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _scaled_logits(h: Tensor, weight: Tensor, inv_t: float, cdtype: torch.dtype) -> Tensor:
+def scaled_logits(h: Tensor, weight: Tensor, inv_t: float, cdtype: torch.dtype) -> Tensor:
     """`h @ weight.T * inv_t` in `cdtype`: [C, V]. Low-precision inputs accumulate in fp32."""
     if h.dtype == cdtype and weight.dtype == cdtype:
         z = h @ weight.T
@@ -145,33 +129,6 @@ def _scaled_logits(h: Tensor, weight: Tensor, inv_t: float, cdtype: torch.dtype)
     else:
         z = h.to(cdtype) @ weight.to(cdtype).T
     return z.mul_(inv_t) if inv_t != 1.0 else z
-
-
-FP16_GRAD_CEILING = 2.0**10  # largest |∂loss/∂logit| after fp16 scaling (see below)
-
-
-def fp16_grad_scale(
-    dtype: torch.dtype, g_logp: Tensor | None, g_ent: Tensor | None, vocab: int
-) -> float:
-    """The power of two by which ∂loss/∂logits is multiplied before it is stored in fp16 for
-    the tensor-core gradient products (1.0 for any other dtype); the products divide it out.
-
-    A per-token GRPO gradient is ~1/(tokens in the batch), and its softmax part is that times
-    p, ~1/vocab: 1e-5 · 1e-5 is far below fp16's smallest subnormal (6e-8), so unscaled the
-    gradient would lose its softmax part and keep only the target term. bf16 has fp32's range
-    and needs none. Bound used: |∂loss/∂logit_v| <= |g_logp| + |g_ent| · (1 + log V), since
-    p·|log p| <= 1/e and the entropy <= log V. The ceiling 2^10 keeps ``G @ W`` (a sum of
-    |G| <= 2 · ceiling weighted by W) inside fp16's 65504 for weights below 32."""
-    if dtype != torch.float16:
-        return 1.0
-    bound = 0.0
-    if g_logp is not None and g_logp.numel():
-        bound += float(g_logp.abs().max())
-    if g_ent is not None and g_ent.numel():
-        bound += float(g_ent.abs().max()) * (1.0 + math.log(max(vocab, 2)))
-    if not math.isfinite(bound) or bound <= 0.0:
-        return 1.0
-    return 2.0 ** math.floor(math.log2(FP16_GRAD_CEILING / bound))
 
 
 def logits_grad(
@@ -216,7 +173,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         ent = torch.empty(n, dtype=cdtype, device=hidden.device) if with_entropy else None
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            z = _scaled_logits(hidden[s:e], weight, inv_t, cdtype)  # [C, V]
+            z = scaled_logits(hidden[s:e], weight, inv_t, cdtype)  # [C, V]
             lse_c = torch.logsumexp(z, dim=-1)  # [C]
             lse[s:e] = lse_c
             logp[s:e] = z.gather(1, targets[s:e, None]).squeeze(1) - lse_c
@@ -245,7 +202,7 @@ class ChunkedLogprobs(torch.autograd.Function):
         w_c = weight.to(cdtype)  # [V, H]; a no-op in fp32/fp64
         for s in range(0, n, ctx.chunk_size):
             e = min(s + ctx.chunk_size, n)
-            z = _scaled_logits(hidden[s:e], weight, ctx.inv_t, cdtype)  # [C, V]
+            z = scaled_logits(hidden[s:e], weight, ctx.inv_t, cdtype)  # [C, V]
             g = logits_grad(
                 z,
                 lse[s:e],
@@ -263,49 +220,3 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_h = None if grad_h is None else grad_h.to(hidden.dtype)
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None
-
-
-def chunked_nll(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    mask: Tensor,
-    *,
-    temperature: float = 1.0,
-    chunk_size: int = 1024,
-    impl: Impl = "auto",
-    fused: bool = False,
-    fused_chunk_size: int | None = None,
-) -> Tensor:
-    """Mean negative log-likelihood over masked tokens, without full logits (SFT warm-start).
-
-    hidden `[..., H]`, targets and mask `[...]` (same leading shape). Only rows with mask != 0
-    go through the LM head, so prompt tokens cost nothing; their targets may be anything
-    (e.g. -100). `fused` (`sft.fused_loss`): the loss fused with the LM head
-    (`learner.loss.fused`, 3 N·H·V products instead of 4, both gradients in the forward,
-    `fused_chunk_size` tokens' logits at a time) instead of `token_logprobs` (`chunk_size`
-    tokens a chunk, the logits recomputed in the backward, less memory).
-    """
-    h = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-    keep = mask.reshape(-1) != 0  # [N]
-    if keep.shape[0] != h.shape[0] or targets.numel() != h.shape[0]:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)}, targets {tuple(targets.shape)} and mask "
-            f"{tuple(mask.shape)} must share their leading shape"
-        )
-    if not bool(keep.any()):
-        return (h.sum() * 0.0 + weight.sum() * 0.0).to(compute_dtype(h.dtype))
-    h, t = h[keep], targets.reshape(-1)[keep]  # [n, H], [n]: the target rows only
-    if fused:
-        from learner.loss.fused import fused_grpo_loss
-        from learner.loss.token import NLLTokenLoss
-
-        loss, _, _ = fused_grpo_loss(
-            h, weight, t, NLLTokenLoss(h.shape[0]), temperature=temperature,
-            chunk_size=fused_chunk_size, impl=impl,
-        )  # fmt: skip
-        return loss
-    logp, _ = token_logprobs(
-        h, weight, t, temperature=temperature, chunk_size=chunk_size, with_entropy=False, impl=impl
-    )
-    return -logp.mean()

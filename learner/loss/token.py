@@ -2,7 +2,8 @@
 per-token (log-prob, entropy), with the per-token gradients the fused loss differentiates with.
 
 `GRPOTokenLoss` is `grpo_loss` seen that way (every loss type, KL, truncated IS, entropy
-bonus), with its gradients in closed form (`token_grads`); `NLLTokenLoss` is the SFT loss.
+bonus), with its gradients in closed form (`token_grads`); `learner.loss.nll.NLLTokenLoss` is
+the SFT loss.
 A token loss must be *separable*: its gradient w.r.t. one token's values may depend only on
 that token's values (the normalisers, fixed by the mask, are constants).
 """
@@ -10,16 +11,24 @@ that token's values (the normalisers, fixed by the mask, are constants).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from learner.loss.grpo import LossConfig, LossInputs, global_factor, grpo_loss, row_weights
-from learner.loss.logprobs import triton_importable
-from learner.step.batch import TrainBatch
+from learner.loss.numerics import triton_importable
 
 TokenLoss = Callable[[Tensor, Tensor], Tensor]  # (logp [N], entropy [N]) -> scalar loss
+
+
+class MicroBatch(Protocol):
+    """What `GRPOTokenLoss.for_batch` reads of a micro-batch (the learner's `TrainBatch`)."""
+
+    advantages: Tensor  # [B]
+    loss_mask: Tensor  # [B, T'] 1 at the loss tokens
+    sampling_logprobs: Tensor  # [B, T'] aligned with loss_mask
+    seq_weights: Tensor | None  # [B] `LossInputs.seq_weights`
 
 
 class GRPOTokenLoss:
@@ -27,7 +36,7 @@ class GRPOTokenLoss:
 
     Takes what the learner already builds for `grpo_loss`: `seq` [N] is the rollout (row of
     `advantages`) of every loss token, each sequence's tokens contiguous and in order
-    (`train_step._seq_index`); the per-token inputs are `[B, L]` as `train_step.regroup`
+    (`learner.step.update.seq_index`); the per-token inputs are `[B, L]` as `update.regroup`
     makes them, or flat `[N]`. Every call regroups the flat values the same way and calls
     `grpo_loss`, so all loss types, KL, truncated IS and the entropy bonus are exactly its own.
     `metrics` holds the metrics of the last call. A plain class, not a dataclass: DDP's
@@ -88,7 +97,7 @@ class GRPOTokenLoss:
             if x is not None and x.shape != (n,) and (x.dim() != 2 or x.shape[0] != num_seqs):
                 raise ValueError(
                     f"{name} has shape {tuple(x.shape)}: pass [B, L] = [{num_seqs}, L] "
-                    f"(regrouped as train_step.regroup does) or flat [N] = [{n}]"
+                    f"(regrouped as learner.step.update.regroup does) or flat [N] = [{n}]"
                 )
             self._inputs[name] = x
         self._grids: dict[str, Tensor | None] = {}
@@ -119,8 +128,8 @@ class GRPOTokenLoss:
     def for_batch(
         cls,
         cfg: LossConfig,
-        batch: TrainBatch,
-        seq: Tensor,  # [N] `train_step._seq_index(batch)`
+        batch: MicroBatch,
+        seq: Tensor,  # [N] `learner.step.update.seq_index(batch)`
         *,
         old_logprobs: Tensor | None,
         ref_logprobs: Tensor | None,
@@ -128,7 +137,7 @@ class GRPOTokenLoss:
         dp_world_size: int,
         num_micro_batches: int,
     ) -> GRPOTokenLoss:
-        """The token loss of one micro-batch, from what `train_step.train_on` holds."""
+        """The token loss of one micro-batch, from what `learner.step.update.train_on` holds."""
         sampling = batch.sampling_logprobs[batch.loss_mask.bool()] if cfg.tis_cap else None
         return cls(
             cfg,
@@ -210,7 +219,7 @@ class GRPOTokenLoss:
         return self._grid("ref_logprobs")
 
     def regroup(self, flat: Tensor) -> Tensor:
-        """Flat `[N]` -> `[B, L]`, right-padded with zeros (as `train_step.regroup`)."""
+        """Flat `[N]` -> `[B, L]`, right-padded with zeros (as `learner.step.update.regroup`)."""
         return flat.new_zeros(self._shape).index_put(self._index, flat)
 
     def _grid(self, name: str) -> Tensor | None:
@@ -222,7 +231,7 @@ class GRPOTokenLoss:
             elif x is not None and x.shape != self._shape:
                 raise ValueError(
                     f"{name} has shape {tuple(x.shape)}: pass [B, L] = {self._shape} (regrouped "
-                    f"as train_step.regroup does) or flat [N] = [{self.num_tokens}]"
+                    f"as learner.step.update.regroup does) or flat [N] = [{self.num_tokens}]"
                 )
             self._grids[name] = x
         return self._grids[name]
@@ -243,7 +252,7 @@ class GRPOTokenLoss:
         self, logp: Tensor, entropy: Tensor, s: int, e: int
     ) -> tuple[Tensor, Tensor | None]:
         """∂loss/∂logp and ∂loss/∂entropy of tokens `[s, e)` in closed form: what autograd
-        through `__call__` gives (`_token_grads`), from `logp[s:e]` and per-token constants
+        through `__call__` gives (`autograd_token_grads`), from `logp[s:e]` and per-token constants
         prepared once, in ~15 elementwise ops on the chunk instead of ~180 kernels over all N
         tokens (on CUDA in fp32 one Triton launch, `triton_fused.grpo_token_grads`: the fused
         loss runs this once a chunk, between its forward kernel and the products). The
@@ -312,25 +321,3 @@ class GRPOTokenLoss:
         )
         loss, self.metrics = grpo_loss(inputs, self.cfg)
         return loss
-
-
-class NLLTokenLoss:
-    """The mean negative log-likelihood of `n` tokens as a `TokenLoss` (the SFT loss).
-
-    ∂loss/∂logp_t = -1/n for every token whatever the values (`constant_grads`: differentiated
-    once a call) and the entropy is never differentiated (`entropy_grad = False`: the Triton
-    engine applies G as a row scaling of its anchored tiles)."""
-
-    constant_grads = True
-    entropy_grad = False
-
-    def __init__(self, n: int) -> None:
-        if n < 1:
-            raise ValueError(f"NLLTokenLoss needs at least one token, got n={n}")
-        self.n = n
-
-    def token_grads(self, logp: Tensor, entropy: Tensor, s: int, e: int) -> tuple[Tensor, None]:
-        return torch.full((e - s,), -1.0 / self.n, dtype=logp.dtype, device=logp.device), None
-
-    def __call__(self, logp: Tensor, entropy: Tensor) -> Tensor:
-        return -logp.sum() / self.n

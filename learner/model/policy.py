@@ -47,7 +47,7 @@ class PolicyLogprobs(nn.Module):
         self.model = model
         self.temperature = temperature
         self.chunk_size = chunk_size
-        self.fused_chunk_size = fused_chunk_size  # None: `fused_loss.auto_chunk_size`
+        self.fused_chunk_size = fused_chunk_size  # None: `learner.loss.fused.auto_chunk_size`
         head = model.get_output_embeddings()
         if head is None:
             raise ValueError(f"{type(model).__name__} has no output embeddings (LM head)")

@@ -3,7 +3,7 @@
 Per chunk of C tokens (the caller runs the per-token loss in between and the two gradient
 products with cuBLAS after):
 
-1. `_softmax_tiles_kernel`: logits tiles `hidden @ weight.T` on the tensor cores (fp32
+1. `softmax_tiles_kernel`: logits tiles `hidden @ weight.T` on the tensor cores (fp32
    accumulate), folded into an online log-sum-exp (running max m, Σ 2^(z-m), Σ 2^(z-m)·z per
    vocab split, in base 2) and the target logit (a row dot with the gathered weight row); every
    128-column tile is also stored as p̃ = 2^(z - m) in fp16 — the very values the online sum
@@ -12,30 +12,30 @@ products with cuBLAS after):
    would not do.
 2. The splits' partials are merged in PyTorch ([splits, C], tiny) into lse, log-prob and
    entropy; the caller turns those into g_logp and g_ent.
-3. `_logits_grad_kernel`: p = p̃ · 2^(ref - lse) and ∂loss/∂logits from it, written in the
+3. `logits_grad_kernel`: p = p̃ · 2^(ref - lse) and ∂loss/∂logits from it, written in the
    weight's dtype (bf16/fp16) over p̃ in the same buffer, so cuBLAS reads it directly.
 
 Anchored tiles (bf16 weights; fp16 takes steps 1-3), which replace steps 1 and 3:
 
-1'. `_anchor_kernel` first computes every token's anchor R = its target's logit (base 2; one
-   launch a call), then `_anchored_tiles_kernel` stores every tile as 2^(z - R) in bf16 — one
+1'. `anchor_kernel` first computes every token's anchor R = its target's logit (base 2; one
+   launch a call), then `anchored_tiles_kernel` stores every tile as 2^(z - R) in bf16 — one
    reference per row, fixed before the pass: no running max, no rescaling — and sums them (and
    their ·(z - R)) over all columns but the target's, whose own value is exactly 1.
-   `_anchored_merge_kernel` adds up the vocab splits into log-prob, entropy and the row's sum.
+   `anchored_merge_kernel` adds up the vocab splits into log-prob, entropy and the row's sum.
    bf16's 8-bit exponent holds 2^(z - R) while z - R < 128 (base 2): only a target more than
    88·T nats below its row's largest logit (p < 2^-128) overflows; the merge flags such rows and
-   `_anchor_fallback_kernel` redoes them (anchored at the row's max instead; the common case is
+   `anchor_fallback_kernel` redoes them (anchored at the row's max instead; the common case is
    one launch that returns).
 3'. ∂loss/∂z_j = g (1[j = target] - p_j) = -(g / S) · (stored_j - S·1[j = target]) with S the
    row's sum: once the target's entry is overwritten with 1 - S (= minus the other columns'
    sum, exact in fp32), the gradient is a row scaling of the stored tiles. The caller applies it
-   in the two products (`fused_loss.grad_hidden_rows`: scale dH's C rows after the product;
+   in the two products (`products.grad_hidden_rows`: scale dH's C rows after the product;
    `grad_weight_add`: scale the C hidden rows before it), so there is no pass over the C × V
    values between the forward kernel and cuBLAS. Precision: the stored values carry bf16's
    2⁻⁹ relative rounding, the same as the materialised ∂loss/∂logits of steps 1-3.
    That is for a token loss that does not differentiate the entropy (`entropy_grad` False,
    GRPO's usual case). With an entropy bonus, ∂loss/∂z_j also holds p_j·log p_j, no row
-   scaling of the stored values: `_anchored_ent_grad_kernel` rewrites them in place as bf16
+   scaling of the stored values: `anchored_ent_grad_kernel` rewrites them in place as bf16
    ∂loss/∂logits (p_j and log p_j from the stored value and the row's total), the same kind
    of pass as step 3 — and the forward is still the anchored kernel, faster than step 1's
    (an H100, fused-ent: 58.1 vs 60.3 ms at the Qwen3-0.6B head, `loss_gpu_regimes.py ab`).
@@ -43,7 +43,7 @@ Anchored tiles (bf16 weights; fp16 takes steps 1-3), which replace steps 1 and 3
 The buffer is C × V 2-byte values, the chunk's only large allocation; nothing N×V exists.
 
 The kernels themselves are in `learner.loss.kernels.triton_fused_kernels`; this module launches
-them (and re-exports them, for the benches).
+them.
 """
 
 from __future__ import annotations
@@ -54,35 +54,29 @@ import os
 import torch
 import triton
 
+from learner.loss.kernels.triton_common import INTERPRET, LOG2E, num_sms, set_allocator
 from learner.loss.kernels.triton_fused_kernels import (
-    _anchor_fallback_kernel,
-    _anchor_kernel,
-    _anchored_ent_grad_kernel,
-    _anchored_merge_kernel,
-    _anchored_scales_kernel,
-    _anchored_tiles_kernel,
-    _grpo_token_grads_kernel,
-    _logits_grad_kernel,
-    _row_scale_kernel,
-    _scale_kernel,
-    _softmax_tiles_kernel,
+    anchor_fallback_kernel,
+    anchor_kernel,
+    anchored_ent_grad_kernel,
+    anchored_merge_kernel,
+    anchored_scales_kernel,
+    anchored_tiles_kernel,
+    grpo_token_grads_kernel,
+    logits_grad_kernel,
+    row_scale_kernel,
+    scale_kernel,
+    softmax_tiles_kernel,
 )
-from learner.loss.kernels.triton_logprobs import (
-    LOG2E,
-    _cublas_fp32_addmm_works,
-    _num_sms,
-    _set_allocator,
-)
-from learner.loss.logprobs import fp16_grad_scale
+from learner.loss.numerics import cublas_fp32_addmm_works, fp16_grad_scale
 
 TILE_V = 128  # vocab columns per stored tile (one `ref` value per token and tile)
 # Tokens a forward launch: larger chunks are run as several (their hidden rows stay in L2).
 FWD_ROWS = int(os.environ.get("GRPO_FUSED_FWD_ROWS", "2048"))
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Anchored tiles where they apply (bf16); 0: always the tile-max path.
 ANCHORED = os.environ.get("GRPO_FUSED_ANCHORED", "1") != "0"
 # Anchored tiles also when the token loss differentiates the entropy (then with one in-place
-# pass, `_anchored_ent_grad_kernel`); False: the softmax tiles' path for it.
+# pass, `anchored_ent_grad_kernel`); False: the softmax tiles' path for it.
 ANCHORED_ENTROPY = True
 
 
@@ -92,7 +86,7 @@ def row_scale(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.
     n, h = x.shape
     assert x.stride(1) == 1 and out.stride(1) == 1 and scale.shape == (n,)
     block = 1024
-    _row_scale_kernel[(n, triton.cdiv(h, block))](
+    row_scale_kernel[(n, triton.cdiv(h, block))](
         x, scale, out, h, x.stride(0), out.stride(0), BLOCK=block, num_warps=4
     )
     return out
@@ -103,7 +97,7 @@ def scale_(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     without a host sync: with s == 1 (a plain `loss.backward()`) the kernel returns at once."""
     assert x.is_contiguous() and s.numel() == 1
     block = 4096
-    _scale_kernel[(triton.cdiv(x.numel(), block),)](x, s, x.numel(), BLOCK=block, num_warps=8)
+    scale_kernel[(triton.cdiv(x.numel(), block),)](x, s, x.numel(), BLOCK=block, num_warps=8)
     return x
 
 
@@ -132,7 +126,7 @@ def split_plan(rows: int, v: int, sms: int) -> tuple[int, int]:
 
 
 class TritonChunks:
-    """Chunk engine with the interface of `fused_loss.TorchChunks`: `stats(s, e)` then
+    """Chunk engine with the interface of `fused.TorchChunks`: `stats(s, e)` then
     `logits_grad(g_logp, g_ent)` for the same chunk."""
 
     def __init__(
@@ -144,7 +138,7 @@ class TritonChunks:
                 f"the fused Triton path takes bf16/fp16 hidden and weight of one dtype, got "
                 f"{hidden.dtype} and {weight.dtype}; use impl='torch'"
             )
-        _set_allocator()
+        set_allocator()
         self.h, self.w, self.tgt = hidden.contiguous(), weight.contiguous(), targets.contiguous()
         n, _ = self.h.shape
         v = self.w.shape[0]
@@ -158,7 +152,7 @@ class TritonChunks:
         self.buf = torch.empty(c, n_tiles_v * TILE_V, dtype=torch.int16, device=hidden.device)
         # Vocab splits of each forward launch (`split_plan`): a full chunk's, and the last
         # chunk's where it is shorter (its launches are planned on their own rows).
-        sms = _num_sms(hidden.device)
+        sms = num_sms(hidden.device)
         self._plans = {rows: split_plan(rows, v, sms) for rows in {self.fwd_rows, n % c or c}}
         max_splits = max(splits for splits, _ in self._plans.values())
         self.parts = torch.empty(3, max_splits, c, dtype=torch.float32, device=hidden.device)
@@ -177,7 +171,7 @@ class TritonChunks:
             # grad_hidden's product in fp32 before its row scaling (`grad_hidden_rows`; with
             # the entropy gradient G itself is stored: no row scaling)
             self.fp32_rows = None
-            if not entropy_grad and _cublas_fp32_addmm_works(dev, self.w.dtype):
+            if not entropy_grad and cublas_fp32_addmm_works(dev, self.w.dtype):
                 self.fp32_rows = torch.empty(c, self.h.shape[1], dtype=torch.float32, device=dev)
         else:  # the reference (running max) each tile was stored against; target logits
             self.ref = torch.empty(n_tiles_v, c, dtype=torch.float32, device=dev)
@@ -219,9 +213,9 @@ class TritonChunks:
             n = self.h.shape[0]
             self.anchors = torch.empty(n, dtype=torch.float32, device=self.h.device)
             # Many small programs (16 tokens each): a gather-dot, bound by reading 2·N·H values.
-            _anchor_kernel[(triton.cdiv(n, 16),)](
+            anchor_kernel[(triton.cdiv(n, 16),)](
                 self.h, self.w, self.tgt, self.anchors, n, hd, inv_t2, BLOCK_N=16,
-                BLOCK_K=16 if _INTERPRET else 128, num_warps=4,
+                BLOCK_K=16 if INTERPRET else 128, num_warps=4,
             )  # fmt: skip
         r = self.anchors[s:e]  # [nb] the anchors
         splits, v_per_split = self._plan(s, e)
@@ -233,21 +227,21 @@ class TritonChunks:
             def grid(meta, rows=rows):
                 return (triton.cdiv(rows, meta["BLOCK_N"]), splits)
 
-            _anchored_tiles_kernel[grid](
+            anchored_tiles_kernel[grid](
                 self.h[r0:r1], self.w, self.tgt[r0:r1], r[off:], buf[off:], sx[:, off:],
                 tx[:, off:], rows, v, hd, buf.shape[1], sx.shape[1], v_per_split, inv_t2,
             )  # fmt: skip
         total, bad = self.total[:nb], self.bad[:nb]
         # 64 rows a program: 24 programs for the 0.6B head's 1536-row chunk, 7.8 µs a launch on
         # an H100 (11.7 µs with 256 rows, 6 programs; `bench_loss_gpu.py --profile`)
-        block = 16 if _INTERPRET else 64
-        _anchored_merge_kernel[(triton.cdiv(nb, block),)](
+        block = 16 if INTERPRET else 64
+        anchored_merge_kernel[(triton.cdiv(nb, block),)](
             sx, tx, tgt, buf, logp, ent, total, bad, nb, splits, sx.shape[1], buf.shape[1],
             BLOCK=block, num_warps=4,
         )  # fmt: skip
-        _anchor_fallback_kernel[(nb,)](
+        anchor_fallback_kernel[(nb,)](
             h, self.w, tgt, bad, r, buf, logp, ent, total, v, hd, buf.shape[1], inv_t2,
-            BLOCK_V=16 if _INTERPRET else 128, BLOCK_K=16 if _INTERPRET else 64,
+            BLOCK_V=16 if INTERPRET else 128, BLOCK_K=16 if INTERPRET else 64,
         )  # fmt: skip
         self._state = (s, e, total, logp, ent)
 
@@ -261,8 +255,8 @@ class TritonChunks:
         v = self.w.shape[0]
         if g_ent is not None:  # the entropy differentiated: one pass, ∂loss/∂logits itself
             assert g_ent.shape == (nb,) and g_ent.is_contiguous()
-            block_m = 16  # as `_logits_grad_kernel`
-            _anchored_ent_grad_kernel[(triton.cdiv(nb, block_m), triton.cdiv(v, TILE_V))](
+            block_m = 16  # as `logits_grad_kernel`
+            anchored_ent_grad_kernel[(triton.cdiv(nb, block_m), triton.cdiv(v, TILE_V))](
                 self.buf, total, logp, ent, g_lp if g_lp is not None else g_ent, g_ent,
                 self.tgt[s:e], nb, v, self.buf.shape[1], self.inv_t, HAS_LP=g_lp is not None,
                 BLOCK_M=block_m, BLOCK_V=TILE_V, num_warps=4,
@@ -276,7 +270,7 @@ class TritonChunks:
         else:
             assert g_lp.shape == (nb,) and g_lp.is_contiguous()
             block = 1024
-            _anchored_scales_kernel[(triton.cdiv(nb, block),)](
+            anchored_scales_kernel[(triton.cdiv(nb, block),)](
                 g_lp, total, scale, nb, -self.inv_t, BLOCK=block, num_warps=4
             )
         return self.buf.view(torch.bfloat16)[:nb, : self.w.shape[0]], scale
@@ -295,7 +289,7 @@ class TritonChunks:
             def grid(meta, rows=rows):
                 return (triton.cdiv(rows, meta["BLOCK_N"]), splits)
 
-            _softmax_tiles_kernel[grid](
+            softmax_tiles_kernel[grid](
                 self.h[r0:r1], self.w, self.tgt[r0:r1], pt[off:], self.ref[:, off:],
                 m[:, off:], sm[:, off:], t[:, off:], self.tz[off:], rows, v, hd, pt.shape[1],
                 self.ref.shape[1], m.shape[1], v_per_split, LOG2E * self.inv_t, IEEE=False,
@@ -331,7 +325,7 @@ class TritonChunks:
         # head's 4096 in 0.941, against 0.419 and 1.107 with 32 rows (`probe_logits_grad.py`).
         block_m = 16
         grid = (triton.cdiv(nb, block_m), triton.cdiv(v, TILE_V))
-        _logits_grad_kernel[grid](
+        logits_grad_kernel[grid](
             self.buf, self.ref, lse2, glp, gent, ent, self.tgt[s:e], nb, v,
             self.buf.shape[1], self.ref.shape[1], ENT_GRAD=ent_grad,
             OUT_BF16=self.w.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_V=TILE_V, num_warps=4,
@@ -355,7 +349,7 @@ def grpo_token_grads(
     n = lp.numel()
     out = torch.empty_like(lp)
     block = 1024
-    _grpo_token_grads_kernel[(max(1, triton.cdiv(n, block)),)](
+    grpo_token_grads_kernel[(max(1, triton.cdiv(n, block)),)](
         lp, adv, w, lp if old is None else old, lp if ref is None else ref,
         lp if samp is None else samp, out, n, clip[0], clip[1], beta,
         float("inf") if tis_cap is None else tis_cap, HAS_OLD=old is not None,

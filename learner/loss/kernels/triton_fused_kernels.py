@@ -4,8 +4,7 @@ Only the `@triton.jit` functions and their autotune configs live here. What they
 1-3, and the anchored tiles' 1'-3', which the kernels' docstrings call "the module docstring")
 is described in `triton_fused`'s docstring; the launches, buffers and planning (`TritonChunks`,
 `split_plan`) and the module flags they read (`FWD_ROWS`, `ANCHORED`, `ANCHORED_ENTROPY`) are
-there too, and `triton_fused` re-exports the kernels the benches import from it. Apart so that
-the device code and the host code each read in one sitting.
+there too. Apart so that the device code and the host code each read in one sitting.
 """
 
 from __future__ import annotations
@@ -13,13 +12,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from learner.loss.kernels.triton_logprobs import (
-    _MASKED,
-    _PRUNE,
-    _configs,
-    _logits_tile,
-    _online_lse_step,
-    _target_logit,
+from learner.loss.kernels.triton_common import (
+    MASKED,
+    PRUNE,
+    autotune_configs,
+    logits_tile,
+    online_lse_step,
+    target_logit,
 )
 
 
@@ -39,7 +38,7 @@ def _tile_program(
     return h_desc, w_desc, row0, row0 + tl.arange(0, BLOCK_N), v_start, v_end
 
 
-_TILE_CONFIGS = _configs(
+_TILE_CONFIGS = autotune_configs(
     [
         ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 3),
         ({"BLOCK_N": 128, "BLOCK_K": 64}, 8, 4),
@@ -54,10 +53,10 @@ _TILE_CONFIGS = _configs(
 @triton.autotune(
     configs=_TILE_CONFIGS,
     key=["H", "V", "IEEE"],
-    prune_configs_by=_PRUNE,
+    prune_configs_by=PRUNE,
 )
 @triton.jit
-def _softmax_tiles_kernel(
+def softmax_tiles_kernel(
     h_ptr,  # [N, H] contiguous
     w_ptr,  # [V, H] contiguous
     tgt_ptr,  # [N]
@@ -92,11 +91,11 @@ def _softmax_tiles_kernel(
     # Flattened (vocab tile, k) loop: the next tile's loads are in flight during this tile's
     # softmax and its TMA store (async, bounds-clipped); 426 -> 501 TFLOP/s on an H100.
     for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=True):
-        z2 = _logits_tile(h_desc, w_desc, row0, v0, H, inv_t2, IEEE, BLOCK_N, BLOCK_V, BLOCK_K)
+        z2 = logits_tile(h_desc, w_desc, row0, v0, H, inv_t2, IEEE, BLOCK_N, BLOCK_V, BLOCK_K)
         cols = v0 + tl.arange(0, BLOCK_V)
         if v0 + BLOCK_V > V:
-            z2 = tl.where(cols[None, :] < V, z2, _MASKED)
-        m, s, t, p = _online_lse_step(m, s, t, z2)
+            z2 = tl.where(cols[None, :] < V, z2, MASKED)
+        m, s, t, p = online_lse_step(m, s, t, z2)
         pt_desc.store([row0, v0], p.to(tl.float16))
         tl.store(ref_ptr + (v0 // BLOCK_V) * REF_STRIDE + rows, m, mask=row_ok)
     out = tl.program_id(1) * PART_STRIDE + rows
@@ -104,12 +103,12 @@ def _softmax_tiles_kernel(
     tl.store(s_ptr + out, s, mask=row_ok)
     tl.store(t_ptr + out, t, mask=row_ok)
     if tl.program_id(1) == 0:
-        tz = _target_logit(h_desc, w_ptr, tgt_ptr, rows, row_ok, row0, H, BLOCK_N, BLOCK_K)
+        tz = target_logit(h_desc, w_ptr, tgt_ptr, rows, row_ok, row0, H, BLOCK_N, BLOCK_K)
         tl.store(tz_ptr + rows, tz * (inv_t2 * 0.6931471805599453), mask=row_ok)
 
 
 @triton.jit
-def _logits_grad_kernel(
+def logits_grad_kernel(
     buf_ptr,  # [N, STRIDE] int16: fp16 p̃ in, ∂loss/∂logits (bf16 or fp16 bits) out, in place
     ref_ptr,  # [V / TILE_V, REF_STRIDE] fp32
     lse2_ptr,  # [N] log-sum-exp of z, base 2
@@ -155,7 +154,7 @@ def _logits_grad_kernel(
 
 
 @triton.jit
-def _anchor_kernel(
+def anchor_kernel(
     h_ptr, w_ptr, tgt_ptr, r_ptr, N, H, inv_t2, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
 ):
     """The anchor R of each token: its target's logit, base 2 (`inv_t2` = log2(e) / T)."""
@@ -163,7 +162,7 @@ def _anchor_kernel(
     row0 = tl.program_id(0) * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    tz = _target_logit(h_desc, w_ptr, tgt_ptr, rows, row_ok, row0, H, BLOCK_N, BLOCK_K)
+    tz = target_logit(h_desc, w_ptr, tgt_ptr, rows, row_ok, row0, H, BLOCK_N, BLOCK_K)
     tl.store(r_ptr + rows, tz * inv_t2, mask=row_ok)
 
 
@@ -176,7 +175,7 @@ def _anchor_kernel(
 # 128 x 128 ones 0.82-0.87; the 8B head's 2048 rows: 3.85 / 3.56 / 3.82 ms, 3.70 and 3.9-4.5.
 # Only the two 128 x 256 configs are tried: under the H100's power cap the autotuner's timings
 # are noisy enough to pick a config 10 % slower (256 x 128 did, in one run).
-_ANCHORED_CONFIGS = _configs(
+_ANCHORED_CONFIGS = autotune_configs(
     [
         ({"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64, "PIECE_V": 128}, 8, 4),
         ({"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64, "PIECE_V": 128}, 8, 3),
@@ -194,7 +193,7 @@ def _anchored_piece(z2, c0, r, tgt, hit, V, row0, desc):
     cols = c0 + tl.arange(0, z2.shape[1])
     d = z2 - r[:, None]
     if c0 + z2.shape[1] > V:
-        d = tl.where(cols[None, :] < V, d, _MASKED)
+        d = tl.where(cols[None, :] < V, d, MASKED)
     p = tl.exp2(d)
     desc.store([row0, c0], p.to(tl.bfloat16).to(tl.int16, bitcast=True))
     if hit != 0:  # noqa: SIM108 (a runtime branch: Triton has no tensor ternary)
@@ -206,7 +205,7 @@ def _anchored_piece(z2, c0, r, tgt, hit, V, row0, desc):
 
 @triton.autotune(configs=_ANCHORED_CONFIGS, key=["H", "V"])
 @triton.jit
-def _anchored_tiles_kernel(
+def anchored_tiles_kernel(
     h_ptr,  # [N, H] contiguous
     w_ptr,  # [V, H] contiguous
     tgt_ptr,  # [N]
@@ -231,7 +230,7 @@ def _anchored_tiles_kernel(
     row scaling of the stored values: no second pass). bf16's exponent range holds
     2^(z2 - R) for z2 - R < 128: a target logit more than 88·T nats below the row's largest
     (a target probability below 2^-128) overflows, which the merge detects and
-    `_anchor_fallback_kernel` redoes for that row."""
+    `anchor_fallback_kernel` redoes for that row."""
     h_desc, w_desc, row0, rows, v_start, v_end = _tile_program(
         h_ptr, w_ptr, N, V, H, v_per_split, BLOCK_N, BLOCK_V, BLOCK_K
     )
@@ -242,7 +241,7 @@ def _anchored_tiles_kernel(
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
     for v0 in tl.range(v_start, v_end, BLOCK_V, flatten=True):
-        z2 = _logits_tile(h_desc, w_desc, row0, v0, H, inv_t2, False, BLOCK_N, BLOCK_V, BLOCK_K)
+        z2 = logits_tile(h_desc, w_desc, row0, v0, H, inv_t2, False, BLOCK_N, BLOCK_V, BLOCK_K)
         hit = tl.max(((tgt >= v0) & (tgt < v0 + BLOCK_V)).to(tl.int32), 0)
         # the accumulator's two column halves (a register view, no data movement)
         lo, hi = tl.split(tl.permute(tl.reshape(z2, [BLOCK_N, 2, PIECE_V]), [0, 2, 1]))
@@ -260,7 +259,7 @@ def _anchored_tiles_kernel(
 @triton.jit
 def _row_logits(h_ptr, w_ptr, row, v0, V, H, inv_t2, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
     """Base-2 logits of one token at columns `v0 + [0, BLOCK_V)` on the CUDA cores (fp32);
-    columns past V read as `_MASKED`."""
+    columns past V read as `MASKED`."""
     cols = v0 + tl.arange(0, BLOCK_V)
     acc = tl.zeros([BLOCK_V], tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -272,7 +271,7 @@ def _row_logits(h_ptr, w_ptr, row, v0, V, H, inv_t2, BLOCK_V: tl.constexpr, BLOC
             other=0.0,
         )
         acc += tl.sum(wk.to(tl.float32) * hk.to(tl.float32)[None, :], 1)
-    return tl.where(cols < V, acc * inv_t2, _MASKED)
+    return tl.where(cols < V, acc * inv_t2, MASKED)
 
 
 @triton.jit
@@ -284,7 +283,7 @@ def _log1p(x):
 
 
 @triton.jit
-def _anchored_merge_kernel(
+def anchored_merge_kernel(
     sx_ptr, tx_ptr, tgt_ptr, pt_ptr, logp_ptr, ent_ptr, total_ptr, bad_ptr,
     N, S, PART_STRIDE, P_STRIDE, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -316,7 +315,7 @@ def _anchored_merge_kernel(
 
 
 @triton.jit
-def _anchor_fallback_kernel(
+def anchor_fallback_kernel(
     h_ptr, w_ptr, tgt_ptr, bad_ptr, r_ptr, pt_ptr, logp_ptr, ent_ptr, total_ptr,
     V, H, P_STRIDE, inv_t2, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
@@ -356,7 +355,7 @@ def _anchor_fallback_kernel(
 
 
 @triton.jit
-def _anchored_ent_grad_kernel(
+def anchored_ent_grad_kernel(
     buf_ptr,  # [N, STRIDE] int16: anchored bf16 tiles 2^(z2 - R) in, ∂loss/∂logits bf16 out
     total_ptr,  # [N] the row's Σ 2^(z2 - R)
     logp_ptr,  # [N] the target's log-prob
@@ -406,7 +405,7 @@ def _anchored_ent_grad_kernel(
 
 
 @triton.jit
-def _row_scale_kernel(x_ptr, s_ptr, out_ptr, H, X_STRIDE, OUT_STRIDE, BLOCK: tl.constexpr):
+def row_scale_kernel(x_ptr, s_ptr, out_ptr, H, X_STRIDE, OUT_STRIDE, BLOCK: tl.constexpr):
     """out[r] = x[r] · s[r] (fp32 product, one rounding to out's dtype)."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -419,7 +418,7 @@ def _row_scale_kernel(x_ptr, s_ptr, out_ptr, H, X_STRIDE, OUT_STRIDE, BLOCK: tl.
 
 
 @triton.jit
-def _anchored_scales_kernel(g_ptr, total_ptr, out_ptr, N, coef, BLOCK: tl.constexpr):
+def anchored_scales_kernel(g_ptr, total_ptr, out_ptr, N, coef, BLOCK: tl.constexpr):
     """out = (coef · g) / total in fp32, the roundings of `(g · inv_t)` then `-glp / total`."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -429,7 +428,7 @@ def _anchored_scales_kernel(g_ptr, total_ptr, out_ptr, N, coef, BLOCK: tl.conste
 
 
 @triton.jit
-def _scale_kernel(x_ptr, s_ptr, N, BLOCK: tl.constexpr):
+def scale_kernel(x_ptr, s_ptr, N, BLOCK: tl.constexpr):
     """x *= s (a device scalar); nothing is read or written where s == 1."""
     s = tl.load(s_ptr)
     if s != 1.0:
@@ -440,7 +439,7 @@ def _scale_kernel(x_ptr, s_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _grpo_token_grads_kernel(
+def grpo_token_grads_kernel(
     lp_ptr, adv_ptr, w_ptr, old_ptr, ref_ptr, samp_ptr, out_ptr, N, lo, hi, beta, tis_cap,
     HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_SAMP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip

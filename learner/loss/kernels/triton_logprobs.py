@@ -1,6 +1,6 @@
 """Triton kernels: token log-probs and entropy through the LM head without logits in memory.
 
-Forward (`_fwd_kernel`): each program owns BLOCK_N tokens and a slice of the vocabulary; it
+Forward (`fwd_kernel`): each program owns BLOCK_N tokens and a slice of the vocabulary; it
 walks the vocab tiles, computes a logits tile `hidden @ weight.T` on the tensor cores (bf16 in,
 fp32 accumulate) and folds it into an online log-sum-exp (running max m, Σexp, Σexp·z) and the
 target logit. The slices' partials are merged in PyTorch ([splits, N], tiny). Nothing of
@@ -10,12 +10,12 @@ Backward: the three products that matter are the logits recompute (N·H·V), gra
 (G @ W) and grad_weight (Gᵀ @ hidden), where G = ∂loss/∂logits. G is needed by both gradient
 products; computing it twice (once per product) costs a fifth product, and fusing both
 products into one kernel needs atomics over [V, H] or an fp32 [V, H] buffer. So G is computed
-once per (token block × vocab block) into a bounded bf16 workspace (~64 MB, `_blocking`) by
-`_grad_logits_kernel` (recompute + softmax-grad epilogue), and consumed by two tensor-core
+once per (token block × vocab block) into a bounded bf16 workspace (~64 MB,
+`backward_blocking`) by `grad_logits_kernel` (recompute + softmax-grad epilogue), and consumed by two tensor-core
 products with fp32 accumulation:
 
     grad_hidden[n] : fp32 [CN, H] block accumulator over all vocab blocks (cuBLAS addmm with
-                     an fp32 output where torch has it, else `_mm_acc_kernel`), rounded to the
+                     an fp32 output where torch has it, else `mm_acc_kernel`), rounded to the
                      output dtype once
     grad_weight[v] : `addmm_` straight into the bf16 gradient (cuBLAS, fp32 accumulate inside),
                      one rounding per token block (a handful: CN is thousands of tokens)
@@ -27,44 +27,27 @@ fp32 buffer, no full logits anywhere.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from learner.loss.logprobs import fp16_grad_scale
+from learner.loss.kernels.triton_common import (
+    LOG2E,
+    MASKED,
+    PRUNE,
+    autotune_configs,
+    dot,
+    logits_tile,
+    num_sms,
+    online_lse_step,
+    set_allocator,
+    target_logit,
+)
+from learner.loss.numerics import cublas_fp32_addmm_works, fp16_grad_scale
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Triton's CPU interpreter computes bf16 x bf16 dots wrongly (seen with triton 3.9): upcast there.
-_UPCAST = tl.constexpr(_INTERPRET)
-LN2 = math.log(2.0)
-LOG2E = 1.0 / LN2
-
-
-def _configs(shapes, interpret_shape):
-    """Autotune configs: a few H100-friendly tile shapes; one tiny one under the interpreter."""
-    if _INTERPRET:
-        return [triton.Config(interpret_shape, num_warps=4, num_stages=1)]
-    return [triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in shapes]
-
-
-def _prune(configs, named_args, **kwargs):
-    """fp32 inputs (exact, no tensor cores) take twice the shared memory a tile: halve K."""
-    if not (kwargs.get("IEEE") or named_args.get("IEEE")) or _INTERPRET:
-        return configs
-    out = []
-    for c in configs:
-        kw = dict(c.kwargs, BLOCK_K=32)
-        out.append(triton.Config(kw, num_warps=c.num_warps, num_stages=2))
-    return out
-
-
-_PRUNE = {"early_config_prune": _prune}
-
-
-_FWD_CONFIGS = _configs(
+_FWD_CONFIGS = autotune_configs(
     [
         ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, 8, 3),
         ({"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}, 8, 4),
@@ -73,7 +56,7 @@ _FWD_CONFIGS = _configs(
     ],
     {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_K": 16},
 )
-_MM_CONFIGS = _configs(
+_MM_CONFIGS = autotune_configs(
     [
         ({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP": 8}, 8, 3),
         ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP": 8}, 8, 4),
@@ -82,68 +65,11 @@ _MM_CONFIGS = _configs(
     ],
     {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP": 2},
 )
-_MASKED = tl.constexpr(
-    -1.0e30
-)  # logits of vocab columns past V: exp2 gives exactly 0, and 0 * -1e30 = 0
 
 
+@triton.autotune(configs=_FWD_CONFIGS, key=["H", "V", "IEEE"], prune_configs_by=PRUNE)
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
-    """acc + a @ b on the tensor cores (bf16/fp16 inputs); exact fp32 when IEEE."""
-    if _UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _logits_tile(
-    h_desc, w_desc, row0, v0, H, inv_t2,
-    IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """The base-2 logits tile ``hidden[row0:+BN] @ weight[v0:+BV].T · inv_t2``, fp32."""
-    acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        acc = _dot(h_desc.load([row0, k0]), w_desc.load([v0, k0]).T, acc, IEEE)
-    return acc * inv_t2
-
-
-@triton.jit
-def _online_lse_step(m, s, t, z2):
-    """Fold one tile of base-2 logits ``z2`` [BN, BV] into the running max ``m``, Σ 2^(z2 - m)
-    and Σ 2^(z2 - m)·z2 (rescaled to the new max); also returns the tile's 2^(z2 - m_new)."""
-    m_new = tl.maximum(m, tl.max(z2, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(z2 - m_new[:, None])  # [BN, BV] in (0, 1]
-    return m_new, s * alpha + tl.sum(p, 1), t * alpha + tl.sum(p * z2, 1), p
-
-
-@triton.jit
-def _target_logit(
-    h_desc, w_ptr, tgt_ptr, rows, row_ok, row0, H, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    """Each row's target logit (before temperature) as a dot with the gathered weight row:
-    cheaper than a compare-and-select over every logits tile."""
-    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0)
-    offs_k = tl.arange(0, BLOCK_K)
-    tz = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + offs_k
-        a = h_desc.load([row0, k0]).to(tl.float32)
-        wt = tl.load(
-            w_ptr + tgt[:, None].to(tl.int64) * H + kk[None, :],
-            mask=row_ok[:, None] & (kk < H)[None, :],
-            other=0.0,
-        )
-        tz += tl.sum(a * wt.to(tl.float32), 1)
-    return tz
-
-
-@triton.autotune(configs=_FWD_CONFIGS, key=["H", "V", "IEEE"], prune_configs_by=_PRUNE)
-@triton.jit
-def _fwd_kernel(
+def fwd_kernel(
     h_ptr,  # [N, H] contiguous
     w_ptr,  # [V, H] contiguous
     tgt_ptr,  # [N]
@@ -173,13 +99,13 @@ def _fwd_kernel(
     v_start = pid_s * v_per_split
     v_end = tl.minimum(V, v_start + v_per_split)
     for v0 in range(v_start, v_end, BLOCK_V):
-        z2 = _logits_tile(
+        z2 = logits_tile(
             h_desc, w_desc, row0, v0, H, inv_t2, IEEE, BLOCK_N, BLOCK_V, BLOCK_K
         )  # base-2 logits
         if v0 + BLOCK_V > V:
             cols = v0 + tl.arange(0, BLOCK_V)
-            z2 = tl.where(cols[None, :] < V, z2, _MASKED)
-        m, s, t, _ = _online_lse_step(m, s, t, z2)
+            z2 = tl.where(cols[None, :] < V, z2, MASKED)
+        m, s, t, _ = online_lse_step(m, s, t, z2)
     rows = row0 + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     out = pid_s * N + rows
@@ -187,7 +113,7 @@ def _fwd_kernel(
     tl.store(s_ptr + out, s, mask=row_ok)
     tl.store(t_ptr + out, t * 0.6931471805599453, mask=row_ok)
     if pid_s == 0:
-        tz = _target_logit(h_desc, w_ptr, tgt_ptr, rows, row_ok, row0, H, BLOCK_N, BLOCK_K)
+        tz = target_logit(h_desc, w_ptr, tgt_ptr, rows, row_ok, row0, H, BLOCK_N, BLOCK_K)
         tl.store(tz_ptr + rows, tz * (inv_t2 * 0.6931471805599453), mask=row_ok)
 
 
@@ -205,10 +131,10 @@ def _tile_ids(pid, M, NC, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: t
 
 
 @triton.autotune(
-    configs=_MM_CONFIGS, key=["H", "V_blk", "IEEE", "ENT_GRAD"], prune_configs_by=_PRUNE
+    configs=_MM_CONFIGS, key=["H", "V_blk", "IEEE", "ENT_GRAD"], prune_configs_by=PRUNE
 )
 @triton.jit
-def _grad_logits_kernel(
+def grad_logits_kernel(
     h_ptr,  # [N_blk, H]  hidden rows of this token block (row stride H)
     w_ptr,  # [V_blk, H]  weight rows of this vocab block (row stride H)
     g_ptr,  # [N_blk, V_blk] out, row stride G_STRIDE: ∂loss/∂logits in the input dtype
@@ -242,7 +168,7 @@ def _grad_logits_kernel(
         col0 = pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            acc = _dot(h_desc.load([row0, k0]), w_desc.load([col0, k0]).T, acc, IEEE)
+            acc = dot(h_desc.load([row0, k0]), w_desc.load([col0, k0]).T, acc, IEEE)
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < N_blk
         lse2 = tl.load(lse2_ptr + rows, mask=row_ok, other=0.0)
@@ -269,10 +195,10 @@ def _grad_logits_kernel(
     configs=_MM_CONFIGS,
     key=["M", "NC", "K", "IEEE", "ACCUMULATE"],
     restore_value=["c_ptr"],
-    prune_configs_by=_PRUNE,
+    prune_configs_by=PRUNE,
 )
 @triton.jit
-def _mm_acc_kernel(
+def mm_acc_kernel(
     a_ptr,  # [M, K], row stride A_STRIDE
     b_ptr,  # [K, NC] contiguous
     c_ptr,  # [M, NC] contiguous fp32; c (+)= a @ b
@@ -295,36 +221,20 @@ def _mm_acc_kernel(
     col0 = pid_n * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        acc = _dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc, IEEE)
+        acc = dot(a_desc.load([row0, k0]), b_desc.load([k0, col0]), acc, IEEE)
     if ACCUMULATE:
         acc += c_desc.load([row0, col0])
     c_desc.store([row0, col0], acc)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _set_allocator() -> None:
-    """Device-side tensor descriptors need a little global scratch memory from the caller."""
-
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, dtype=torch.int8, device="cuda")
-
-    if hasattr(triton, "set_allocator") and not _INTERPRET:
-        triton.set_allocator(alloc)
-
-
-def _forward(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, temperature: float):
+def forward_stats(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, temperature: float):
     """Returns (logp, lse, entropy), each fp32 [N]."""
-    _set_allocator()
+    set_allocator()
     n, hd = h.shape
     v = w.shape[0]
     # Enough programs to fill the GPU ~4 times over: split the vocabulary when N is small.
     n_tiles = triton.cdiv(n, 128)
-    splits = max(1, min(triton.cdiv(4 * _num_sms(h.device), n_tiles), triton.cdiv(v, 4096)))
+    splits = max(1, min(triton.cdiv(4 * num_sms(h.device), n_tiles), triton.cdiv(v, 4096)))
     v_per_split = triton.cdiv(triton.cdiv(v, splits), 256) * 256  # multiple of any BLOCK_V
     splits = triton.cdiv(v, v_per_split)
     parts = torch.empty(3, splits, n, dtype=torch.float32, device=h.device)
@@ -334,7 +244,7 @@ def _forward(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, temperatur
     def grid(meta):
         return (triton.cdiv(n, meta["BLOCK_N"]), splits)
 
-    _fwd_kernel[grid](
+    fwd_kernel[grid](
         h, w, targets, m, s, t, tz, n, v, hd, v_per_split, LOG2E / temperature,
         IEEE=h.dtype == torch.float32,
     )  # fmt: skip
@@ -349,33 +259,12 @@ def _forward(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, temperatur
 
 # Tests set this to (token block, vocab block) to exercise the multi-block paths at tiny sizes.
 FORCE_BLOCKING: tuple[int, int] | None = None
-# How grad_hidden's block product runs: "auto" takes cuBLAS (addmm with bf16 inputs and an fp32
-# output, torch >= 2.9 on CUDA) when it works here, else `_mm_acc_kernel`; "triton" forces it.
+# How `backward_grads` runs grad_hidden's block product: "auto" takes cuBLAS (addmm with bf16 inputs and an fp32
+# output, torch >= 2.9 on CUDA) when it works here, else `mm_acc_kernel`; "triton" forces it.
 DH_IMPL = "auto"
-_CUBLAS_OK: dict[tuple, bool] = {}
 
 
-def _cublas_fp32_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Probe once: does `addmm(c, a, b, out_dtype=float32, out=c)` accumulate correctly?"""
-    if DH_IMPL != "auto" or device.type != "cuda" or dtype == torch.float32:
-        return False
-    key = (device, dtype)
-    if key not in _CUBLAS_OK:
-        try:
-            g = torch.Generator(device=device).manual_seed(0)
-            a = torch.randn(64, 128, device=device, dtype=dtype, generator=g)
-            b = torch.randn(128, 32, device=device, dtype=dtype, generator=g)
-            c = torch.ones(64, 32, device=device, dtype=torch.float32)
-            torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
-            torch.addmm(c, a, b, out_dtype=torch.float32, alpha=0.5, out=c)
-            want = 1 + 1.5 * (a.double() @ b.double())
-            _CUBLAS_OK[key] = bool(((c - want).abs().max() / want.abs().max()) < 1e-3)
-        except (TypeError, RuntimeError):
-            _CUBLAS_OK[key] = False
-    return _CUBLAS_OK[key]
-
-
-def _blocking(n: int, v: int, hd: int, budget: int = 64 << 20) -> tuple[int, int]:
+def backward_blocking(n: int, v: int, hd: int, budget: int = 64 << 20) -> tuple[int, int]:
     """Token-block and vocab-block sizes of the backward workspace (G in bf16 + fp32 dH).
 
     The vocab block is large enough that grad_weight's product (output [CV, H]) fills the GPU;
@@ -391,11 +280,13 @@ def _blocking(n: int, v: int, hd: int, budget: int = 64 << 20) -> tuple[int, int
     return max(cn, 1), cv
 
 
-def _backward(h, w, targets, lse, ent, g_logp, g_ent, temperature, need_h, need_w):
-    _set_allocator()
+def backward_grads(h, w, targets, lse, ent, g_logp, g_ent, temperature, need_h, need_w):
+    """(grad_hidden, grad_weight), None where not needed, from the forward's lse and entropy
+    and the incoming ∂loss/∂logp, ∂loss/∂entropy (None where not differentiated)."""
+    set_allocator()
     n, hd = h.shape
     v = w.shape[0]
-    cn, cv = _blocking(n, v, hd)
+    cn, cv = backward_blocking(n, v, hd)
     ieee = h.dtype == torch.float32
     grad_h = torch.empty_like(h) if need_h else None
     grad_w = torch.empty_like(w) if need_w else None
@@ -414,9 +305,9 @@ def _backward(h, w, targets, lse, ent, g_logp, g_ent, temperature, need_h, need_
         gent = gent * scale if ent_grad else gent
     unscale = 1.0 / scale
     lse2 = lse * LOG2E
-    dh_cublas = need_h and _cublas_fp32_addmm_works(h.device, h.dtype)
+    dh_cublas = need_h and DH_IMPL == "auto" and cublas_fp32_addmm_works(h.device, h.dtype)
     # Persistent G kernel (one program per SM) unless GRPO_TRITON_PERSISTENT=0.
-    progs = _num_sms(h.device) if os.environ.get("GRPO_TRITON_PERSISTENT", "1") != "0" else 0
+    progs = num_sms(h.device) if os.environ.get("GRPO_TRITON_PERSISTENT", "1") != "0" else 0
     for n0 in range(0, n, cn):
         n1 = min(n0 + cn, n)
         nb = n1 - n0
@@ -431,7 +322,7 @@ def _backward(h, w, targets, lse, ent, g_logp, g_ent, temperature, need_h, need_
                 tiles = triton.cdiv(nb, meta["BLOCK_M"]) * triton.cdiv(vb, meta["BLOCK_N"])
                 return (min(tiles, progs) if progs else tiles,)
 
-            _grad_logits_kernel[grid](
+            grad_logits_kernel[grid](
                 h_blk, w_blk, g, targets[n0:n1] - v0, lse2[n0:n1],
                 ent[n0:n1] if ent_grad else lse[n0:n1], glp[n0:n1], gent[n0:n1],
                 nb, vb, hd, cv, LOG2E * inv_t, progs or (1 << 30), IEEE=ieee, ENT_GRAD=ent_grad,
@@ -451,7 +342,7 @@ def _backward(h, w, targets, lse, ent, g_logp, g_ent, temperature, need_h, need_
                 def grid_h(meta, nb=nb):
                     return (triton.cdiv(nb, meta["BLOCK_M"]) * triton.cdiv(hd, meta["BLOCK_N"]),)
 
-                _mm_acc_kernel[grid_h](
+                mm_acc_kernel[grid_h](
                     g, w_blk, acc, nb, hd, vb, cv, IEEE=ieee, ACCUMULATE=v0 > 0
                 )  # fmt: skip
         if need_h:
@@ -465,7 +356,7 @@ class TritonLogprobs(torch.autograd.Function):
         h = hidden.contiguous()
         w = weight.contiguous()
         tgt = targets.contiguous()
-        logp, lse, ent = _forward(h, w, tgt, temperature)
+        logp, lse, ent = forward_stats(h, w, tgt, temperature)
         ctx.save_for_backward(h, w, tgt, lse, ent)
         ctx.temperature = temperature
         ctx.with_entropy = with_entropy
@@ -480,7 +371,7 @@ class TritonLogprobs(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (g_logp is None and g_ent is None) or not (need_h or need_w):
             return None, None, None, None, None
-        grad_h, grad_w = _backward(
+        grad_h, grad_w = backward_grads(
             h, w, tgt, lse, ent, g_logp, g_ent, ctx.temperature, need_h, need_w
         )
         return grad_h, grad_w, None, None, None

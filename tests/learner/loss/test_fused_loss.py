@@ -87,7 +87,7 @@ def _nll_checks(device, chunk_size):
     the masked tokens, bf16."""
     import torch.nn.functional as F
 
-    from learner.loss.logprobs import chunked_nll
+    from learner.loss.nll import chunked_nll
 
     h, w, t, _, _ = make(torch.bfloat16, seed=5)
     h, w = h.detach().to(device).requires_grad_(), w.detach().to(device).requires_grad_()

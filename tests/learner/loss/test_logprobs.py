@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from learner.loss.logprobs import chunked_nll, token_logprobs
+from learner.loss.logprobs import token_logprobs
+from learner.loss.nll import chunked_nll
 
 
 def reference(h, w, t, temperature=1.0):
