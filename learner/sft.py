@@ -17,12 +17,13 @@ by the SFT are merged into it, so GRPO's adapters start fresh on top.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -31,7 +32,7 @@ from transformers import AutoTokenizer
 
 from learner.config import LearnerConfig
 from learner.data.prompts import PromptStream
-from learner.data.sft import load_sft_rows, tokenize_row
+from learner.data.sft import RowFormat, load_sft_rows, tokenize_row
 from learner.loss.nll import chunked_nll
 from learner.model.export import save_model
 from learner.model.policy import PolicyLogprobs
@@ -49,7 +50,14 @@ from learner.run.runtime import (
     use_fused_adamw,
 )
 from learner.step.batch import TrainBatch, collate, micro_batches
-from learner.step.update import NonFiniteGuard, reduce_metrics, step_if_finite
+from learner.step.optimizer import (
+    NonFiniteGuard,
+    accumulating,
+    backward,
+    deepspeed_engine,
+    optimizer_step,
+)
+from learner.step.update import reduce_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -114,29 +122,16 @@ def sft_step(
     world = accelerator.num_processes
     counts = [b.num_loss_tokens for b in batches]
     total = float(accelerator.reduce(torch.tensor(float(sum(counts)), device=dev), "sum"))
-    engine = policy if hasattr(policy, "set_gradient_accumulation_boundary") else None
+    engine = deepspeed_engine(policy)
     nll_sum = torch.zeros((), dtype=torch.float64, device=dev)
     for i, b in enumerate(batches):
         b = b.to(dev)
-        last = i == len(batches) - 1
-        if engine is not None:  # DeepSpeed owns accumulation: tell it where the step ends
-            engine.set_gradient_accumulation_boundary(last)
-            sync = contextlib.nullcontext()
-        else:
-            sync = accelerator.no_sync(policy) if not last else contextlib.nullcontext()
-        with sync:
+        with accumulating(accelerator, policy, engine, last=i == len(batches) - 1):
             nll = policy(b.input_ids, b.attention_mask, b.loss_mask)
             loss = nll * (counts[i] * world / max(total, 1.0))
-            if engine is not None:
-                engine.backward(loss)
-            else:
-                accelerator.backward(loss)
+            backward(accelerator, engine, loss)
         nll_sum += nll.detach().double() * counts[i]
-    if engine is not None:  # clips with the DeepSpeed config's gradient_clipping
-        engine.step()
-        grad_norm = float(engine.get_global_grad_norm() or 0.0)
-    else:
-        grad_norm = step_if_finite(accelerator, policy, optimizer, max_grad_norm)
+    grad_norm = optimizer_step(accelerator, policy, optimizer, engine, max_grad_norm)
     nll_total = float(accelerator.reduce(nll_sum, "sum"))
     return {
         "loss": nll_total / max(total, 1.0),
@@ -144,6 +139,29 @@ def sft_step(
         "tokens/trained": total,
         "tokens/padded": float(sum(b.input_ids.numel() for b in batches)),
     }
+
+
+@dataclass
+class SFTRun:
+    """An SFT run once set up (``setup_sft``): what its steps read and advance."""
+
+    cfg: LearnerConfig
+    accelerator: Accelerator
+    out: Path
+    steps: int
+    rows: list[dict[str, Any]]
+    fmt: RowFormat
+    tokenizer: Any
+    policy: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    stream: PromptStream
+    state: TrainerState
+    guard: NonFiniteGuard = field(default_factory=NonFiniteGuard)
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
 
 def train_sft(
@@ -157,10 +175,43 @@ def train_sft(
     ``out_dir/final``. Returns the last step's metrics (main process)."""
     if cfg.sft is None:
         raise ValueError("the config has no [sft] section: add one (see learner/configs/)")
+    run = setup_sft(cfg, resume=resume, out_dir=out_dir, model_path=model_path)
+    # a warm start's SFT is RUN_DIR/sft: its own tracker run, named after the run's
+    out = run.out.resolve()
+    log = sft_metrics_log(run, out.name if out_dir is None else f"{out.parent.name}-sft")
+    last: dict[str, float] = {}
+    stopped = False
+    with StopOnSigterm() as stop:  # SIGTERM: end the step, checkpoint it, stop
+        try:
+            while run.state.step < run.steps:
+                last = sft_train_step(run)
+                if log is not None:
+                    log.log(run.state.step, last)
+                if stop.checkpoint(run.accelerator, run.out, run.state.step, run.steps, cfg.run):
+                    stopped = True
+                    break
+        finally:
+            if log is not None:
+                log.close()
+    accelerator = run.accelerator
+    save_final(run, stopped)
+    accelerator.free_memory()
+    del run  # the model and optimizer: GRPO may follow in this process
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return last if accelerator.is_main_process else {}
+
+
+def setup_sft(
+    cfg: LearnerConfig, *, resume: bool, out_dir: str | Path | None, model_path: str | None
+) -> SFTRun:
+    """The launch checked, the data read, the model and optimizer built and prepared, and a
+    resumed run's checkpoint loaded."""
     s = cfg.sft
+    assert s is not None
     accelerator = make_accelerator()
     out = Path(out_dir if out_dir is not None else cfg.run.run_dir)
-    world = accelerator.num_processes
     start_run(accelerator, out, cfg, cfg.run.seed, s.batch_size, "sft.batch_size", resume=resume)
     check_model_options(accelerator, cfg.model)
     if model_path is None:
@@ -170,7 +221,6 @@ def train_sft(
     rows, fmt = load_sft_rows(s)
     steps = sft_steps(cfg, len(rows))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     no_ref = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"beta": 0.0})})
     policy = NLLPolicy(
         build_models(no_ref, model_path)[0].model,
@@ -193,79 +243,79 @@ def train_sft(
     ckpt = restore(accelerator, out, policy, stream, state, resume=resume)
     if ckpt is not None:
         logger.info("SFT resumed from %s at step %d", ckpt, state.step)
-    log = (
-        MetricsLogger(
-            out,
-            total_steps=steps,
-            start_step=state.step,
-            tensorboard=cfg.run.tensorboard,
-            progress_bar=cfg.run.progress_bar,
-            desc="SFT",
-            # a warm start's SFT is RUN_DIR/sft: its own tracker run, named after the run's
-            trackers=Trackers.of(
-                cfg, out.resolve().name if out_dir is None else f"{out.resolve().parent.name}-sft"
-            ),
-        )
-        if accelerator.is_main_process
-        else None
+    return SFTRun(cfg, accelerator, out, steps, rows, fmt, tokenizer, policy, optimizer,
+                  scheduler, stream, state)  # fmt: skip
+
+
+def sft_metrics_log(run: SFTRun, name: str) -> MetricsLogger | None:
+    """The main process's metric sinks (``name``: the tracker run's); None on the others."""
+    if not run.accelerator.is_main_process:
+        return None
+    cfg = run.cfg
+    return MetricsLogger(
+        run.out,
+        total_steps=run.steps,
+        start_step=run.state.step,
+        tensorboard=cfg.run.tensorboard,
+        progress_bar=cfg.run.progress_bar,
+        desc="SFT",
+        trackers=Trackers.of(cfg, name),
     )
-    per_rank = s.batch_size // world
-    rank = accelerator.process_index
-    last: dict[str, float] = {}
-    stopped = False
-    with StopOnSigterm() as stop:  # SIGTERM: end the step, checkpoint it, stop
-        try:
-            guard = NonFiniteGuard()
-            while state.step < steps:
-                t0 = time.perf_counter()
-                mine = stream.take(s.batch_size)[rank * per_rank : (rank + 1) * per_rank]
-                examples = [
-                    tokenize_row(tokenizer, r, s, fmt, cfg.sampling.chat_template_kwargs)
-                    for r in mine
-                ]
-                truncated = sum(len(e.input_ids) > s.max_length for e in examples)
-                examples = [e.truncate(s.max_length) for e in examples]
-                empty = sum(e.num_targets == 0 for e in examples)
-                rollouts = [e.to_rollout(pad_id) for e in examples]
-                batches = [
-                    collate(mb, pad_id, cfg.grpo.pad_to_multiple_of)
-                    for mb in micro_batches(rollouts, s.micro_batch_size)
-                ]
-                m = sft_step(accelerator, policy, optimizer, batches, cfg.optim.max_grad_norm)
-                guard.check(state.step + 1, m)
-                scheduler.step()
-                state.step += 1
-                seconds = time.perf_counter() - t0
-                local = {
-                    **m,
-                    "lr": scheduler.get_last_lr()[0],
-                    "time/step": seconds,
-                    "throughput/train_tokens_per_s": m["tokens/trained"] / max(seconds, 1e-9),
-                    "data/truncated_fraction": truncated / len(examples),
-                    "data/no_target_fraction": empty / len(examples),
-                    "epoch": stream.position / len(rows),
-                }
-                last = reduce_metrics(accelerator, local)
-                if log is not None:
-                    log.log(state.step, last)
-                if stop.checkpoint(accelerator, out, state.step, steps, cfg.run):
-                    stopped = True
-                    break
-        finally:
-            if log is not None:
-                log.close()
+
+
+def sft_batches(run: SFTRun) -> tuple[list[TrainBatch], float, float]:
+    """This rank's share of the next ``sft.batch_size`` rows as micro-batches, and the
+    fractions of its examples cut to ``sft.max_length`` and left with no target."""
+    cfg, s, acc = run.cfg, run.cfg.sft, run.accelerator
+    assert s is not None
+    per_rank = s.batch_size // acc.num_processes
+    rank = acc.process_index
+    mine = run.stream.take(s.batch_size)[rank * per_rank : (rank + 1) * per_rank]
+    examples = [
+        tokenize_row(run.tokenizer, r, s, run.fmt, cfg.sampling.chat_template_kwargs) for r in mine
+    ]
+    truncated = sum(len(e.input_ids) > s.max_length for e in examples)
+    examples = [e.truncate(s.max_length) for e in examples]
+    empty = sum(e.num_targets == 0 for e in examples)
+    rollouts = [e.to_rollout(run.pad_id) for e in examples]
+    batches = [
+        collate(mb, run.pad_id, cfg.grpo.pad_to_multiple_of)
+        for mb in micro_batches(rollouts, s.micro_batch_size)
+    ]
+    return batches, truncated / len(examples), empty / len(examples)
+
+
+def sft_train_step(run: SFTRun) -> dict[str, float]:
+    """One SFT step on every rank; its metrics, averaged over the ranks."""
+    acc = run.accelerator
+    t0 = time.perf_counter()
+    batches, truncated, empty = sft_batches(run)
+    m = sft_step(acc, run.policy, run.optimizer, batches, run.cfg.optim.max_grad_norm)
+    run.guard.check(run.state.step + 1, m)
+    run.scheduler.step()
+    run.state.step += 1
+    seconds = time.perf_counter() - t0
+    local = {
+        **m,
+        "lr": run.scheduler.get_last_lr()[0],
+        "time/step": seconds,
+        "throughput/train_tokens_per_s": m["tokens/trained"] / max(seconds, 1e-9),
+        "data/truncated_fraction": truncated,
+        "data/no_target_fraction": empty,
+        "epoch": run.stream.position / len(run.rows),
+    }
+    return reduce_metrics(acc, local)
+
+
+def save_final(run: SFTRun, stopped: bool) -> None:
+    """``out/final``, or ``TrainingStopped`` when SIGTERM stopped the run before its end."""
+    accelerator = run.accelerator
     if stopped:
         accelerator.wait_for_everyone()
         accelerator.end_training()
-        raise TrainingStopped(state.step, steps, out)
-    save_model(accelerator, policy, tokenizer, out / "final")
+        raise TrainingStopped(run.state.step, run.steps, run.out)
+    save_model(accelerator, run.policy, run.tokenizer, run.out / "final")
     accelerator.wait_for_everyone()  # no rank leaves (and tears down) while another still saves
-    accelerator.free_memory()
-    del policy, optimizer, scheduler
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return last if accelerator.is_main_process else {}
 
 
 def warm_start(cfg: LearnerConfig, model_path: str, run_dir: Path, *, resume: bool) -> str:
