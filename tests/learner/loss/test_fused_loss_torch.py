@@ -20,7 +20,7 @@ from learner.loss.token import GRPOTokenLoss
 from learner.model.policy import PolicyLogprobs
 from learner.step.batch import collate
 from learner.step.packing import PackedBatch, pack
-from learner.step.update import _forward, _seq_index, regroup
+from learner.step.update import policy_forward, regroup, seq_index
 from tests.learner.loss.fused_loss_common import (
     LENS,
     VARIANTS,
@@ -254,18 +254,18 @@ def test_whole_model_gradients_equal_the_learner_path(tiny_model_dir, packed, lo
     policy = PolicyLogprobs(model, temperature=0.9, chunk_size=6)
     rs = random_rollouts()
     b = pack(rs) if packed else collate(rs, pad_id=0)
-    seq, n = _seq_index(b), b.advantages.numel()
+    seq, n = seq_index(b), b.advantages.numel()
     cfg = LossConfig(loss_type=loss_type, beta=0.1, entropy_coef=0.05, max_completion_length=16)
     with torch.no_grad():
-        lp0 = regroup(_forward(policy, b)[0], seq, n)
+        lp0 = regroup(policy_forward(policy, b)[0], seq, n)
     g = torch.Generator().manual_seed(1)
     old = lp0 + 0.1 * torch.randn(lp0.shape, generator=g)  # num_iterations > 1: ratio != 1
     ref = lp0 + 0.1 * torch.randn(lp0.shape, generator=g)
     sampling = regroup(b.sampling_logprobs[b.loss_mask.bool()], seq, n)
     common = {"num_items_in_batch": 40.0, "num_micro_batches": 2}
 
-    def learner_path():  # train_step.train_on today
-        flat, ent = _forward(policy, b, with_entropy=True)
+    def learner_path():  # learner.step.update.train_on today
+        flat, ent = policy_forward(policy, b, with_entropy=True)
         lp = regroup(flat, seq, n)
         inputs = LossInputs(lp, old, b.advantages, regroup(torch.ones_like(flat), seq, n),
                             sampling_logprobs=sampling, ref_logprobs=ref,
@@ -273,7 +273,7 @@ def test_whole_model_gradients_equal_the_learner_path(tiny_model_dir, packed, lo
         return grpo_loss(inputs, cfg)
 
     def fused_path():
-        token_loss = GRPOTokenLoss.for_batch(  # the call train_step.train_on makes
+        token_loss = GRPOTokenLoss.for_batch(  # the call learner.step.update.train_on makes
             cfg, b, seq, old_logprobs=old, ref_logprobs=ref, dp_world_size=1, **common
         )
         loss, _, _ = fused_forward(policy, b, token_loss)
