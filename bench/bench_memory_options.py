@@ -8,8 +8,9 @@ One optimizer step of the real learner code path — ``learner.model.setup.build
 with the model in bf16 — on a fixed, seeded synthetic batch (64 rollouts, prompts of 128–256 and
 completions of 256–1024 tokens, a Qwen3-0.6B-shaped random model), once per configuration:
 everything off (``baseline``, gradient checkpointing included), each option on alone, and all of
-them on. The learner's config is a real ``LearnerConfig``, mapped to the step options by the
-trainer's own functions, so the benchmark cannot drift from what ``python -m learner`` runs.
+them on. The learner's config is a real ``LearnerConfig``, mapped to the loss and step options by
+their own constructors (``LossConfig.of``, ``StepOptions.of``), as the trainer maps it, so the
+benchmark cannot drift from what ``python -m learner`` runs.
 
 Each configuration runs in a fresh subprocess: the CUDA caching allocator, pinned host buffers and
 ``ru_maxrss`` never carry over from one configuration to the next. Reported per configuration:
@@ -120,9 +121,9 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from accelerate import Accelerator
 
     from learner.config import LearnerConfig
+    from learner.loss.grpo import LossConfig
     from learner.model.setup import build_models
-    from learner.step.update import build_micro_batches, train_on
-    from learner.trainer import _loss_config, _step_options
+    from learner.step.update import StepOptions, build_micro_batches, train_on
 
     cuda = spec["device"] == "cuda"
     cfg = LearnerConfig.model_validate(spec["learner_config"])
@@ -136,7 +137,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-6, betas=cfg.optim.betas)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    loss_cfg, opts = _loss_config(cfg), _step_options(cfg)
+    loss_cfg, opts = LossConfig.of(cfg.grpo, cfg.sampling.max_tokens), StepOptions.of(cfg)
     rollouts = synthetic_rollouts(spec, vocab)
     calls = _probe_layer_forwards(hf)
 

@@ -193,11 +193,11 @@ def embedded_for(
         engine=e.engine,
         dtype=e.dtype,
         startup_timeout_s=e.startup_timeout_s,
-        extra_args=[*_limit_args(cfg), *e.extra_args],
+        extra_args=[*limit_args(cfg), *e.extra_args],
     )
 
 
-def _limit_args(cfg: LearnerConfig) -> list[str]:
+def limit_args(cfg: LearnerConfig) -> list[str]:
     """Flags that raise the embedded server's limits to what this config asks of it (training's
     sampling and the [eval] section's)."""
     from rollout_server.protocol import Limits

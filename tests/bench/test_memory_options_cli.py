@@ -91,7 +91,7 @@ def test_each_configuration_turns_on_exactly_its_option():
 @pytest.mark.parametrize("name", list(mem.CONFIGS))
 def test_learner_config_is_accepted_by_the_real_learner(name):
     from learner.config import LearnerConfig
-    from learner.trainer import _step_options
+    from learner.step.update import StepOptions
 
     options = mem.config_options(name)
     cfg = LearnerConfig.model_validate(
@@ -104,7 +104,7 @@ def test_learner_config_is_accepted_by_the_real_learner(name):
     assert (cfg.model.lora is not None) is options["lora"]
     if options["lora"]:
         assert (cfg.model.lora.r, cfg.model.lora.alpha) == (16, 32)
-    opts = _step_options(cfg)
+    opts = StepOptions.of(cfg)
     assert opts.activation_offloading is options["activation_offloading"]
     assert (opts.packing, opts.fused_loss) == (options["packing"], options["fused_loss"])
     assert opts.pad_to_multiple_of == options["pad_to_multiple_of"]

@@ -8,7 +8,6 @@ same data order and leaves no orphan server, an unreachable server fails fast an
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,41 +20,17 @@ import torch
 from learner.config import load_config
 from learner.data.prompts import PromptStream, load_rows
 from learner.run.metrics import read_metrics
-from learner.trainer import rows_fingerprint
+from learner.step.inflight import rows_fingerprint
+from tests.learner.demo_runs import (
+    DEMO,
+    ROOT,
+    assert_setup_error,
+    learner_cmd,
+    learner_env,
+    run_ok,
+    wait_gone,
+)
 from tests.learner.launch import cpu_launch
-
-ROOT = Path(__file__).resolve().parents[2]
-DEMO = ROOT / "learner" / "configs" / "demo.toml"
-
-
-def _learner(run_dir: Path, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "learner",
-        "--config",
-        str(DEMO),
-        "--run-dir",
-        str(run_dir),
-        *args,
-    ]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def _run_ok(
-    run_dir: Path, *overrides: str, timeout: int = 300, resume: bool = False
-) -> subprocess.CompletedProcess:
-    """Run the demo learner with ``--set`` overrides and require it to succeed."""
-    args = [a for o in ("run.progress_bar=false", *overrides) for a in ("--set", o)]
-    args += ["--resume"] if resume else []
-    proc = subprocess.run(
-        _learner(run_dir, *args), env=_env(), capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 def _expected_fingerprints(steps: int) -> list[int]:
@@ -69,20 +44,13 @@ def _expected_fingerprints(steps: int) -> list[int]:
     return [rows_fingerprint(stream.take(cfg.grpo.prompts_per_step)) for _ in range(steps)]
 
 
-def _wait_gone(scan, text: str, timeout_s: float = 15.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while (left := scan(text)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
-
-
 @pytest.mark.slow
 def test_demo_learns_within_five_minutes(tmp_path, proc_scan):
     run_dir = tmp_path / "demo"
     t0 = time.monotonic()
     proc = subprocess.run(
-        _learner(run_dir, "--set", "run.progress_bar=false"),
-        env=_env(),
+        learner_cmd(run_dir, "--set", "run.progress_bar=false"),
+        env=learner_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -99,7 +67,7 @@ def test_demo_learns_within_five_minutes(tmp_path, proc_scan):
     assert last >= 3 * first, rewards
     plot = subprocess.run(
         [sys.executable, "-m", "learner", "plot", str(run_dir)],
-        env=_env(),
+        env=learner_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -107,7 +75,7 @@ def test_demo_learns_within_five_minutes(tmp_path, proc_scan):
     assert plot.returncode == 0, plot.stderr
     assert (run_dir / "curves.png").stat().st_size > 10_000
     assert (run_dir / "final" / "config.json").exists()
-    assert not _wait_gone(proc_scan, str(run_dir / "model")), (
+    assert not wait_gone(proc_scan, str(run_dir / "model")), (
         "the embedded rollout server outlived the learner"
     )
 
@@ -129,7 +97,10 @@ def test_sigkill_then_resume_continues_same_data_order(tmp_path, proc_scan):
         "sampling.seed=11",
     ]
     proc = subprocess.Popen(
-        _learner(run_dir, *args), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        learner_cmd(run_dir, *args),
+        env=learner_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     ckpt = run_dir / "checkpoints" / "step_000003"
     deadline = time.monotonic() + 240
@@ -146,16 +117,18 @@ def test_sigkill_then_resume_continues_same_data_order(tmp_path, proc_scan):
     killed = read_metrics(run_dir)
     assert 4 <= len(killed) < 8
     # PR_SET_PDEATHSIG: the embedded server dies with the learner, even on SIGKILL.
-    assert not _wait_gone(proc_scan, str(run_dir / "model")), "orphan rollout server after SIGKILL"
+    assert not wait_gone(proc_scan, str(run_dir / "model")), "orphan rollout server after SIGKILL"
 
-    again = subprocess.run(_learner(run_dir, *args), env=_env(), capture_output=True, text=True)
+    again = subprocess.run(
+        learner_cmd(run_dir, *args), env=learner_env(), capture_output=True, text=True
+    )
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-3000:]
     assert "already holds a run (step_000003): pass --resume" in again.stderr
     assert len(read_metrics(run_dir)) == len(killed)  # nothing written
 
     done = subprocess.run(
-        _learner(run_dir, "--resume", *args),
-        env=_env(),
+        learner_cmd(run_dir, "--resume", *args),
+        env=learner_env(),
         capture_output=True,
         text=True,
         timeout=400,
@@ -188,21 +161,6 @@ def test_setup_errors_are_one_line_and_name_the_setting(tmp_path, override, mess
     assert_setup_error(tmp_path / "run", override, message)
 
 
-def assert_setup_error(run_dir: Path, override: str, message: str) -> None:
-    """The demo with ``--set override`` stops at setup: exit 2, ``message`` in one last line, no
-    traceback, before any model loads."""
-    proc = subprocess.run(
-        _learner(run_dir, "--set", override),
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert message in proc.stderr.splitlines()[-1]
-    assert "Loading weights" not in proc.stderr  # found before any model loads
-
-
 def _demo_with_rows(tmp_path: Path, rows: list[dict], *overrides: str):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -216,7 +174,11 @@ def _demo_with_rows(tmp_path: Path, rows: list[dict], *overrides: str):
     ]
     args += [a for o in overrides for a in ("--set", o)]
     return subprocess.run(
-        _learner(tmp_path / "run", *args), env=_env(), capture_output=True, text=True, timeout=180
+        learner_cmd(tmp_path / "run", *args),
+        env=learner_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
 
 
@@ -237,7 +199,7 @@ def test_unreachable_server_fails_fast_and_clearly(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     proc = subprocess.run(
-        _learner(
+        learner_cmd(
             tmp_path / "run",
             "--set",
             f'rollout.servers=["{url}"]',
@@ -246,7 +208,7 @@ def test_unreachable_server_fails_fast_and_clearly(tmp_path):
             "--set",
             "rollout.max_retries=1",
         ),
-        env=_env(),
+        env=learner_env(),
         capture_output=True,
         text=True,
         timeout=180,
@@ -262,9 +224,9 @@ def test_nccl_group_is_formed_before_the_first_generation(tmp_path):
     generation: on CPU, where NCCL cannot run, it stops before any step, saying why and what
     to use instead."""
     proc = subprocess.run(
-        _learner(tmp_path / "run", "--set", 'rollout.sync="nccl"', "--set", "run.steps=2",
+        learner_cmd(tmp_path / "run", "--set", 'rollout.sync="nccl"', "--set", "run.steps=2",
                  "--set", "run.progress_bar=false"),
-        env=_env(), capture_output=True, text=True, timeout=300,
+        env=learner_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode != 0
     assert 'rollout.sync = "nccl" needs the learner on a CUDA GPU' in proc.stderr, proc.stderr[
@@ -279,7 +241,7 @@ def test_profile_steps_write_the_op_tables_and_trace(tmp_path):
     (and trace) in RUN_DIR/profile; other steps are not profiled; a step beyond run.steps is
     refused before anything starts."""
     run_dir = tmp_path / "run"
-    _run_ok(run_dir, "run.steps=2", "run.profile_steps=[2]", "run.profile_trace=true",
+    run_ok(run_dir, "run.steps=2", "run.profile_steps=[2]", "run.profile_trace=true",
             "run.save_final=false")  # fmt: skip
     prof = run_dir / "profile"
     assert sorted(p.name for p in prof.iterdir()) == ["step_2.trace.json", "step_2.txt"]
@@ -288,8 +250,8 @@ def test_profile_steps_write_the_op_tables_and_trace(tmp_path):
     trace = json.loads((prof / "step_2.trace.json").read_text())
     assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])
     bad = subprocess.run(
-        _learner(tmp_path / "bad", "--set", "run.steps=2", "--set", "run.profile_steps=[3]"),
-        env=_env(), capture_output=True, text=True, timeout=120,
+        learner_cmd(tmp_path / "bad", "--set", "run.steps=2", "--set", "run.profile_steps=[3]"),
+        env=learner_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode != 0 and "run.profile_steps [3] outside 1..run.steps (2)" in bad.stderr
 
@@ -299,7 +261,9 @@ def test_accelerate_two_processes_end_with_identical_weights(tmp_path):
     run_dir = tmp_path / "ddp"
     cmd = [*cpu_launch(2), "-m", "learner", "--config", str(DEMO), "--run-dir", str(run_dir)]
     cmd += ["--set", "run.steps=3", "--set", "run.progress_bar=false"]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=400, cwd=ROOT)
+    proc = subprocess.run(
+        cmd, env=learner_env(), capture_output=True, text=True, timeout=400, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     sums = json.loads((run_dir / "rank_checksums.json").read_text())
     assert len(sums) == 2 and sums[0] == sums[1]
@@ -329,7 +293,7 @@ def test_environment_config_runs_multi_turn_episodes(tmp_path):
             *("--set", "eval.temperature=1.0"),
             *("--set", "sampling.seed=3"),  # each episode's turns seeded on their own
         ],
-        env=_env(),
+        env=learner_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -360,7 +324,7 @@ def test_environment_config_runs_multi_turn_episodes(tmp_path):
 @pytest.mark.parametrize("level", [1, 2])
 def test_colocated_mode_sleeps_the_server_while_training(tmp_path, level):
     run_dir = tmp_path / f"colocated{level}"
-    _run_ok(run_dir, "run.steps=3", f"rollout.sleep_while_training={level}")
+    run_ok(run_dir, "run.steps=3", f"rollout.sleep_while_training={level}")
     records = read_metrics(run_dir)
     # every step generated with the weights synced after the previous step, even after level 2
     assert [r["weight_version/min"] for r in records] == [0.0, 1.0, 2.0]
@@ -370,7 +334,7 @@ def test_colocated_mode_sleeps_the_server_while_training(tmp_path, level):
 
 def test_overlap_never_exceeds_the_staleness_bound(tmp_path):
     run_dir = tmp_path / "overlap"
-    _run_ok(run_dir, "run.steps=6", "rollout.max_staleness=1")
+    run_ok(run_dir, "run.steps=6", "rollout.max_staleness=1")
     records = read_metrics(run_dir)
     staleness = [r["staleness"] for r in records]
     assert max(staleness) <= 1
@@ -382,7 +346,7 @@ def test_overlap_never_exceeds_the_staleness_bound(tmp_path):
 
 def test_lora_run_syncs_merged_weights_to_the_server(tmp_path):
     run_dir = tmp_path / "lora"
-    _run_ok(run_dir, "run.steps=3", "model.lora.r=4", "grpo.beta=0.05")
+    run_ok(run_dir, "run.steps=3", "model.lora.r=4", "grpo.beta=0.05")
     records = read_metrics(run_dir)
     assert [r["weight_version"] for r in records] == [1, 2, 3]
     assert all("kl" in r for r in records)
@@ -402,12 +366,12 @@ def test_qlora_run_checkpoints_the_adapter_alone_and_resumes(tmp_path):
     pytest.importorskip("bitsandbytes")
     run_dir = tmp_path / "qlora"
     qlora = ("model.lora.r=4", 'model.lora.quantization="nf4"', "run.checkpoint_every=2")
-    _run_ok(run_dir, "run.steps=2", *qlora)
+    run_ok(run_dir, "run.steps=2", *qlora)
     ckpt = run_dir / "checkpoints" / "step_000002"
     files = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
     assert "adapter/adapter_model.safetensors" in files, files
     assert not any(f.startswith("model") for f in files), files  # no frozen base weights
-    proc = _run_ok(run_dir, "run.steps=4", *qlora, resume=True)
+    proc = run_ok(run_dir, "run.steps=4", *qlora, resume=True)
     assert "resumed from" in proc.stderr
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -416,7 +380,7 @@ def test_qlora_run_checkpoints_the_adapter_alone_and_resumes(tmp_path):
 
 def test_ignore_eos_and_no_final_save(tmp_path):
     run_dir = tmp_path / "fixed"
-    _run_ok(run_dir, "run.steps=2", "sampling.ignore_eos=true", "run.save_final=false")
+    run_ok(run_dir, "run.steps=2", "sampling.ignore_eos=true", "run.save_final=false")
     records = read_metrics(run_dir)
     max_tokens = load_config(DEMO).sampling.max_tokens
     assert all(r["completion/len_mean"] == max_tokens for r in records)  # EOS never stops one
@@ -448,7 +412,7 @@ def test_fresh_run_syncs_a_server_that_another_learner_updated(
     with start_server(ServerSettings(model=str(tiny_model_dir))) as server:
         assert asyncio.run(update_three_times(server.url)) == 3
         run_dir = tmp_path / "run"
-        proc = _run_ok(
+        proc = run_ok(
             run_dir,
             "run.steps=2",
             f'model.name_or_path="{tiny_model_dir}"',
@@ -463,15 +427,15 @@ def test_fresh_run_syncs_a_server_that_another_learner_updated(
 def test_a_config_over_the_servers_limits_stops_before_any_step(
     tmp_path, start_server, tiny_model_dir
 ):
-    from learner.servers.embedded import _limit_args
+    from learner.servers.embedded import limit_args
     from rollout_server.protocol import Limits
     from rollout_server.settings import ServerSettings
 
     settings = ServerSettings(model=str(tiny_model_dir), limits=Limits(max_n=4))
     with start_server(settings) as server:
         proc = subprocess.run(
-            _learner(tmp_path / "run", "--set", f'rollout.servers=["{server.url}"]'),
-            env=_env(),
+            learner_cmd(tmp_path / "run", "--set", f'rollout.servers=["{server.url}"]'),
+            env=learner_env(),
             capture_output=True,
             text=True,
             timeout=180,
@@ -484,8 +448,8 @@ def test_a_config_over_the_servers_limits_stops_before_any_step(
     assert read_metrics(tmp_path / "run") == []  # no step ran
     # the embedded server is started with limits that fit the config
     cfg = load_config(DEMO, ["sampling.num_generations=80", "sampling.max_tokens=5000"])
-    assert _limit_args(cfg) == ["--max-n", "80", "--max-tokens", "5000"]
-    assert _limit_args(load_config(DEMO)) == []
+    assert limit_args(cfg) == ["--max-n", "80", "--max-tokens", "5000"]
+    assert limit_args(load_config(DEMO)) == []
 
 
 def test_a_restarted_server_gets_the_weights_again_and_the_run_goes_on(tmp_path, tiny_model_dir):
@@ -499,7 +463,7 @@ def test_a_restarted_server_gets_the_weights_again_and_the_run_goes_on(tmp_path,
     serve += ["--engine", "transformers", "--port", str(port), "--log-level", "warning"]
 
     def start() -> subprocess.Popen:
-        return subprocess.Popen(serve, env=_env(), stderr=subprocess.DEVNULL)
+        return subprocess.Popen(serve, env=learner_env(), stderr=subprocess.DEVNULL)
 
     server = start()
     run_dir = tmp_path / "run"
@@ -509,8 +473,8 @@ def test_a_restarted_server_gets_the_weights_again_and_the_run_goes_on(tmp_path,
         f'rollout.servers=["http://127.0.0.1:{port}"]',
     ]
     learner = subprocess.Popen(
-        _learner(run_dir, *(a for s in sets for a in ("--set", s))),
-        env=_env(),
+        learner_cmd(run_dir, *(a for s in sets for a in ("--set", s))),
+        env=learner_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

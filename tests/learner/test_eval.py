@@ -11,8 +11,8 @@ import pytest
 
 from learner.config import ConfigError, load_config
 from learner.run.metrics import read_metrics
+from tests.learner.demo_runs import DEMO, assert_setup_error, learner_env, run_ok
 from tests.learner.test_config_data_batch import write_hub_layout
-from tests.learner.test_e2e import DEMO, _env, _run_ok, assert_setup_error
 
 DEMO_EVAL = DEMO.parent.parent / "data" / "demo_eval.jsonl"
 
@@ -36,7 +36,7 @@ def test_eval_scores_held_out_prompts_and_writes_the_samples(tmp_path):
     # built by a template and a system prompt: the run trains on one split, evaluates the other.
     hub = _demo_as_hub_layout(tmp_path / "hub")
     run = tmp_path / "run"
-    _run_ok(
+    run_ok(
         run,
         f'data.path="{hub}"',
         'data.subset="main"',
@@ -112,7 +112,7 @@ def test_learner_eval_evaluates_a_saved_model_without_training(tmp_path):
 
     def learner_eval(*args: str) -> subprocess.CompletedProcess:
         argv = [sys.executable, "-m", "learner", "eval", "--config", str(DEMO), *args]
-        return subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=180)
+        return subprocess.run(argv, env=learner_env(), capture_output=True, text=True, timeout=180)
 
     out = tmp_path / "base"
     proc = learner_eval("--out", str(out), "--set", "eval.max_prompts=4")

@@ -21,14 +21,14 @@ import pytest
 from learner.run.checkpoint import latest_checkpoint
 from learner.run.metrics import MetricsLogger, read_metrics
 from learner.run.runtime import check_fresh_run_dir
-from tests.learner.test_e2e import _env, _learner, _wait_gone
+from tests.learner.demo_runs import learner_cmd, learner_env, wait_gone
 
 QUIET = ("run.progress_bar=false", "run.tensorboard=false", "run.save_final=false")
 
 
 def _cmd(run_dir: Path, *overrides: str, resume: bool = False) -> list[str]:
     sets = [a for o in (*QUIET, *overrides) for a in ("--set", o)]
-    return _learner(run_dir, *sets, *(["--resume"] if resume else []))
+    return learner_cmd(run_dir, *sets, *(["--resume"] if resume else []))
 
 
 def _kill_when(
@@ -36,7 +36,7 @@ def _kill_when(
 ) -> None:
     """Start the learner, SIGKILL it as soon as ``when()`` holds (polled every millisecond)."""
     log = (run_dir.parent / f"{run_dir.name}.log").open("ab")
-    proc = subprocess.Popen(_cmd(run_dir, *overrides), env=_env(), stdout=log, stderr=log)
+    proc = subprocess.Popen(_cmd(run_dir, *overrides), env=learner_env(), stdout=log, stderr=log)
     deadline = time.monotonic() + timeout_s
     try:
         while not when():
@@ -53,7 +53,7 @@ def _kill_when(
 def _resume(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
         _cmd(run_dir, *overrides, resume=True),
-        env=_env(),
+        env=learner_env(),
         capture_output=True,
         text=True,
         timeout=240,
@@ -137,7 +137,7 @@ def test_a_checkpoint_is_on_disk_before_its_name_appears(tmp_path):
     ]
     subprocess.run(
         [*strace, sys.executable, "-c", _SAVE_ONE, str(tmp_path / "run")],
-        env=_env(),
+        env=learner_env(),
         check=True,
         timeout=120,
     )
@@ -185,7 +185,7 @@ def test_a_killed_embedded_server_stops_the_run_with_a_named_error(tmp_path, pro
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         _cmd(run_dir, "run.steps=20"),
-        env=_env(),
+        env=learner_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -220,7 +220,7 @@ def test_a_file_sync_cut_off_by_a_kill_leaves_no_copy_of_the_weights_behind(tmp_
     run_dir = tmp_path / "run"
     file_sync = ('rollout.sync="file"', f'rollout.sync.dir="{sync_dir}"', "run.steps=1")
     done = subprocess.run(
-        _cmd(run_dir, *file_sync), env=_env(), capture_output=True, text=True, timeout=240
+        _cmd(run_dir, *file_sync), env=learner_env(), capture_output=True, text=True, timeout=240
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in sync_dir.iterdir()) == ["weights.safetensors"]
@@ -233,7 +233,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp
     first step (the rollout server starting) there is no step to wait for: it stops at once."""
     early = tmp_path / "early"
     proc = subprocess.Popen(
-        _cmd(early), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        _cmd(early), env=learner_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     deadline = time.monotonic() + 120
     while not (early / "rollout_server.log").exists():  # the embedded server is starting
@@ -249,12 +249,12 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp
     assert "run the same command again" in err.splitlines()[-1]
     assert not read_metrics(early) and latest_checkpoint(early) is None
     check_fresh_run_dir(early)  # "the same command again" (no --resume) may start there
-    assert not _wait_gone(proc_scan, str(early / "model"))  # the embedded server went with it
+    assert not wait_gone(proc_scan, str(early / "model"))  # the embedded server went with it
     run_dir = tmp_path / "run"
     sets = ("run.checkpoint_every=100", "run.keep_checkpoints=1", "sampling.max_tokens=8")
     proc = subprocess.Popen(
         _cmd(run_dir, "run.steps=40", *sets),
-        env=_env(),
+        env=learner_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

@@ -11,7 +11,7 @@ import pytest
 
 from learner.config import ConfigError, load_config
 from learner.run.metrics import read_metrics
-from tests.learner.test_e2e import DEMO, _run_ok, assert_setup_error
+from tests.learner.demo_runs import DEMO, assert_setup_error, run_ok
 
 
 def wandb_records(path: Path) -> list:
@@ -62,7 +62,7 @@ def test_a_run_reports_to_wandb_and_its_resume_continues_the_same_wandb_run(tmp_
     run = tmp_path / "run"
     sets = ('run.report_to=["wandb"]', "sampling.max_tokens=8", "run.checkpoint_every=2",
             'rollout.api_key="s3cret"')  # fmt: skip
-    _run_ok(run, "run.steps=2", *sets)
+    run_ok(run, "run.steps=2", *sets)
     [first] = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
     run_id, config, rows = _history(first)
     assert run_id == (run / "tracker_run_id").read_text().strip()
@@ -75,7 +75,7 @@ def test_a_run_reports_to_wandb_and_its_resume_continues_the_same_wandb_run(tmp_
         step = int(record["step"])
         assert logged[step]["reward/mean"] == pytest.approx(record["reward/mean"])
         assert logged[step]["loss"] == pytest.approx(record["loss"])
-    _run_ok(run, "run.steps=3", *sets, resume=True)
+    run_ok(run, "run.steps=3", *sets, resume=True)
     files = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 2 and files[0] == first
     again, _, rows = _history(files[1])

@@ -1,0 +1,83 @@
+"""The rollout servers as the training loop sees them once they are up: the HTTP client, the
+weight syncer and the event loop both run on, and what a train step asks of the servers.
+
+Around each optimizer step the servers are put to sleep (colocated mode: the step takes their
+GPU memory), or, when they idle, asked to queue the next weight sync's receives (NCCL); after
+it they are woken and given the new weights. Every method that ends in a collective is entered
+by every rank; the HTTP calls run on the main process only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from learner.config import LearnerConfig
+from learner.run.checkpoint import TrainerState
+from learner.servers.pool import EventLoopThread, main_decides, may_prepare, restarted, sync_weights
+from learner.sync.base import WeightTransport
+from rollout_server.client import RolloutClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerConnection:
+    """The learner's rollout servers, connected; ``state.weight_version``: what they serve."""
+
+    cfg: LearnerConfig
+    accelerator: Accelerator
+    loop: EventLoopThread
+    client: RolloutClient
+    syncer: WeightTransport
+    policy: torch.nn.Module
+    state: TrainerState
+
+    def resync(self) -> None:
+        """Give the servers the weights the learner already served (a resumed run, a
+        restarted server), under the learner's weight version."""
+        sync_weights(self.accelerator, self.loop, self.syncer, self.policy, self.state, resync=True)
+
+    def server_restarted(self) -> bool:
+        """Whether a server serves an older weight version than the learner synced (decided on
+        the main process, the answer on every rank)."""
+        return main_decides(self.accelerator, self._restarted)
+
+    def _restarted(self) -> bool:
+        return restarted(self.loop.run(self.client.info()), self.state.weight_version)
+
+    def before_training(self, pending: Any) -> concurrent.futures.Future[Any] | None:
+        """Colocated: put the servers to sleep. With no rollouts ``pending`` (the servers idle):
+        have them queue the sync's receives now. Returns that preparation, in flight."""
+        sleep_level = self.cfg.rollout.sleep_while_training
+        if sleep_level and self.accelerator.is_main_process:
+            self.loop.run(self.client.sleep(sleep_level))  # colocated: give the GPU to training
+        if may_prepare(self.cfg, self.accelerator, pending):  # the servers are idle: queue the
+            hf_model = self.accelerator.unwrap_model(self.policy).model  # sync's receives now
+            return self.loop.submit(self.syncer.prepare(hf_model))
+        return None
+
+    def after_training(self, prepared: concurrent.futures.Future[Any] | None) -> None:
+        """Wake the servers and push the new weights (``state.weight_version`` moves on)."""
+        sleep_level = self.cfg.rollout.sleep_while_training
+        if sleep_level and self.accelerator.is_main_process:
+            self.loop.run(
+                self.client.wake_up(["weights"])
+            )  # weights first, KV cache after the load
+        if prepared is not None:
+            try:
+                prepared.result()
+            except Exception:  # the push announces instead
+                logger.warning("preparing the weight sync failed", exc_info=True)
+        sync_weights(self.accelerator, self.loop, self.syncer, self.policy, self.state)
+        if sleep_level and self.accelerator.is_main_process:
+            self.loop.run(self.client.wake_up(["kv_cache"]))
+
+    def close(self) -> None:
+        self.syncer.close()
+        self.loop.run(self.client.aclose())

@@ -1,0 +1,68 @@
+"""The demo learner as a subprocess, for the end-to-end tests: its command line, environment,
+a run that must succeed, a setup that must fail in one line, and waiting for processes to go."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "learner" / "configs" / "demo.toml"
+
+
+def learner_cmd(run_dir: Path, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "learner",
+        "--config",
+        str(DEMO),
+        "--run-dir",
+        str(run_dir),
+        *args,
+    ]
+
+
+def learner_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_ok(
+    run_dir: Path, *overrides: str, timeout: int = 300, resume: bool = False
+) -> subprocess.CompletedProcess:
+    """Run the demo learner with ``--set`` overrides and require it to succeed."""
+    args = [a for o in ("run.progress_bar=false", *overrides) for a in ("--set", o)]
+    args += ["--resume"] if resume else []
+    proc = subprocess.run(
+        learner_cmd(run_dir, *args), env=learner_env(), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def wait_gone(scan, text: str, timeout_s: float = 15.0) -> list[int]:
+    """Poll ``scan(text)`` (the ``proc_scan`` fixture: processes whose command line holds
+    ``text``) until it finds none or ``timeout_s`` passes; what it found last."""
+    deadline = time.monotonic() + timeout_s
+    while (left := scan(text)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def assert_setup_error(run_dir: Path, override: str, message: str) -> None:
+    """The demo with ``--set override`` stops at setup: exit 2, ``message`` in one last line, no
+    traceback, before any model loads."""
+    proc = subprocess.run(
+        learner_cmd(run_dir, "--set", override),
+        env=learner_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert message in proc.stderr.splitlines()[-1]
+    assert "Loading weights" not in proc.stderr  # found before any model loads
