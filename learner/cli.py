@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from learner.config import LearnerConfig
 
 
-def _train_parser(sft: bool = False) -> argparse.ArgumentParser:
+def train_parser(sft: bool = False) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m learner sft" if sft else "python -m learner",
         description="Supervised fine-tuning on the config's [sft] data (chunked NLL)."
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "eval":
         return _eval(argv[1:])
     sft = bool(argv) and argv[0] == "sft"
-    args = _train_parser(sft).parse_args(argv[1:] if sft else argv)
+    args = train_parser(sft).parse_args(argv[1:] if sft else argv)
     from learner.config import ConfigError, load_config
 
     overrides = list(args.overrides)
@@ -101,7 +101,7 @@ def _guarded(run: Callable[[], int]) -> int:
         from rewards.scoring import RewardFunctionError, RewardSpecError
 
         if isinstance(e, (RewardFunctionError, EpisodesFailedError)):  # the user's code failed
-            print(_user_traceback(e.__cause__) + f"error: {e}", file=sys.stderr)
+            print(user_traceback(e.__cause__) + f"error: {e}", file=sys.stderr)
             return 1
         if not isinstance(e, (SetupError, DataError, PluginError, RewardSpecError)):
             raise
@@ -153,7 +153,7 @@ def _eval(argv: list[str]) -> int:
     return _guarded(run)
 
 
-def _user_traceback(e: BaseException | None) -> str:
+def user_traceback(e: BaseException | None) -> str:
     """The traceback of what a reward function raised, from the function's own frame on (not
     the thread and runner frames that called it); empty if nothing raised."""
     import traceback

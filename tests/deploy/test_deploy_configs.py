@@ -144,7 +144,7 @@ def test_rollout_command_is_valid_server_settings(
 def test_learner_command_parses_with_accelerate_and_learner(compose: dict) -> None:
     from accelerate.commands.launch import launch_command_parser
 
-    from learner.cli import _train_parser
+    from learner.cli import train_parser
     from learner.config import load_config
 
     command = compose["services"]["learner"]["command"]
@@ -152,7 +152,7 @@ def test_learner_command_parses_with_accelerate_and_learner(compose: dict) -> No
     args = launch_command_parser().parse_args(command[2:])
     assert args.module and args.training_script == "learner"
     assert (ROOT / args.config_file).is_file()
-    learner_args = _train_parser().parse_args(args.training_script_args)
+    learner_args = train_parser().parse_args(args.training_script_args)
     cfg = load_config(learner_args.config, learner_args.overrides)
     assert cfg.model.name_or_path == ENV["MODEL"]
     assert cfg.rollout.servers == ["http://127.0.0.1:8000"]

@@ -7,7 +7,7 @@ import traceback
 
 import pytest
 
-from learner.cli import _user_traceback
+from learner.cli import user_traceback
 from rewards.scoring import RewardFunctionError, RewardRunner, RewardSpec
 
 
@@ -22,7 +22,7 @@ async def test_a_raising_reward_shows_its_own_frames_only():
     full = "".join(traceback.format_exception(info.value.__cause__))
     assert "grpo_common/threads.py" in full  # what the filter has to drop
 
-    shown = _user_traceback(info.value.__cause__)
+    shown = user_traceback(info.value.__cause__)
     frames = [line for line in shown.splitlines() if line.startswith("  File ")]
     assert frames[0].endswith(", in reads_a_missing_column")
     assert __file__ in frames[0]
@@ -32,4 +32,4 @@ async def test_a_raising_reward_shows_its_own_frames_only():
 
 
 def test_an_error_without_a_cause_prints_no_traceback():
-    assert _user_traceback(None) == ""
+    assert user_traceback(None) == ""
