@@ -6,6 +6,8 @@ must not silently fall back to a default), and every error names the field and h
 
 from __future__ import annotations
 
+import re
+import string
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -18,10 +20,10 @@ from pydantic import (
     model_validator,
 )
 
-from learner.config_base import _FieldError, _Section
+from learner.config_base import FieldError, Section
 
 
-class LoraConfig(_Section):
+class LoraConfig(Section):
     r: int = Field(16, ge=1)
     alpha: int = Field(32, ge=1)
     dropout: float = Field(0.0, ge=0, lt=1)
@@ -39,7 +41,7 @@ class LoraConfig(_Section):
     )
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     name_or_path: str = Field(
         "tiny",
         description="hub id or local path; 'tiny' builds a random-weight tiny Qwen3 in the run dir",
@@ -71,7 +73,24 @@ _DATA_PATH = (
 )
 
 
-class DataConfig(_Section):
+def _template_error(template: str) -> str | None:
+    """What is wrong with a ``prompt_template``'s syntax (``str.format``, fields naming
+    columns: ``learner.data.prompts.PromptFormat``), or None."""
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        return f"{e} (write {{{{ and }}}} for literal braces)"
+    for field in fields:
+        column = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if not column or column.isdigit():
+            return (
+                f"{{{field}}} names no column: fields are column names, as in {{question}}; "
+                "write {{ and }} for literal braces, e.g. \\boxed{{}}"
+            )
+    return None
+
+
+class DataConfig(Section):
     path: str = Field(description=_DATA_PATH)
     split: str = Field("train", description="for a Hub id or a dataset directory: the split")
     subset: str | None = Field(
@@ -94,12 +113,10 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _prompt_format(self) -> DataConfig:
-        from learner.data.prompts import template_error
-
-        if self.prompt_template is not None and (err := template_error(self.prompt_template)):
-            raise _FieldError("prompt_template", err)
+        if self.prompt_template is not None and (err := _template_error(self.prompt_template)):
+            raise FieldError("prompt_template", err)
         if self.system_prompt is not None and not self.chat:
-            raise _FieldError(
+            raise FieldError(
                 "system_prompt",
                 "plain-text prompts (chat = false) have no system message: put the instructions "
                 "in prompt_template, or set chat = true",
@@ -107,7 +124,7 @@ class DataConfig(_Section):
         return self
 
 
-class EmbeddedServerConfig(_Section):
+class EmbeddedServerConfig(Section):
     engine: Literal["transformers", "vllm"] = Field(
         "transformers", description="vllm: the server shares the learner's GPU (colocated)"
     )
@@ -116,7 +133,7 @@ class EmbeddedServerConfig(_Section):
     extra_args: list[str] = Field(default_factory=list, description="more rollout-server flags")
 
 
-class _SyncSection(_Section):
+class _SyncSection(Section):
     """[rollout.sync]: the weight transport (``type``) and its own settings."""
 
     @property
@@ -189,7 +206,7 @@ _FLAT_SYNC_KEYS = {
 }
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     servers: list[str] = Field(
         default_factory=list,
         description="rollout server URLs; empty = start an embedded server as a subprocess",
@@ -224,7 +241,7 @@ class RolloutConfig(_Section):
         if isinstance(data, dict):
             for key, new in _FLAT_SYNC_KEYS.items():
                 if key in data:
-                    raise _FieldError(key, f"is now {new}")
+                    raise FieldError(key, f"is now {new}")
         return data
 
     @field_validator("sync", mode="wrap")
@@ -239,7 +256,7 @@ class RolloutConfig(_Section):
             kind = value.get("type")
             if not isinstance(kind, str) or kind not in _SYNC_SECTIONS:
                 given = "required" if kind is None else f"{kind!r} is not a transport"
-                raise _FieldError("type", f"{given}: give 'http', 'file', 'nccl' or 'ipc'")
+                raise FieldError("type", f"{given}: give 'http', 'file', 'nccl' or 'ipc'")
         try:
             return handler(value)
         except ValidationError as err:
@@ -257,25 +274,25 @@ class RolloutConfig(_Section):
         return self
 
 
-def _sync_field_error(err: ValidationError) -> _FieldError:
+def _sync_field_error(err: ValidationError) -> FieldError:
     """The first error inside [rollout.sync], under the field's own name, saying what to do."""
     e = err.errors()[0]
     tag, path = e["loc"][0], e["loc"][1:]
     inner = e.get("ctx", {}).get("error")
-    if isinstance(inner, _FieldError):
-        return _FieldError(".".join(map(str, (*path, inner.field))), inner.message)
+    if isinstance(inner, FieldError):
+        return FieldError(".".join(map(str, (*path, inner.field))), inner.message)
     field = ".".join(map(str, path))
     if e["type"] == "extra_forbidden":
         takes = ", ".join(n for n in _SYNC_SECTIONS[str(tag)].model_fields if n != "type")
-        return _FieldError(
+        return FieldError(
             field, f'unknown field for type = "{tag}", which takes: {takes or "nothing else"}'
         )
     if e["type"] == "missing":
-        return _FieldError(field, f'required with type = "{tag}" — add it to [rollout.sync]')
-    return _FieldError(field, e["msg"])
+        return FieldError(field, f'required with type = "{tag}" — add it to [rollout.sync]')
+    return FieldError(field, e["msg"])
 
 
-class SamplingConfig(_Section):
+class SamplingConfig(Section):
     num_generations: int = Field(8, ge=2, description="G: completions per prompt (>= 2)")
     max_tokens: int = Field(256, ge=1)
     # the rollout server's bounds (rollout_server.protocol.SamplingParams), checked at load
@@ -296,7 +313,7 @@ class SamplingConfig(_Section):
     )
 
 
-class RewardConfig(_Section):
+class RewardConfig(Section):
     name: str = Field(description="a registered reward (python -m rewards list)")
     weight: float = 1.0
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -305,7 +322,7 @@ class RewardConfig(_Section):
     )
 
 
-class EnvironmentConfig(_Section):
+class EnvironmentConfig(Section):
     """Train on a multi-turn environment instead of a dataset + reward functions."""
 
     name: str = Field(
@@ -319,12 +336,12 @@ class EnvironmentConfig(_Section):
     episode_timeout_s: float | None = Field(300.0, gt=0)
 
 
-class ScoringConfig(_Section):
+class ScoringConfig(Section):
     timeout_s: float = Field(60.0, gt=0)
     policy: Literal["raise", "none", "zero"] = "raise"
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     """Held-out prompts scored with the run's rewards every ``every`` steps (learner/evaluate.py)."""
 
     data: str | None = Field(
@@ -357,7 +374,7 @@ class EvalConfig(_Section):
     @model_validator(mode="after")
     def _greedy_once(self) -> EvalConfig:
         if self.temperature == 0 and self.num_generations > 1:
-            raise _FieldError(
+            raise FieldError(
                 "num_generations",
                 f"greedy decoding (temperature = 0) gives {self.num_generations} identical "
                 f"samples: set eval.temperature > 0, or eval.num_generations = 1",
@@ -365,7 +382,7 @@ class EvalConfig(_Section):
         return self
 
 
-class GRPOConfig(_Section):
+class GRPOConfig(Section):
     prompts_per_step: int = Field(8, ge=1, description="prompts per optimizer step (all ranks)")
     num_iterations: int = Field(1, ge=1, description="optimizer passes over each batch")
     micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward")
@@ -432,7 +449,7 @@ class GRPOConfig(_Section):
     @model_validator(mode="after")
     def _sequence_ratio_is_not_separable(self) -> GRPOConfig:
         if self.importance_sampling_level == "sequence" and self.fused_loss:
-            raise _FieldError(
+            raise FieldError(
                 "importance_sampling_level",
                 '"sequence" ties every token\'s gradient to its whole completion, and the fused '
                 "loss computes each token's gradient on its own: set fused_loss = false, or "
@@ -443,7 +460,7 @@ class GRPOConfig(_Section):
     @model_validator(mode="after")
     def _uncounted_needs_policy_gradient_only(self) -> GRPOConfig:
         if not self.count_zero_advantage and (self.beta != 0.0 or self.entropy_coef != 0.0):
-            raise _FieldError(
+            raise FieldError(
                 "count_zero_advantage",
                 f"false leaves zero-advantage rollouts out of the loss, but their tokens have "
                 f"a gradient with beta = {self.beta} and entropy_coef = {self.entropy_coef}: "
@@ -452,7 +469,7 @@ class GRPOConfig(_Section):
         return self
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     lr: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.99)
@@ -461,7 +478,7 @@ class OptimConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     steps: int = Field(100, ge=1)
     seed: int = 0
     run_dir: str = "runs/grpo"
@@ -499,7 +516,7 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _tracker_kwargs_name_trackers(self) -> RunConfig:
         if stray := sorted(set(self.tracker_kwargs) - set(self.report_to)):
-            raise _FieldError(
+            raise FieldError(
                 "tracker_kwargs",
                 f"{stray} not in run.report_to {self.report_to}: add them there, or drop them",
             )
@@ -513,7 +530,7 @@ class RunConfig(_Section):
         return self
 
 
-class SFTConfig(_Section):
+class SFTConfig(Section):
     """Supervised fine-tuning: ``python -m learner sft``, or a warm start before GRPO in one run.
 
     Rows hold chat ``messages`` (the loss covers the assistant turns only) or ``prompt`` and
@@ -548,7 +565,7 @@ class SFTConfig(_Section):
         return self
 
 
-class LearnerConfig(_Section):
+class LearnerConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig | None = None
     environment: EnvironmentConfig | None = None
@@ -611,7 +628,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"]
-        if isinstance(field_error := e.get("ctx", {}).get("error"), _FieldError):
+        if isinstance(field_error := e.get("ctx", {}).get("error"), FieldError):
             loc, msg = f"{loc}.{field_error.field}", field_error.message
         elif (
             e["type"] == "extra_forbidden"

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
     # inf and nan are never meant (an inf timeout or learning rate is a typo, not a setting)
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -41,11 +41,11 @@ class _Section(BaseModel):
             for name, value in data.items():
                 field = cls.model_fields.get(name)
                 if field is not None and isinstance(value, bool) and _numeric(field.annotation):
-                    raise _FieldError(name, f"give a number, not {str(value).lower()}")
+                    raise FieldError(name, f"give a number, not {str(value).lower()}")
         return data
 
 
-class _FieldError(ValueError):
+class FieldError(ValueError):
     """A section validator's error about one of its fields (reported as ``section.field``)."""
 
     def __init__(self, field: str, message: str) -> None:

@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 
 from learner.config import LearnerConfig
 from learner.data.prompts import PromptStream
-from learner.data.sft import RowFormat, load_sft_rows, tokenize_row
+from learner.data.sft import RowFormat, SFTExample, load_sft_rows, tokenize_row
 from learner.loss.nll import chunked_nll
 from learner.model.export import save_model
 from learner.model.policy import PolicyLogprobs
@@ -49,7 +49,7 @@ from learner.run.runtime import (
     start_run,
     use_fused_adamw,
 )
-from learner.step.batch import TrainBatch, collate, micro_batches
+from learner.step.batch import Rollout, TrainBatch, collate, micro_batches
 from learner.step.optimizer import (
     NonFiniteGuard,
     accumulating,
@@ -98,6 +98,17 @@ class NLLPolicy(PolicyLogprobs):
             fused=self.fused,
             fused_chunk_size=self.fused_chunk_size,
         )
+
+
+def example_rollout(example: SFTExample, pad_id: int) -> Rollout:
+    """``example`` as a rollout whose 'prompt' is the first token: ``learner.step.batch.collate``
+    aligns the mask to targets (position t predicts token t+1) exactly as for GRPO. A row shorter
+    than two tokens becomes padding without targets (every rank keeps the same row count)."""
+    ids, mask = example.input_ids, example.loss_mask
+    if len(ids) < 2:
+        return Rollout([pad_id], [pad_id], [0.0], [0])
+    n = len(ids) - 1
+    return Rollout(ids[:1], ids[1:], [0.0] * n, mask[1:])
 
 
 def sft_steps(cfg: LearnerConfig, num_rows: int) -> int:
@@ -277,7 +288,7 @@ def sft_batches(run: SFTRun) -> tuple[list[TrainBatch], float, float]:
     truncated = sum(len(e.input_ids) > s.max_length for e in examples)
     examples = [e.truncate(s.max_length) for e in examples]
     empty = sum(e.num_targets == 0 for e in examples)
-    rollouts = [e.to_rollout(run.pad_id) for e in examples]
+    rollouts = [example_rollout(e, run.pad_id) for e in examples]
     batches = [
         collate(mb, run.pad_id, cfg.grpo.pad_to_multiple_of)
         for mb in micro_batches(rollouts, s.micro_batch_size)

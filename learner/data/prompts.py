@@ -12,7 +12,6 @@ import logging
 import random
 import re
 import shutil
-import string
 import tempfile
 import zlib
 from dataclasses import dataclass
@@ -77,22 +76,6 @@ class PromptFormat:
                     )
                 prompt = [{"role": "system", "content": self.system_prompt}, *prompt]
             row[prompt_column] = prompt
-
-
-def template_error(template: str) -> str | None:
-    """What is wrong with a ``prompt_template``'s syntax, or None."""
-    try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
-    except ValueError as e:
-        return f"{e} (write {{{{ and }}}} for literal braces)"
-    for field in fields:
-        column = re.split(r"[.\[]", field, maxsplit=1)[0]
-        if not column or column.isdigit():
-            return (
-                f"{{{field}}} names no column: fields are column names, as in {{question}}; "
-                "write {{ and }} for literal braces, e.g. \\boxed{{}}"
-            )
-    return None
 
 
 def load_rows(

@@ -23,7 +23,6 @@ from typing import Any, Literal
 
 from learner.config import SFTConfig
 from learner.data.prompts import DataError, check_prompts, read_rows
-from learner.step.batch import Rollout
 
 RowFormat = Literal["messages", "prompt_completion"]
 
@@ -39,15 +38,6 @@ class SFTExample:
 
     def truncate(self, max_length: int) -> SFTExample:
         return SFTExample(self.input_ids[:max_length], self.loss_mask[:max_length])
-
-    def to_rollout(self, pad_id: int) -> Rollout:
-        """As a rollout whose 'prompt' is the first token: ``learner.step.batch.collate`` aligns the
-        mask to targets (position t predicts token t+1) exactly as for GRPO. A row shorter than
-        two tokens becomes padding without targets (every rank keeps the same row count)."""
-        if len(self.input_ids) < 2:
-            return Rollout([pad_id], [pad_id], [0.0], [0])
-        n = len(self.input_ids) - 1
-        return Rollout(self.input_ids[:1], self.input_ids[1:], [0.0] * n, self.loss_mask[1:])
 
 
 def load_sft_rows(cfg: SFTConfig) -> tuple[list[dict[str, Any]], RowFormat]:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from learner.config import ConfigError, SFTConfig, load_config
 from learner.data.prompts import DataError
 from learner.data.sft import SFTExample, assistant_spans, load_sft_rows, tokenize_row
+from learner.sft import example_rollout
 from learner.step.batch import collate
 from tests.learner.launch import cpu_launch
 
@@ -121,7 +122,12 @@ def test_collate_aligns_the_mask_with_targets_and_truncation_cuts_the_end(tok):
     short = ex.truncate(4)
     assert short.input_ids == b("xyzw") and short.num_targets == 2
     batch = collate(
-        [ex.to_rollout(EOT), short.to_rollout(EOT), SFTExample([5], [1]).to_rollout(EOT)], EOT
+        [
+            example_rollout(ex, EOT),
+            example_rollout(short, EOT),
+            example_rollout(SFTExample([5], [1]), EOT),
+        ],
+        EOT,
     )
     # position t predicts token t+1: targets z, w, <|im_end|> sit at positions 1, 2, 3
     assert batch.loss_mask.tolist() == [[0, 1, 1, 1], [0, 1, 1, 0], [0, 0, 0, 0]]
@@ -183,7 +189,7 @@ def _rollouts(tok):
         {"prompt": [{"role": "user", "content": "hi"}], "completion": "a longer answer"},
         {"prompt": "p", "completion": "q"},
     ]
-    return [tokenize_row(tok, r, _cfg(), "prompt_completion").to_rollout(EOT) for r in rows]
+    return [example_rollout(tokenize_row(tok, r, _cfg(), "prompt_completion"), EOT) for r in rows]
 
 
 def _tiny_model(seed: int, tie: bool = True):
