@@ -48,20 +48,24 @@ zero gradient (zero advantage without KL or entropy bonus) left out, with the sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, fields
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
-LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
-IS_LEVELS: tuple[str, ...] = ("token", "sequence")
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 
 
 @dataclass
 class LossConfig:
-    """Hyper-parameters of the GRPO loss (defaults: DAPO's asymmetric clip, no KL)."""
+    """Hyper-parameters of the GRPO loss (defaults: DAPO's asymmetric clip, no KL).
+
+    Every field but `max_completion_length` is the `[grpo]` config field of the same name:
+    `LossConfig.of` takes them from the validated section. What that section already checks
+    (the loss type and the ratio's level among their choices, clip ranges and beta >= 0) is
+    not checked again here; `__post_init__` checks what it does not."""
 
     loss_type: LossType = "dapo"
     eps_low: float = 0.2
@@ -73,20 +77,11 @@ class LossConfig:
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
 
     def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.importance_sampling_level not in IS_LEVELS:
+        if self.eps_low >= 1:
             raise ValueError(
-                f"importance_sampling_level must be one of {IS_LEVELS}, got "
-                f"{self.importance_sampling_level!r}"
+                f"need eps_low < 1 (the ratio is clipped below at 1 - eps_low), got "
+                f"eps_low={self.eps_low}"
             )
-        if not (0 <= self.eps_low < 1) or self.eps_high < 0:
-            raise ValueError(
-                f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={self.eps_low}, "
-                f"eps_high={self.eps_high}"
-            )
-        if self.beta < 0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be > 0 or None (disabled), got {self.tis_cap}")
         if self.loss_type == "dr_grpo" and not self.max_completion_length:
@@ -94,6 +89,17 @@ class LossConfig:
                 "loss_type='dr_grpo' normalises by B * max_completion_length: set "
                 "max_completion_length to the sampling max_tokens"
             )
+
+    @classmethod
+    def of(cls, grpo: object, max_completion_length: int) -> LossConfig:
+        """The loss of a validated `[grpo]` section (`learner.config.GRPOConfig`, read by field
+        name: the config reaches the step layer above the loss through `learner.data`, so the
+        loss does not import it); `max_completion_length` is the sampling `max_tokens`
+        (dr_grpo's normaliser)."""
+        own = {
+            f.name: getattr(grpo, f.name) for f in fields(cls) if f.name != "max_completion_length"
+        }
+        return cls(**own, max_completion_length=max_completion_length)
 
 
 @dataclass
@@ -245,7 +251,6 @@ def _reduce(per_token: Tensor, mask: Tensor, inputs: LossInputs, cfg: LossConfig
 
 
 __all__ = [
-    "IS_LEVELS",
     "LOSS_TYPES",
     "LossConfig",
     "LossInputs",

@@ -1,12 +1,16 @@
 """GRPO loss: hand-computed cases, and the chunked path end to end against float64 logits."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from learner.config import ConfigError, load_config
 from learner.loss.grpo import LOSS_TYPES, LossConfig, LossInputs, grpo_loss
 from learner.loss.logprobs import token_logprobs
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def hand_inputs(mask):
@@ -200,16 +204,45 @@ def test_chunked_loss_matches_float64_full_logits(dtype, tol, loss_type, beta, w
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"loss_type": "ppo"}, "loss_type must be one of"),
         ({"loss_type": "dr_grpo"}, "max_completion_length"),
         ({"eps_low": 1.5}, "eps_low"),
-        ({"beta": -1.0}, "beta must be"),
         ({"tis_cap": 0.0}, "tis_cap"),
     ],
 )
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LossConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ('grpo.loss_type="ppo"', r"grpo\.loss_type: Input should be 'grpo', 'bnpo'"),
+        ("grpo.beta=-1.0", r"grpo\.beta: Input should be greater than or equal to 0"),
+    ],
+)
+def test_the_grpo_section_validates_what_loss_config_takes_from_it(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(ROOT / "learner/configs/demo.toml", [override])
+
+
+def test_loss_config_of_the_grpo_section():
+    cfg = load_config(
+        ROOT / "learner/configs/demo.toml",
+        ['grpo.loss_type="dr_grpo"', "grpo.beta=0.04", "grpo.tis_cap=none", "grpo.eps_low=0.1"],
+    )
+    loss_cfg = LossConfig.of(cfg.grpo, cfg.sampling.max_tokens)
+    g = cfg.grpo
+    assert loss_cfg == LossConfig(
+        loss_type="dr_grpo",
+        eps_low=0.1,
+        eps_high=g.eps_high,
+        beta=0.04,
+        tis_cap=None,
+        max_completion_length=cfg.sampling.max_tokens,
+        entropy_coef=g.entropy_coef,
+        importance_sampling_level=g.importance_sampling_level,
+    )
 
 
 def test_missing_inputs_are_named():
