@@ -49,10 +49,13 @@ zero gradient (zero advantage without KL or entropy bonus) left out, with the sa
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from learner.config import GRPOConfig
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
@@ -91,11 +94,9 @@ class LossConfig:
             )
 
     @classmethod
-    def of(cls, grpo: object, max_completion_length: int) -> LossConfig:
-        """The loss of a validated `[grpo]` section (`learner.config.GRPOConfig`, read by field
-        name: the config reaches the step layer above the loss through `learner.data`, so the
-        loss does not import it); `max_completion_length` is the sampling `max_tokens`
-        (dr_grpo's normaliser)."""
+    def of(cls, grpo: GRPOConfig, max_completion_length: int) -> LossConfig:
+        """The loss of a validated `[grpo]` section, its fields read by name;
+        `max_completion_length` is the sampling `max_tokens` (dr_grpo's normaliser)."""
         own = {
             f.name: getattr(grpo, f.name) for f in fields(cls) if f.name != "max_completion_length"
         }
