@@ -221,7 +221,7 @@ def connect(run: Run, loop: EventLoopThread, urls: list[str]) -> ServerConnectio
     )
     loop.run(client.wait_ready(cfg.rollout.ready_timeout_s))
     infos = loop.run(client.info())
-    check_server_limits(cfg, infos, cfg.rollout.servers)
+    check_server_limits(cfg.sampling, infos, cfg.rollout.servers)
     if run.evaluator is not None and (
         problems := run.evaluator.check_limits(infos, cfg.rollout.servers)
     ):
@@ -229,7 +229,7 @@ def connect(run: Run, loop: EventLoopThread, urls: list[str]) -> ServerConnectio
     syncer = make_transport(cfg.rollout, client, device=accelerator.device)
     if accelerator.is_main_process:  # before the first generation: see connect()
         loop.run(syncer.connect())
-    conn = ServerConnection(cfg, accelerator, loop, client, syncer, run.policy, run.state)
+    conn = ServerConnection(cfg.rollout, accelerator, loop, client, syncer, run.policy, run.state)
     # The servers must serve the checkpoint's (or the SFT's) weights, not the base model's
     # (an embedded server already starts from the SFT's).
     resync = run.resumed or (cfg.sft is not None and bool(cfg.rollout.servers))

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 
-from learner.config import LearnerConfig
+from learner.config import RolloutConfig
 from learner.run.checkpoint import TrainerState
-from learner.servers.pool import EventLoopThread, main_decides, may_prepare, restarted, sync_weights
+from learner.servers.pool import EventLoopThread, main_decides, restarted, sync_weights
 from learner.sync.base import WeightTransport
 from rollout_server.client import RolloutClient
 
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 class ServerConnection:
     """The learner's rollout servers, connected; ``state.weight_version``: what they serve."""
 
-    cfg: LearnerConfig
+    rollout: RolloutConfig
     accelerator: Accelerator
     loop: EventLoopThread
     client: RolloutClient
@@ -51,24 +52,34 @@ class ServerConnection:
     def _restarted(self) -> bool:
         return restarted(self.loop.run(self.client.info()), self.state.weight_version)
 
-    def before_training(self, pending: Any) -> concurrent.futures.Future[Any] | None:
+    def may_prepare(self, pending: Sized) -> bool:
+        """Prepare the NCCL sync during training only when no rollouts are being generated (a
+        prepared update holds the servers' generation paused) and the servers stay awake."""
+        r = self.rollout
+        return (
+            self.accelerator.is_main_process
+            and r.sync.prepares
+            and not r.sleep_while_training
+            and not pending
+        )
+
+    def before_training(self, pending: Sized) -> concurrent.futures.Future[Any] | None:
         """Colocated: put the servers to sleep. With no rollouts ``pending`` (the servers idle):
         have them queue the sync's receives now. Returns that preparation, in flight."""
-        sleep_level = self.cfg.rollout.sleep_while_training
+        sleep_level = self.rollout.sleep_while_training
         if sleep_level and self.accelerator.is_main_process:
             self.loop.run(self.client.sleep(sleep_level))  # colocated: give the GPU to training
-        if may_prepare(self.cfg, self.accelerator, pending):  # the servers are idle: queue the
+        if self.may_prepare(pending):  # the servers are idle: queue the
             hf_model = self.accelerator.unwrap_model(self.policy).model  # sync's receives now
             return self.loop.submit(self.syncer.prepare(hf_model))
         return None
 
     def after_training(self, prepared: concurrent.futures.Future[Any] | None) -> None:
         """Wake the servers and push the new weights (``state.weight_version`` moves on)."""
-        sleep_level = self.cfg.rollout.sleep_while_training
+        sleep_level = self.rollout.sleep_while_training
         if sleep_level and self.accelerator.is_main_process:
-            self.loop.run(
-                self.client.wake_up(["weights"])
-            )  # weights first, KV cache after the load
+            # weights first, KV cache after the load
+            self.loop.run(self.client.wake_up(["weights"]))
         if prepared is not None:
             try:
                 prepared.result()

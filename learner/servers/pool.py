@@ -20,7 +20,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, SamplingConfig
 from learner.run.checkpoint import TrainerState
 from learner.run.runtime import SetupError
 from learner.servers.embedded import embedded_for
@@ -67,10 +67,9 @@ def servers(cfg: LearnerConfig, model: str, run_dir: Path, acc: Accelerator) -> 
         acc.wait_for_everyone()  # nobody may still be generating when the server stops
 
 
-def check_server_limits(cfg: LearnerConfig, infos: list[InfoResponse], urls: list[str]) -> None:
+def check_server_limits(s: SamplingConfig, infos: list[InfoResponse], urls: list[str]) -> None:
     """Refuse, before any step, a config that asks more of a server than its limits allow
     (the server would refuse every generate request)."""
-    s = cfg.sampling
     asks = [
         ("sampling.num_generations", s.num_generations, "max_n", "--max-n"),
         ("sampling.max_tokens", s.max_tokens, "max_tokens", "--max-tokens"),
@@ -85,18 +84,6 @@ def check_server_limits(cfg: LearnerConfig, infos: list[InfoResponse], urls: lis
                     f"it, or start the server with {flag} {value}"
                     + ("" if urls else " (rollout.embedded.extra_args)")
                 )
-
-
-def may_prepare(cfg: Any, accelerator: Accelerator, pending: Any) -> bool:
-    """Prepare the NCCL sync during training only when no rollouts are being generated (a
-    prepared update holds the servers' generation paused) and the servers stay awake."""
-    r = cfg.rollout
-    return (
-        accelerator.is_main_process
-        and r.sync.prepares
-        and not r.sleep_while_training
-        and not pending
-    )
 
 
 def main_decides(accelerator: Accelerator, decide: Callable[[], bool]) -> bool:
