@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from learner.config import FileSyncConfig, HttpSyncConfig, IpcSyncConfig, NcclSyncConfig
+from learner.config_sync import FileSyncConfig, HttpSyncConfig, IpcSyncConfig, NcclSyncConfig
 
 if TYPE_CHECKING:
     from learner.config import RolloutConfig
