@@ -21,7 +21,8 @@ def _sync(*overrides: str):
 
 
 def test_the_default_and_the_shorthand_are_tables_with_defaults() -> None:
-    assert RolloutConfig().sync == HttpSyncConfig(bucket_mb=256)
+    default = RolloutConfig().sync
+    assert default == HttpSyncConfig(bucket_mb=256)
     assert _sync("rollout.sync=nccl") == NcclSyncConfig(
         bucket_mb=256, master_address="127.0.0.1", master_port=0, prepare=True
     )
@@ -38,9 +39,8 @@ def test_overrides_reach_into_the_table_and_expand_the_shorthand(tmp_path) -> No
     assert isinstance(nccl, NcclSyncConfig) and not nccl.prepare and nccl.bucket_mb == 1024
     path = tmp_path / "c.toml"
     path.write_text(DEMO.read_text() + '\n[rollout.sync]\ntype = "nccl"\nmaster_port = 29612\n')
-    assert load_config(path, ["rollout.sync.master_address=10.0.0.1"]).rollout.sync == (
-        NcclSyncConfig(master_address="10.0.0.1", master_port=29612)
-    )
+    table = load_config(path, ["rollout.sync.master_address=10.0.0.1"]).rollout.sync
+    assert table == NcclSyncConfig(master_address="10.0.0.1", master_port=29612)
 
 
 def test_only_nccl_prepares_and_only_nccl_pushes_are_not_retried() -> None:
