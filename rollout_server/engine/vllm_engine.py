@@ -3,9 +3,9 @@
 Everything vLLM-specific lives here, in ``vllm_helpers`` (the engine arguments, sampling
 parameters, outputs and weight metadata, as pure functions), in ``vllm_updates`` (NCCL and CUDA
 IPC updates through the workers) and in ``vllm_worker`` (the worker extension that receives
-weights); vLLM is imported only when this engine starts. The service
-layer owns versions, the pause gate and the sleep bookkeeping; this class translates requests
-and calls into vLLM.
+weights); vLLM is imported only when this engine starts. The server's core
+(``rollout_server.core``) owns versions, the pause gate and the sleep bookkeeping; this class
+translates requests and calls into vLLM.
 
 Choices that matter for RL:
 

@@ -39,7 +39,7 @@ def _token_text(generation: GenerationService) -> TokenText:
 
 @contextlib.contextmanager
 def _prompts_called(old: str, new: str) -> Iterator[None]:
-    """The service names its prompts ``prompts[i]``; an OpenAI request calls them otherwise."""
+    """Generation names its prompts ``prompts[i]``; an OpenAI request calls them otherwise."""
     try:
         yield
     except BadRequest as e:
