@@ -9,11 +9,15 @@ at once and ``/ready`` turns 200 when generation can start (vLLM can take minute
 from __future__ import annotations
 
 import asyncio
+import importlib.resources
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 
 from rollout_server.core import ServerCore
 from rollout_server.engine import Engine, load_engine
@@ -32,6 +36,8 @@ from rollout_server.weights.router import router as weights_router
 from rollout_server.weights.service import WeightsService
 
 log = logging.getLogger(__name__)
+
+DOCS_ASSETS = "/docs-assets"  # where the Swagger UI and ReDoc files are served
 
 
 def build_app(
@@ -65,7 +71,10 @@ def build_app(
         description="Generates completions for a GRPO learner and takes its weight updates.",
         version="0.1.0",
         lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
     )
+    mount_offline_docs(app)
     app.state.core = core
     app.state.generation = GenerationService(core)
     app.state.weights = weights
@@ -84,3 +93,34 @@ def build_app(
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     return app
+
+
+def mount_offline_docs(app: FastAPI) -> None:
+    """``/docs`` and ``/redoc`` with their JS and CSS served by the server itself.
+
+    FastAPI's own pages load them from a CDN, so they render blank on a cluster without internet
+    access; the files come from the ``fastapi-offline`` package instead."""
+    static = importlib.resources.files("fastapi_offline") / "static"
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(static)), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_swagger_ui_html(
+            openapi_url=f"{root}{app.openapi_url}",
+            title=f"{app.title} - Swagger UI",
+            swagger_js_url=f"{root}{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{root}{DOCS_ASSETS}/favicon.png",
+        )
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_redoc_html(
+            openapi_url=f"{root}{app.openapi_url}",
+            title=f"{app.title} - ReDoc",
+            redoc_js_url=f"{root}{DOCS_ASSETS}/redoc.standalone.js",
+            redoc_favicon_url=f"{root}{DOCS_ASSETS}/favicon.png",
+            with_google_fonts=False,
+        )
