@@ -47,11 +47,19 @@ def train_parser(sft: bool = False) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def setup_logging() -> None:
+    """INFO to the console, without httpx's line per request: the learner sends several requests
+    to each server every step, which would bury its own progress lines."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    setup_logging()
     if argv and argv[0] == "plot":
         p = argparse.ArgumentParser(prog="python -m learner plot")
         p.add_argument("run_dir")
