@@ -20,9 +20,24 @@ log = logging.getLogger(__name__)
 def _json(
     request: Request, status: int, detail: str, headers: dict[str, str] | None = None
 ) -> JSONResponse:
+    # a detail echoing a client's lone surrogate (a name, a key) could not be sent as UTF-8
+    detail = detail.encode("utf-8", "backslashreplace").decode("utf-8")
     return JSONResponse(
         error_body(request.url.path, status, detail), status_code=status, headers=headers
     )
+
+
+def _body_problem(exc: StarletteHTTPException) -> str:
+    """FastAPI answers a JSON body it cannot decode with a bare 400 "There was an error
+    parsing the body"; its cause says what is wrong (bytes that are not UTF-8)."""
+    cause = exc.__cause__
+    if exc.status_code == 400 and isinstance(cause, UnicodeDecodeError):
+        bad = cause.object[cause.start : cause.start + 1].hex()
+        return (
+            f"the body is not valid UTF-8 (byte 0x{bad} at byte {cause.start}: {cause.reason}); "
+            "send JSON encoded as UTF-8"
+        )
+    return str(exc.detail)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -55,7 +70,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _json(request, exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+        return _json(request, exc.status_code, _body_problem(exc), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

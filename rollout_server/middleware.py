@@ -4,11 +4,13 @@ metrics."""
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from typing import Any
 
 from fastapi import HTTPException
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollout_server.errors import error_body
@@ -106,6 +108,7 @@ class MetricsMiddleware:
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
+        self.templates = RouteTemplates()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -123,11 +126,38 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            route = _route(scope)
+            route = _route(scope, self.templates)
             self.metrics.requests.labels(route, scope["method"], str(status)).inc()
             self.metrics.request_seconds.labels(route).observe(time.perf_counter() - start)
 
 
-def _route(scope: dict[str, Any]) -> str:
+def _route(scope: dict[str, Any], templates: RouteTemplates) -> str:
+    """The route template: FastAPI's for its API routes, else ``templates``' match."""
     route = scope.get("route")
-    return getattr(route, "path", None) or "unmatched"
+    return getattr(route, "path", None) or templates.match(scope)
+
+
+class RouteTemplates:
+    """Route templates for the requests FastAPI does not label: its docs (``/docs``,
+    ``/openapi.json``) and those answered before routing (a 413 from the body limit). Built
+    once, from the app's top-level routes and its OpenAPI paths; a path none matches is
+    "unmatched" (a raw path would make the metrics' labels unbounded)."""
+
+    def __init__(self) -> None:
+        self._compiled: list[tuple[re.Pattern[str], str]] | None = None
+
+    def match(self, scope: dict[str, Any]) -> str:
+        if self._compiled is None:
+            self._compiled = self._build(scope.get("app"))
+        path = scope.get("path", "")
+        return next((t for regex, t in self._compiled if regex.match(path)), "unmatched")
+
+    @staticmethod
+    def _build(app: Any) -> list[tuple[re.Pattern[str], str]]:
+        templates = [
+            p for r in getattr(app, "routes", ()) if isinstance(p := getattr(r, "path", None), str)
+        ]
+        openapi = getattr(app, "openapi", None)
+        if callable(openapi):
+            templates += list(openapi().get("paths", {}))
+        return [(compile_path(t)[0], t) for t in dict.fromkeys(templates)]

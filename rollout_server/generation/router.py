@@ -20,7 +20,11 @@ GenerationDep = Annotated[GenerationService, Depends(get_generation)]
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "a limit or the vocabulary was exceeded"},
-    500: {"model": ErrorResponse, "description": "the served weights give NaN/inf log-probs"},
+    500: {
+        "model": ErrorResponse,
+        "description": "NaN/inf log-probs: the served weights hold NaN/inf, or they or the "
+        "request's sampling values overflow (the message says which it could be)",
+    },
     503: {"model": ErrorResponse, "description": "loading, asleep, or weights discarded"},
 }
 

@@ -8,17 +8,30 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from rollout_server.errors import BadRequest, NonFiniteWeights
+from rollout_server.engine.base import EngineError, UnsupportedError
+from rollout_server.errors import BadRequest, NonFiniteWeights, ServiceError
 from rollout_server.protocol import (
     GenerateRequest,
     GenerateResponse,
     PromptResult,
     Sample,
+    SamplingParams,
 )
 
 if TYPE_CHECKING:
     from rollout_server.core import ServerCore
     from rollout_server.engine.base import SampleOutput
+
+
+class NonFiniteLogprobs(ServiceError):
+    """Finite weights gave NaN/inf log-probs: the server cannot answer the request (500), and
+    the message says what may have caused it rather than blaming NaN weights."""
+
+    status_code = 500
+
+
+def _finite(logprobs: list[float]) -> bool:
+    return math.isfinite(sum(logprobs))
 
 
 class GenerationService:
@@ -113,8 +126,8 @@ class GenerationService:
             version = core.version
             start = time.perf_counter()
             outputs = await core.engine.generate(prompt_ids, req.n, params)
-        if params.logprobs:
-            self._check_finite_logprobs(outputs, version)
+            if params.logprobs:  # under the gate: the weights checked are those that sampled
+                await self._check_finite_logprobs(outputs, version, params)
         results = [
             PromptResult(
                 prompt_token_ids=ids,
@@ -134,20 +147,42 @@ class GenerationService:
         self._record_generation(results, time.perf_counter() - start)
         return GenerateResponse(results=results, weight_version=version)
 
-    @staticmethod
-    def _check_finite_logprobs(outputs: list[list[SampleOutput]], version: int) -> None:
-        """JSON has no NaN/inf (they would go out as null and break ``list[float]``): weights
-        holding NaN/inf make every log-prob NaN. Log-probs are <= 0, so a finite list sums to a
-        finite number, and one ``sum`` per sample finds a NaN or an inf."""
-        for i, samples in enumerate(outputs):
-            for o in samples:
-                if not math.isfinite(sum(o.logprobs)):
-                    raise NonFiniteWeights(
-                        f"the served weights (version {version}) produce non-finite log-probs "
-                        f"(NaN or inf) for prompts[{i}]: they hold NaN/inf values, which came with "
-                        "the checkpoint the server started from (updates holding them are "
-                        "refused); load finite weights"
-                    )
+    async def _check_finite_logprobs(
+        self, outputs: list[list[SampleOutput]], version: int, params: SamplingParams
+    ) -> None:
+        """JSON has no NaN/inf (they would go out as null and break ``list[float]``). Log-probs
+        are <= 0, so a finite list sums to a finite number, and one ``sum`` per sample finds a
+        NaN or an inf. The weights are then checked before they are blamed: finite weights can
+        overflow too (values near float32's limit), and so can extreme sampling values."""
+        bad = next(
+            (i for i, samples in enumerate(outputs) for o in samples if not _finite(o.logprobs)),
+            None,
+        )
+        if bad is None:
+            return
+        what = (
+            f"prompts[{bad}] got non-finite log-probs (NaN or inf) from the served weights "
+            f"(version {version}) under the request's sampling values ({params.describe()})"
+        )
+        try:
+            checksum = await self.core.engine.weights_checksum()
+        except (UnsupportedError, EngineError):
+            raise NonFiniteLogprobs(
+                f"{what}: either those values are numerically degenerate for this model, or the "
+                "weights hold NaN/inf or values large enough to overflow (this engine cannot "
+                "scan them: compare GET /weights/checksum with the learner's)"
+            ) from None
+        if not math.isfinite(checksum):
+            raise NonFiniteWeights(
+                f"{what}: the weights hold NaN/inf values, which came with the checkpoint the "
+                "server started from (updates holding them are refused); load finite weights"
+            )
+        raise NonFiniteLogprobs(
+            f"{what}; the weights hold no NaN or inf, so either those sampling values are "
+            "numerically degenerate for this model, or the weights are finite but large enough "
+            "to overflow the forward pass: try other sampling values, or load weights of a "
+            "sane scale"
+        )
 
     def _record_generation(self, results: list[PromptResult], seconds: float) -> None:
         m = self.core.metrics

@@ -12,7 +12,7 @@ imports it on every rank).
 
 from __future__ import annotations
 
-from rollout_server.protocol.base import ErrorResponse, WireModel
+from rollout_server.protocol.base import INT64_MAX, ErrorResponse, Version, WireModel
 from rollout_server.protocol.generation import (
     ChatMessage,
     FinishReason,
@@ -26,6 +26,7 @@ from rollout_server.protocol.generation import (
 from rollout_server.protocol.sleep import SleepRequest, SleepStatus, WakeUpRequest
 from rollout_server.protocol.status import HealthResponse, InfoResponse, Limits
 from rollout_server.protocol.weights import (
+    MAX_BUCKETS,
     IpcHandle,
     IpcUpdateRequest,
     NcclCommitRequest,
@@ -42,6 +43,8 @@ from rollout_server.protocol.weights import (
 )
 
 __all__ = [
+    "INT64_MAX",
+    "MAX_BUCKETS",
     "ChatMessage",
     "ErrorResponse",
     "FinishReason",
@@ -63,6 +66,7 @@ __all__ = [
     "SleepRequest",
     "SleepStatus",
     "TensorSpec",
+    "Version",
     "WakeUpRequest",
     "WeightChecksum",
     "WeightFileRequest",

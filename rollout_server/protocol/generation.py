@@ -8,11 +8,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rollout_server.protocol.base import WireModel
+from rollout_server.protocol.base import WireModel, refuse_lone_surrogates
 
 FinishReason = Literal["stop", "length", "abort"]
+
+# Floors below which a sampling value is numerically degenerate in float32 (vLLM's own floor
+# for temperature; it clamps smaller ones, here they are refused): a smaller top_p rounds to 0
+# and drops every token, a smaller penalty or temperature turns logits into inf, and both give
+# NaN log-probs or garbage samples. Top-k at or above the vocabulary is off; its bound keeps it
+# an int32 for the engines.
+MIN_TEMPERATURE = 1e-2
+MIN_TOP_P = 1e-6
+MIN_REPETITION_PENALTY = 1e-2
+MAX_TOP_K = 2**31 - 1
 
 
 class ChatMessage(BaseModel):
@@ -35,15 +45,18 @@ class SamplingParams(WireModel):
     """Sampling parameters, with vLLM's meaning. ``top_k`` <= 0 and ``min_p`` = 0 disable them.
 
     Strict types (JSON's, with ints allowed where floats are meant): ``"n": true`` or
-    ``"max_tokens": 2.0`` is a 422, not a silent 1 or 2."""
+    ``"max_tokens": 2.0`` is a 422, not a silent 1 or 2. NaN and infinities are a 422, and so
+    are values too small to sample from (the ``MIN_*`` floors above)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 means greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="-1 or 0 disables top-k")
+    temperature: float = Field(
+        1.0, ge=0.0, le=100.0, description=f"0 means greedy; else at least {MIN_TEMPERATURE}"
+    )
+    top_p: float = Field(1.0, ge=MIN_TOP_P, le=1.0)
+    top_k: int = Field(-1, ge=-1, le=MAX_TOP_K, description="-1 or 0 disables top-k")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=10.0)
     max_tokens: int = Field(256, ge=1, description="completion tokens per sample")
     stop: list[str] = Field(default_factory=list, description="stop strings (not included)")
     stop_token_ids: list[int] = Field(default_factory=list, description="extra stop token ids")
@@ -66,6 +79,23 @@ class SamplingParams(WireModel):
             data = {**data, "stop": [data["stop"]]}
         return data
 
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_floor(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(
+                f"a temperature in (0, {MIN_TEMPERATURE}) is numerically degenerate (vLLM's "
+                f"floor); send 0 for greedy or at least {MIN_TEMPERATURE}"
+            )
+        return value
+
+    def describe(self) -> str:
+        """The values that shape the sampling distribution, for an error message."""
+        return ", ".join(
+            f"{name}={getattr(self, name)}"
+            for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        )
+
 
 class GenerateRequest(SamplingParams):
     """``POST /generate``: ``n`` samples for each prompt of a batch."""
@@ -77,6 +107,12 @@ class GenerateRequest(SamplingParams):
     tools: list[dict[str, Any]] | None = Field(
         None, description="tool schemas passed to the chat template (chat prompts only)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        refuse_lone_surrogates(data)
+        return data
 
     def sampling(self) -> SamplingParams:
         return SamplingParams.model_validate(

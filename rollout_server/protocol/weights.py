@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Annotated
 
-from rollout_server.protocol.base import WireModel
+from pydantic import Field, field_validator
+
+from rollout_server.protocol.base import INT64_MAX, Version, WireModel, refuse_lone_surrogates
+
+MAX_BUCKETS = 1 << 20
+"""The most buckets one update may have (``num_buckets`` at commit, bucket indices below it):
+a count a client names costs the server nothing until that many buckets actually arrived."""
 
 
 class TensorSpec(WireModel):
     name: str
     dtype: str = Field(description="torch dtype name without the prefix, e.g. 'bfloat16'")
-    shape: list[int]
+    shape: list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
 
 
 class WeightFileRequest(WireModel):
@@ -18,7 +24,13 @@ class WeightFileRequest(WireModel):
     server can read (shared volume)."""
 
     path: str
-    version: int | None = Field(None, description="version to set; default current + 1")
+    version: Version | None = Field(None, description="version to set; default current + 1")
+
+    @field_validator("path")
+    @classmethod
+    def _valid_unicode(cls, path: str) -> str:
+        refuse_lone_surrogates(path)
+        return path
 
 
 class WeightUpdateBegin(WireModel):
@@ -27,7 +39,7 @@ class WeightUpdateBegin(WireModel):
     The bucket count may be unknown here (the learner streams buckets out of a ZeRO-3 gather);
     the commit names it, and the server refuses the commit if any bucket is missing."""
 
-    version: int | None = None
+    version: Version | None = None
 
 
 class WeightUpdateId(WireModel):
@@ -35,7 +47,9 @@ class WeightUpdateId(WireModel):
 
 
 class WeightUpdateCommit(WeightUpdateId):
-    num_buckets: int = Field(ge=1, description="buckets 0..num_buckets-1 must all be staged")
+    num_buckets: int = Field(
+        ge=1, le=MAX_BUCKETS, description="buckets 0..num_buckets-1 must all be staged"
+    )
 
 
 class NcclInitRequest(WireModel):
@@ -47,7 +61,7 @@ class NcclInitRequest(WireModel):
     rank_offset: int = Field(
         1, ge=1, description="this server's first worker rank (1 + workers of earlier servers)"
     )
-    timeout_s: float = Field(300.0, gt=0)
+    timeout_s: float = Field(300.0, gt=0, le=86400.0, allow_inf_nan=False)
 
 
 class NcclUpdateRequest(WireModel):
@@ -57,11 +71,12 @@ class NcclUpdateRequest(WireModel):
     tensors: list[TensorSpec]
     buckets: list[list[int]] = Field(description="indices into tensors, per bucket")
     bucket_dtypes: list[str]
-    version: int | None = None
+    version: Version | None = None
     checksum: bool = Field(False, description="return a float64 checksum of the loaded weights")
     segment_bytes: int = Field(
         64 << 20,
         ge=1 << 16,
+        le=INT64_MAX,
         description="NCCL: each bucket is broadcast in runs of whole tensors of at most this "
         "many bytes (a larger tensor alone), so that packing, the wire and loading overlap",
     )
@@ -91,14 +106,14 @@ class IpcHandle(WireModel):
     cuda_ipc``); byte strings in base64."""
 
     dtype: str
-    numel: int = Field(ge=1)
-    stride: int = Field(1, ge=1)
-    tensor_offset: int = Field(0, ge=0)
+    numel: int = Field(ge=1, le=INT64_MAX)
+    stride: int = Field(1, ge=1, le=INT64_MAX)
+    tensor_offset: int = Field(0, ge=0, le=INT64_MAX)
     handle: str
-    storage_bytes: int = Field(ge=1)
-    storage_offset_bytes: int = Field(0, ge=0)
+    storage_bytes: int = Field(ge=1, le=INT64_MAX)
+    storage_offset_bytes: int = Field(0, ge=0, le=INT64_MAX)
     ref_counter_handle: str
-    ref_counter_offset: int = Field(0, ge=0)
+    ref_counter_offset: int = Field(0, ge=0, le=INT64_MAX)
     event_handle: str | None = None
     event_sync_required: bool = False
 

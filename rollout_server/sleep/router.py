@@ -20,10 +20,10 @@ SleepDep = Annotated[SleepService, Depends(get_sleep)]
 
 
 @router.post("/sleep", response_model=SleepStatus)
-async def sleep(request: SleepRequest, service: SleepDep) -> SleepStatus:
+async def sleep(service: SleepDep, request: SleepRequest | None = None) -> SleepStatus:
     """Waits for in-flight generations, then offloads (level 1) or discards (level 2) the
-    weights; generate answers 503 until ``/wake_up``."""
-    return await service.sleep(request.level)
+    weights; generate answers 503 until ``/wake_up``. No body means level 1."""
+    return await service.sleep((request or SleepRequest()).level)
 
 
 @router.post("/wake_up", response_model=SleepStatus)

@@ -17,6 +17,8 @@ from fastapi import APIRouter, Depends, Query, Request
 from rollout_server.engine.base import UnsupportedError, WeightsError
 from rollout_server.errors import ServiceError
 from rollout_server.protocol import (
+    INT64_MAX,
+    MAX_BUCKETS,
     ErrorResponse,
     IpcUpdateRequest,
     NcclCommitRequest,
@@ -76,7 +78,9 @@ def _counted(service: WeightsService, transport: str) -> Iterator[None]:
 async def update(
     request: Request,
     service: WeightsDep,
-    version: int | None = Query(None, description="version to set; default current + 1"),
+    version: int | None = Query(
+        None, ge=0, le=INT64_MAX, description="version to set; default current + 1"
+    ),
 ) -> WeightUpdateResponse:
     """A whole update in one safetensors body (``Content-Type: application/octet-stream``)."""
     with _counted(service, "http"):
@@ -99,7 +103,7 @@ async def bucket(
     request: Request,
     service: WeightsDep,
     update_id: str = Query(...),
-    index: int = Query(..., ge=0),
+    index: int = Query(..., ge=0, lt=MAX_BUCKETS),
 ) -> dict[str, int]:
     """One bucket (a safetensors body), validated on arrival and staged on CPU."""
     with _counted(service, "http"):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout_server.errors import Conflict, NonFiniteWeights
 from rollout_server.protocol import (
+    INT64_MAX,
     NcclCommitRequest,
     NcclPrepared,
     WeightChecksum,
@@ -64,6 +65,11 @@ class WeightsService:
     def _next_version(self, version: int | None) -> int:
         current = self.core.version
         if version is None:
+            if current >= INT64_MAX:
+                raise Conflict(
+                    f"the current weight version {current} is the largest a version may be "
+                    f"(int64); there is no next one (restart the server to count again)"
+                )
             return current + 1
         if version <= current:
             raise Conflict(
