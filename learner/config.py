@@ -21,14 +21,19 @@ from pydantic import (
 )
 
 from learner.config_base import FieldError, Section
+from learner.config_step import GRPOConfig, OptimConfig
 from learner.config_sync import HttpSyncConfig, SyncConfig, refuse_flat_sync_keys, validate_sync
 
 
 class LoraConfig(Section):
-    r: int = Field(16, ge=1)
-    alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] | str = "all-linear"
+    r: int = Field(16, ge=1, description="the adapters' rank")
+    alpha: int = Field(32, ge=1, description="LoRA alpha: the update is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: list[str] | str = Field(
+        "all-linear",
+        description="the modules that get adapters: names such as ['q_proj', 'v_proj'], or "
+        "'all-linear' (every linear layer but the LM head)",
+    )
     adapter_dtype: Literal["float32", "model"] = Field(
         "float32",
         description="float32 (PEFT's default: precise updates, but each adapted layer's input "
@@ -47,7 +52,9 @@ class ModelConfig(Section):
         "tiny",
         description="hub id or local path; 'tiny' builds a random-weight tiny Qwen3 in the run dir",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the dtype the learner loads and trains the model in"
+    )
     tiny: dict[str, int] = Field(
         default_factory=dict, description="overrides for the tiny model (hidden_size, layers…)"
     )
@@ -56,7 +63,9 @@ class ModelConfig(Section):
         False, description="park saved activations in pinned CPU memory (side-stream copies)"
     )
     lora: LoraConfig | None = Field(None, description="train PEFT LoRA adapters only")
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(
+        False, description="let transformers run the model repository's own Python code"
+    )
     attn_implementation: str | None = Field(
         None, description="e.g. 'flash_attention_2', 'sdpa'; None = transformers' default"
     )
@@ -97,7 +106,9 @@ class DataConfig(Section):
     subset: str | None = Field(
         None, description="for a Hub id or a dataset directory: the config name (gsm8k: main)"
     )
-    prompt_column: str = "prompt"
+    prompt_column: str = Field(
+        "prompt", description="the column holding each prompt (a string or chat messages)"
+    )
     prompt_template: str | None = Field(
         None,
         description="builds each prompt from the row's columns, str.format syntax: "
@@ -109,8 +120,8 @@ class DataConfig(Section):
         description="with prompt_template: true makes the prompt a user message (the model's chat "
         "template applies), false plain text (a base model)",
     )
-    shuffle: bool = True
-    seed: int = 0
+    shuffle: bool = Field(True, description="reshuffle the prompts each pass over the data")
+    seed: int = Field(0, description="the shuffle's seed (a resumed run checks it is the same)")
 
     @model_validator(mode="after")
     def _prompt_format(self) -> DataConfig:
@@ -129,8 +140,12 @@ class EmbeddedServerConfig(Section):
     engine: Literal["transformers", "vllm"] = Field(
         "transformers", description="vllm: the server shares the learner's GPU (colocated)"
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    startup_timeout_s: float = Field(120.0, gt=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the dtype the embedded server loads the model in"
+    )
+    startup_timeout_s: float = Field(
+        120.0, gt=0, description="how long the embedded server may take to become ready"
+    )
     extra_args: list[str] = Field(default_factory=list, description="more rollout-server flags")
 
 
@@ -140,9 +155,18 @@ class RolloutConfig(Section):
         description="rollout server URLs; empty = start an embedded server as a subprocess",
     )
     api_key: str | None = Field(None, description="or set ROLLOUT_API_KEY")
-    timeout_s: float = Field(600.0, gt=0)
-    max_retries: int = Field(3, ge=0)
-    ready_timeout_s: float = Field(300.0, gt=0)
+    timeout_s: float = Field(
+        600.0, gt=0, description="the longest one request to a server may take (a generation)"
+    )
+    max_retries: int = Field(
+        3,
+        ge=0,
+        description="retries, with backoff, of a request that timed out, failed to connect or "
+        "got a 502, 503 or 504",
+    )
+    ready_timeout_s: float = Field(
+        300.0, gt=0, description="how long to wait at the start for every server to be ready"
+    )
     sync: SyncConfig = Field(
         default_factory=HttpSyncConfig,
         description="how the weights reach the servers: http (CPU/tests), file (shared disk), "
@@ -160,7 +184,10 @@ class RolloutConfig(Section):
         description="colocated mode: put the servers to sleep at this level while the learner "
         "trains (frees their GPU memory), wake them for the weight sync and generation",
     )
-    embedded: EmbeddedServerConfig = Field(default_factory=EmbeddedServerConfig)
+    embedded: EmbeddedServerConfig = Field(
+        default_factory=EmbeddedServerConfig,
+        description="the server the learner starts when rollout.servers is empty",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -184,16 +211,32 @@ class RolloutConfig(Section):
 
 class SamplingConfig(Section):
     num_generations: int = Field(8, ge=2, description="G: completions per prompt (>= 2)")
-    max_tokens: int = Field(256, ge=1)
+    max_tokens: int = Field(256, ge=1, description="the longest completion, in tokens")
     # the rollout server's bounds (rollout_server.protocol.SamplingParams), checked at load
-    temperature: float = Field(1.0, gt=0, le=100)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="sampling temperature; the learner divides its logits by it too, so its "
+        "log-probs are those of the distribution sampled from",
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: 1 disables it")
     top_k: int = Field(-1, ge=-1, description="-1 or 0 disables top-k")
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0, le=10)
-    stop: list[str] = Field(default_factory=list)
+    min_p: float = Field(
+        0.0, ge=0, le=1, description="drop tokens below this fraction of the top one's probability"
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0, le=10, description="> 1 discourages tokens already in the sequence; 1: off"
+    )
+    stop: list[str] = Field(
+        default_factory=list, description="strings that end a completion where they appear"
+    )
     ignore_eos: bool = Field(False, description="always generate max_tokens (benchmarks)")
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="extra arguments of the tokenizer's chat template, e.g. "
+        "{enable_thinking = false}",
+    )
     seed: int | None = Field(
         None,
         ge=0,
@@ -205,8 +248,12 @@ class SamplingConfig(Section):
 
 class RewardConfig(Section):
     name: str = Field(description="a registered reward (python -m rewards list)")
-    weight: float = 1.0
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    weight: float = Field(1.0, description="its factor in the summed reward")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments passed to the reward function (checked against its "
+        "parameters)",
+    )
     label: str | None = Field(
         None, description="its name in the metrics (default: name); set it to use one twice"
     )
@@ -219,16 +266,29 @@ class EnvironmentConfig(Section):
         description="a registered environment (python -m rewards list), or "
         "'openreward:<url or owner/env>' for one served over the Open Reward Standard"
     )
-    split: str = "train"
+    split: str = Field("train", description="the environment's split of tasks to train on")
     max_turns: int = Field(4, ge=1, description="generations per episode")
-    reward_reduce: Literal["last", "sum", "mean"] = "last"
+    reward_reduce: Literal["last", "sum", "mean"] = Field(
+        "last",
+        description="an episode's reward from its steps' rewards: the last given, their sum or "
+        "their mean",
+    )
     max_episode_tokens: int | None = Field(None, ge=1, description="stop an episode this long")
-    episode_timeout_s: float | None = Field(300.0, gt=0)
+    episode_timeout_s: float | None = Field(
+        300.0, gt=0, description="wall-clock limit of one episode; none: no limit"
+    )
 
 
 class ScoringConfig(Section):
-    timeout_s: float = Field(60.0, gt=0)
-    policy: Literal["raise", "none", "zero"] = "raise"
+    timeout_s: float = Field(
+        60.0, gt=0, description="the longest one reward function may take over a batch"
+    )
+    policy: Literal["raise", "none", "zero"] = Field(
+        "raise",
+        description="a reward function that fails or times out: raise stops the run; none "
+        "(it abstains on that batch) or zero (it scores 0.0) goes on, counted in "
+        "reward/<name>/failures",
+    )
 
 
 class EvalConfig(Section):
@@ -240,7 +300,7 @@ class EvalConfig(Section):
         "[data]'s (prompt_template, system_prompt); with an [environment]: none, the tasks of "
         "`split`",
     )
-    prompt_column: str = "prompt"
+    prompt_column: str = Field("prompt", description="the column of eval.data holding the prompts")
     split: str = Field(
         "test",
         description="the split to evaluate: an [environment]'s tasks, or a Hub id's or dataset "
@@ -272,109 +332,19 @@ class EvalConfig(Section):
         return self
 
 
-class GRPOConfig(Section):
-    prompts_per_step: int = Field(8, ge=1, description="prompts per optimizer step (all ranks)")
-    num_iterations: int = Field(1, ge=1, description="optimizer passes over each batch")
-    micro_batch_size: int = Field(16, ge=1, description="sequences per forward/backward")
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    eps_low: float = Field(0.2, ge=0)
-    eps_high: float = Field(0.28, ge=0)
-    beta: float = Field(0.0, ge=0, description="KL coefficient (k3) to a frozen reference")
-    tis_cap: float | None = Field(
-        2.0,
-        description="truncated IS cap; none disables it, and then the rollout server is not "
-        "asked for log-probs",
-    )
-    entropy_coef: float = 0.0
-    importance_sampling_level: Literal["token", "sequence"] = Field(
-        "token",
-        description="sequence: GSPO's ratio, one per completion (the geometric mean of its "
-        "tokens'), clipped as a whole; use GSPO's small clip ranges (eps_low = 3e-4, eps_high "
-        "= 4e-4). Not with fused_loss",
-    )
-    skip_zero_advantage: bool = Field(
-        True,
-        description="leave out of the forward/backward the rollouts whose gradient is zero: "
-        "those of zero advantage (with beta = 0 and entropy_coef = 0) and those without loss "
-        "tokens; same gradient, less work",
-    )
-    count_zero_advantage: bool = Field(
-        True,
-        description="false: zero-advantage rollouts do not count in the loss normalisers (the "
-        "loss averages over the informative rollouts alone, as with DAPO's dynamic sampling "
-        "but without generating more); needs beta = 0 and entropy_coef = 0",
-    )
-    dynamic_sampling: bool = Field(
-        False,
-        description="DAPO's dynamic sampling: a step tops its batch up to prompts_per_step "
-        "informative groups (rewards not all equal) with more rounds of prompts, and leaves the "
-        "uninformative groups out",
-    )
-    max_sampling_rounds: int = Field(
-        4,
-        ge=2,
-        description="with dynamic_sampling: rounds of generation a step may take (the first "
-        "included); a batch still short after them is filled with uninformative groups",
-    )
-    logprob_chunk_size: int = Field(1024, ge=1)
-    fused_loss: bool = Field(
-        False, description="loss fused with the LM head: 3 N·H·V products instead of 4"
-    )
-    fused_chunk_size: int | None = Field(
-        None, ge=1, description="tokens a chunk of the fused loss; none: 1.5 × hidden (1024-4096)"
-    )
-    packing: bool = Field(False, description="padding-free micro-batches (best-fit packing)")
-    max_tokens_per_micro_batch: int = Field(4096, ge=1, description="packing token budget")
-    pad_to_multiple_of: int = Field(1, ge=1)
-    mask_truncated_completions: bool = Field(
-        False, description="completions cut at max_tokens get no loss (DAPO overlong filter)"
-    )
-    max_prompt_tokens: int | None = Field(None, ge=1, description="longer prompts are cut")
-    overlong_prompts: Literal["truncate_left", "mask"] = Field(
-        "truncate_left",
-        description="truncate_left: keep the prompt's end; mask: also exclude from the loss",
-    )
-
-    @model_validator(mode="after")
-    def _sequence_ratio_is_not_separable(self) -> GRPOConfig:
-        if self.importance_sampling_level == "sequence" and self.fused_loss:
-            raise FieldError(
-                "importance_sampling_level",
-                '"sequence" ties every token\'s gradient to its whole completion, and the fused '
-                "loss computes each token's gradient on its own: set fused_loss = false, or "
-                'importance_sampling_level = "token"',
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _uncounted_needs_policy_gradient_only(self) -> GRPOConfig:
-        if not self.count_zero_advantage and (self.beta != 0.0 or self.entropy_coef != 0.0):
-            raise FieldError(
-                "count_zero_advantage",
-                f"false leaves zero-advantage rollouts out of the loss, but their tokens have "
-                f"a gradient with beta = {self.beta} and entropy_coef = {self.entropy_coef}: "
-                "set both to 0, or count_zero_advantage = true",
-            )
-        return self
-
-
-class OptimConfig(Section):
-    lr: float = Field(1e-6, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.99)
-    max_grad_norm: float = Field(1.0, gt=0)
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-
-
 class RunConfig(Section):
-    steps: int = Field(100, ge=1)
-    seed: int = 0
-    run_dir: str = "runs/grpo"
-    checkpoint_every: int = Field(10, ge=1)
-    keep_checkpoints: int = Field(2, ge=1)
-    tensorboard: bool = True
+    steps: int = Field(100, ge=1, description="optimizer steps to train")
+    seed: int = Field(0, description="seeds Python's, NumPy's and torch's RNGs at the start")
+    run_dir: str = Field(
+        "runs/grpo", description="where checkpoints, metrics and the final model go (--run-dir)"
+    )
+    checkpoint_every: int = Field(
+        10, ge=1, description="save a checkpoint every this many steps, and after the last"
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="the newest checkpoints kept; older ones go")
+    tensorboard: bool = Field(
+        True, description="also write TensorBoard events to RUN_DIR/tensorboard"
+    )
     report_to: list[
         Literal["wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive", "trackio", "swanlab"]
     ] = Field(
@@ -387,7 +357,7 @@ class RunConfig(Section):
         default_factory=dict,
         description="per tracker, more arguments of its init: {wandb = {entity = 'me'}}",
     )
-    progress_bar: bool = True
+    progress_bar: bool = Field(True, description="a tqdm progress bar on the console")
     save_final: bool = Field(True, description="write RUN_DIR/final (model + tokenizer) at the end")
     peak_tflops: float | None = Field(
         None, description="for MFU; default: known GPUs' dense bf16 peak, none on CPU"
@@ -430,17 +400,25 @@ class SFTConfig(Section):
     data: str = Field(description=_DATA_PATH)
     split: str = Field("train", description="for a Hub id or a dataset directory: the split")
     subset: str | None = Field(None, description="for a Hub id or a dataset directory: its config")
-    messages_column: str = "messages"
-    prompt_column: str = "prompt"
-    completion_column: str = "completion"
+    messages_column: str = Field(
+        "messages", description="the column of chat messages (the loss covers assistant turns)"
+    )
+    prompt_column: str = Field(
+        "prompt", description="without messages: the column of prompts (no loss on them)"
+    )
+    completion_column: str = Field(
+        "completion", description="with prompt_column: the column of completions (the loss)"
+    )
     steps: int | None = Field(None, ge=1, description="optimizer steps (or give epochs)")
     epochs: float | None = Field(None, gt=0, description="passes over the data; default 1")
     batch_size: int = Field(8, ge=1, description="sequences per optimizer step (all ranks)")
     micro_batch_size: int = Field(4, ge=1, description="sequences per forward/backward")
     max_length: int = Field(2048, ge=2, description="longer sequences lose their end")
-    lr: float = Field(2e-5, gt=0)
-    schedule: Literal["constant", "linear", "cosine"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
+    lr: float = Field(2e-5, gt=0, description="the SFT's peak learning rate (not optim.lr)")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "cosine", description="the learning rate after warmup, over the SFT's steps"
+    )
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warmup from 0 to lr")
     fused_loss: bool = Field(
         True,
         description="the NLL fused with the LM head (3 N·H·V products instead of 4, one chunk of "
@@ -456,16 +434,35 @@ class SFTConfig(Section):
 
 
 class LearnerConfig(Section):
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig | None = None
-    environment: EnvironmentConfig | None = None
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    rewards: list[RewardConfig] = Field(default_factory=list)
-    scoring: ScoringConfig = Field(default_factory=ScoringConfig)
-    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model")
+    data: DataConfig | None = Field(
+        None, description="the prompts to train on, scored by the [[rewards]]"
+    )
+    environment: EnvironmentConfig | None = Field(
+        None, description="instead of [data] and [[rewards]]: multi-turn episodes"
+    )
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig,
+        description="the rollout servers, how the learner reaches them and syncs their weights",
+    )
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig, description="how the rollout servers sample completions"
+    )
+    rewards: list[RewardConfig] = Field(
+        default_factory=list, description="the reward functions, summed with their weights"
+    )
+    scoring: ScoringConfig = Field(
+        default_factory=ScoringConfig, description="how the reward functions are run"
+    )
+    grpo: GRPOConfig = Field(
+        default_factory=GRPOConfig, description="the GRPO batch, loss and its variants"
+    )
+    optim: OptimConfig = Field(
+        default_factory=OptimConfig, description="the optimizer (AdamW) and learning rate"
+    )
+    run: RunConfig = Field(
+        default_factory=RunConfig, description="length, checkpoints, logging and profiling"
+    )
     sft: SFTConfig | None = Field(
         None, description="supervised warm start: runs before GRPO (or alone: `learner sft`)"
     )

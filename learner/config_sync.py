@@ -28,14 +28,14 @@ class HttpSyncConfig(_SyncSection):
     """Safetensors buckets in HTTP request bodies: needs nothing but the servers' URLs (CPU,
     tests)."""
 
-    type: Literal["http"] = "http"
+    type: Literal["http"] = Field("http", description="selects this table's transport")
     bucket_mb: int = Field(256, ge=1, description="weight-sync bucket size")
 
 
 class FileSyncConfig(_SyncSection):
     """One safetensors file on a disk the learner and every server share."""
 
-    type: Literal["file"] = "file"
+    type: Literal["file"] = Field("file", description="selects this table's transport")
     dir: str = Field(description="the shared directory the weights file is written to")
 
 
@@ -43,7 +43,7 @@ class NcclSyncConfig(_SyncSection):
     """Flat buckets broadcast from learner rank 0 to the servers' workers (servers on other
     GPUs)."""
 
-    type: Literal["nccl"] = "nccl"
+    type: Literal["nccl"] = Field("nccl", description="selects this table's transport")
     bucket_mb: int = Field(256, ge=1, description="weight-sync bucket size (~1024 for speed)")
     master_address: str = Field(
         "127.0.0.1", description="an address of the learner's host that the servers can reach"
@@ -64,7 +64,7 @@ class IpcSyncConfig(_SyncSection):
     """Flat buckets shared as CUDA IPC handles with a server on the learner's own GPU
     (colocated mode)."""
 
-    type: Literal["ipc"] = "ipc"
+    type: Literal["ipc"] = Field("ipc", description="selects this table's transport")
     bucket_mb: int = Field(256, ge=1, description="weight-sync bucket size")
 
 
