@@ -3,13 +3,16 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+# The CPU build, from PyTorch's own CPU index: PyPI's Linux wheel is the CUDA build (GBs of CUDA
+# libraries). A GPU machine: make venv TORCH_INDEX=https://download.pytorch.org/whl/cu128
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: venv demo test lint format gpu-check clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q "$(TORCH)" --index-url "$(TORCH_INDEX)"
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
