@@ -161,8 +161,8 @@ class GenerationService:
         if bad is None:
             return
         what = (
-            f"prompts[{bad}] got non-finite log-probs (NaN or inf) from the served weights "
-            f"(version {version}) under the request's sampling values ({params.describe()})"
+            f"the served weights (version {version}) produce non-finite log-probs (NaN or inf) "
+            f"for prompts[{bad}] under the request's sampling values ({params.describe()})"
         )
         try:
             checksum = await self.core.engine.weights_checksum()
