@@ -20,6 +20,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from rollout_server.core import ServerCore
+from rollout_server.disconnect import CancelOnDisconnectMiddleware
 from rollout_server.engine import Engine, load_engine
 from rollout_server.error_handlers import install_error_handlers
 from rollout_server.generation.router import router as generation_router
@@ -88,6 +89,7 @@ def build_app(
         app.include_router(weights_router)
         app.include_router(sleep_router)
     # Added last = outermost: an unauthenticated request is refused before anything else.
+    app.add_middleware(CancelOnDisconnectMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_body_mb * 2**20)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if settings.api_key:

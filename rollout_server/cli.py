@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -29,12 +30,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="local model directory or hub id")
     p.add_argument("--served-model-name", help="name in /info and /v1/models")
     p.add_argument("--engine", choices=["transformers", "vllm"], help="default: transformers")
-    p.add_argument("--host", help="default 127.0.0.1; others need --api-key")
+    p.add_argument("--host", help="default 127.0.0.1; others need an API key")
     p.add_argument("--port", type=int, help="default 8000")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--seed", type=int, help="seed for requests that give none")
-    p.add_argument("--api-key", help=f"require Authorization: Bearer KEY (or env {API_KEY_ENV})")
+    secrets = p.add_argument_group("security")
+    secrets.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="require Authorization: Bearer KEY, KEY read from this file (surrounding "
+        f"whitespace dropped); or set env {API_KEY_ENV}",
+    )
+    secrets.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="as --api-key-file, but the key shows in `ps`: prefer the file or the env",
+    )
+    secrets.add_argument("--ssl-keyfile", metavar="PATH", help="TLS private key (PEM): HTTPS")
+    secrets.add_argument("--ssl-certfile", metavar="PATH", help="TLS certificate chain (PEM)")
+    secrets.add_argument(
+        "--weights-dir",
+        metavar="DIR",
+        help="/weights/load_file reads only under this directory and the model's own",
+    )
     p.add_argument(
         "--disable-admin-endpoints",
         action="store_true",
@@ -83,12 +102,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra vLLM engine argument (VALUE as JSON, else a string); repeatable, "
         "e.g. --vllm-arg enforce_eager=true --vllm-arg max_num_batched_tokens=4096",
     )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="on SIGTERM, wait this long for requests in flight, then cancel them (default 10)",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return p
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     fields: dict[str, Any] = vars(args).copy()
+    key_file = fields.pop("api_key_file", None)
+    if key_file is not None:
+        if "api_key" in fields:
+            raise CliError("--api-key-file: give the key once (--api-key-file or --api-key)")
+        fields["api_key"] = read_key_file(key_file)
     limits = {k: fields.pop(k) for k in _LIMIT_FLAGS if k in fields}
     extra = fields.pop("vllm_arg", None) or []
     if extra:
@@ -96,6 +126,20 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if limits:
         fields["limits"] = limits
     return ServerSettings.model_validate(fields)
+
+
+class CliError(ValueError):
+    """A flag that cannot be used as given; the message names it."""
+
+
+def read_key_file(path: str) -> str:
+    """The key in ``path`` without surrounding whitespace (a trailing newline is usual); a
+    file holding only whitespace gives "", which the settings refuse by name."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"--api-key-file: cannot read {path!r}: {exc}") from exc
 
 
 def vllm_arg(item: str) -> tuple[str, Any]:
@@ -122,9 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
+    except CliError as exc:
+        print(f"rollout-server: error: {exc}", file=sys.stderr)
+        return 2
     except ValidationError as exc:
         print(f"rollout-server: error: {_explain(exc)}", file=sys.stderr)
         return 2
+    for flag, path in (
+        ("--ssl-keyfile", settings.ssl_keyfile),
+        ("--ssl-certfile", settings.ssl_certfile),
+    ):
+        if path is not None and not os.path.isfile(path):
+            print(f"rollout-server: error: {flag}: no such file {path!r}", file=sys.stderr)
+            return 2
     try:
         check_model_ref(settings.model)
     except ValueError as exc:
@@ -147,7 +201,13 @@ def main(argv: list[str] | None = None) -> int:
 
     app = build_app(settings, on_engine_failure=on_engine_failure)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        ssl_keyfile=settings.ssl_keyfile,
+        ssl_certfile=settings.ssl_certfile,
+        timeout_graceful_shutdown=settings.shutdown_timeout,
     )
     server = uvicorn.Server(config)
     server.run()

@@ -57,7 +57,20 @@ class ServerSettings(BaseModel):
     api_key: str | None = Field(
         default_factory=lambda: os.environ.get(API_KEY_ENV) or None,
         repr=False,
-        description=f"required as `Authorization: Bearer` on every endpoint (env {API_KEY_ENV})",
+        description=f"required as `Authorization: Bearer` on every endpoint (env {API_KEY_ENV}, "
+        "or the CLI's --api-key-file)",
+    )
+    ssl_keyfile: str | None = Field(None, description="TLS private key (PEM): serve HTTPS")
+    ssl_certfile: str | None = Field(None, description="TLS certificate chain (PEM)")
+    weights_dir: str | None = Field(
+        None,
+        description="the directory /weights/load_file may read from, besides the model's own "
+        "directory; paths are resolved (symlinks, '..') before the check",
+    )
+    shutdown_timeout: float = Field(
+        10.0,
+        ge=0,
+        description="seconds SIGTERM waits for requests in flight before cancelling them",
     )
     disable_admin_endpoints: bool = Field(
         False, description="serve generation only: no weight, sleep or NCCL routes"
@@ -104,6 +117,17 @@ class ServerSettings(BaseModel):
         "serving then walk only what serving allocates",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _check_secrets(self) -> ServerSettings:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError(
+                f"--api-key: the key is empty or only whitespace (from --api-key, "
+                f"--api-key-file or env {API_KEY_ENV}); give a real key"
+            )
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
+        return self
 
     @model_validator(mode="after")
     def _admin_needs_auth_off_loopback(self) -> ServerSettings:

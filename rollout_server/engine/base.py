@@ -160,7 +160,10 @@ class Engine(abc.ABC):
     async def generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams
     ) -> list[list[SampleOutput]]:
-        """``n`` samples for each prompt, as ``[prompt][sample]``."""
+        """``n`` samples for each prompt, as ``[prompt][sample]``.
+
+        Cancelling the call (its client disconnected, or the server is stopping) must stop
+        the work it queued, so that the next request is not kept waiting behind it."""
 
     @abc.abstractmethod
     def weight_metadata(self) -> dict[str, TensorMeta]:

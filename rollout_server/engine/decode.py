@@ -3,7 +3,8 @@
 A row is one (prompt, sample) pair with its own sampling parameters, seed and token budget, so
 rows of different requests share a batch. Prompts are left-padded and prefilled once each (rows
 that share a prompt copy its KV cache), then every step feeds the last sampled token of each
-unfinished row. Finished rows leave the batch, so a short answer does not pay for a long one.
+unfinished row. Finished rows leave the batch, so a short answer does not pay for a long one;
+so do cancelled rows (their client went away, or the server is stopping), between two steps.
 
 Runs in a worker thread (it blocks on torch); nothing here touches the event loop.
 """
@@ -28,6 +29,10 @@ from rollout_server.protocol import FinishReason, SamplingParams
 _SEED_MASK = (1 << 64) - 1
 
 
+def _never() -> bool:
+    return False
+
+
 @dataclass
 class Row:
     prompt: list[int]
@@ -35,6 +40,8 @@ class Row:
     seed: int
     max_new: int  # completion budget, already capped by the context length
     stop_ids: frozenset[int] = field(default_factory=frozenset)  # eos (unless ignored) + extra
+    # polled from the decode thread between steps: True drops the row (its output is discarded)
+    cancelled: Callable[[], bool] = _never
 
 
 @dataclass
@@ -134,7 +141,9 @@ def _sample_loop(model, rows, logits, mask, next_pos, cache, detokenize) -> list
             _advance(rows[i], states[i], tok, lp, detokenize)
             if seen is not None:
                 seen[i, tok] = True
-        keep = [j for j, i in enumerate(active) if states[i].finish is None]
+        keep = [
+            j for j, i in enumerate(active) if states[i].finish is None and not rows[i].cancelled()
+        ]
         if not keep:
             break
         if len(keep) < len(active):

@@ -81,6 +81,10 @@ class _Job:
         if self.remaining == 0 and not self.future.done():
             self.future.set_result([o for o in self.outputs if o is not None])
 
+    def cancelled(self) -> bool:
+        """Its caller was cancelled (read by the decode thread between steps)."""
+        return self.future.cancelled()
+
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
             self.future.set_exception(exc)
@@ -108,6 +112,7 @@ class TransformersEngine(HFTokenizerMixin, Engine):
         self._queue: deque[_Queued] = deque()
         self._wakeup = asyncio.Event()
         self._batcher: asyncio.Task[None] | None = None
+        self._closing = False  # read by the decode thread: stop every row at the next step
         self._asleep: set[str] = set()
         self._sleep_level = 0
         self.model: Any = None
@@ -147,6 +152,7 @@ class TransformersEngine(HFTokenizerMixin, Engine):
         self._required = {n for n, _ in model.named_parameters()}  # tied ones once, no buffers
 
     async def close(self) -> None:
+        self._closing = True  # the batch being decoded stops at its next step
         if self._batcher is not None:
             self._batcher.cancel()
             await asyncio.gather(self._batcher, return_exceptions=True)
@@ -184,6 +190,11 @@ class TransformersEngine(HFTokenizerMixin, Engine):
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
         )
+        job = _Job(len(prompts) * n)
+
+        def stopped() -> bool:  # the call was cancelled (client gone) or the server is stopping
+            return self._closing or job.cancelled()
+
         rows = []
         for k, prompt in enumerate(prompts):
             for i in range(n):  # prompt k's sample i: seed + k * n + i (docs/api.md)
@@ -193,8 +204,7 @@ class TransformersEngine(HFTokenizerMixin, Engine):
                     else self._rng.getrandbits(63)
                 )
                 budget = min(params.max_tokens, self.max_model_len - len(prompt))
-                rows.append(Row(prompt, params, seed, max(budget, 1), stop_ids))
-        job = _Job(len(rows))
+                rows.append(Row(prompt, params, seed, max(budget, 1), stop_ids, stopped))
         self._queue.extend(_Queued(row, job, i) for i, row in enumerate(rows))
         self._wakeup.set()
         outputs = await job.future

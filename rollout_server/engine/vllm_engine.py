@@ -235,8 +235,13 @@ class VLLMEngine(HFTokenizerMixin, Engine):
 
     async def _one(self, prompt_ids: list[int], sp: Any) -> list[SampleOutput]:
         final = None
-        async for out in self._llm.generate({"prompt_token_ids": prompt_ids}, sp, uuid.uuid4().hex):
-            final = out
+        request_id = uuid.uuid4().hex
+        try:
+            async for out in self._llm.generate({"prompt_token_ids": prompt_ids}, sp, request_id):
+                final = out
+        except asyncio.CancelledError:  # the client went away or the server stops: free the slots
+            await self._llm.abort(request_id)
+            raise
         if final is None:
             raise EngineError("vLLM returned no output for a request")
         want = sp.logprobs is not None
