@@ -8,6 +8,7 @@ from pydantic import Field, field_validator
 
 from rollout_server.protocol.base import INT64_MAX, Version, WireModel, refuse_lone_surrogates
 
+INT32_MAX = 2**31 - 1
 MAX_BUCKETS = 1 << 20
 """The most buckets one update may have (``num_buckets`` at commit, bucket indices below it):
 a count a client names costs the server nothing until that many buckets actually arrived."""
@@ -57,9 +58,12 @@ class NcclInitRequest(WireModel):
 
     master_address: str
     master_port: int = Field(ge=1, le=65535)
-    world_size: int = Field(ge=2)
+    world_size: int = Field(ge=2, le=INT32_MAX, description="NCCL ranks are int32")
     rank_offset: int = Field(
-        1, ge=1, description="this server's first worker rank (1 + workers of earlier servers)"
+        1,
+        ge=1,
+        le=INT32_MAX,
+        description="this server's first worker rank (1 + workers of earlier servers)",
     )
     timeout_s: float = Field(300.0, gt=0, le=86400.0, allow_inf_nan=False)
 
