@@ -92,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _guarded(run: Callable[[], int]) -> int:
-    """``run()``, with the errors that name a setting to change as one line (exit 2), and a
-    user's reward or environment code that failed as its own frames (exit 1)."""
+    """``run()``, with the errors that name a setting to change as one line (exit 2), rollout
+    servers that stayed away as one line (exit ``SERVERS_LOST_EXIT``), and a user's reward or
+    environment code that failed as its own frames (exit 1)."""
     from learner.run.runtime import StoppedBeforeTraining, TrainingStopped
 
     try:
@@ -104,10 +105,14 @@ def _guarded(run: Callable[[], int]) -> int:
     except Exception as e:
         from learner.data.prompts import DataError
         from learner.run.runtime import SetupError
+        from learner.servers.connection import SERVERS_LOST_EXIT, ServersLostError
         from learner.step.rollouts import EpisodesFailedError
         from rewards.errors import PluginError
         from rewards.scoring import RewardFunctionError, RewardSpecError
 
+        if isinstance(e, ServersLostError):  # says which server, the setting and to --resume
+            print(f"error: {e}", file=sys.stderr)
+            return SERVERS_LOST_EXIT
         if isinstance(e, (RewardFunctionError, EpisodesFailedError)):  # the user's code failed
             print(user_traceback(e.__cause__) + f"error: {e}", file=sys.stderr)
             return 1

@@ -15,14 +15,13 @@ from typing import Any, Literal
 from pydantic import (
     Field,
     ValidationError,
-    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
 
 from learner.config_base import FieldError, Section
+from learner.config_rollout import RolloutConfig
 from learner.config_step import GRPOConfig, OptimConfig
-from learner.config_sync import HttpSyncConfig, SyncConfig, refuse_flat_sync_keys, validate_sync
 
 
 class LoraConfig(Section):
@@ -132,79 +131,6 @@ class DataConfig(Section):
                 "system_prompt",
                 "plain-text prompts (chat = false) have no system message: put the instructions "
                 "in prompt_template, or set chat = true",
-            )
-        return self
-
-
-class EmbeddedServerConfig(Section):
-    engine: Literal["transformers", "vllm"] = Field(
-        "transformers", description="vllm: the server shares the learner's GPU (colocated)"
-    )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="the dtype the embedded server loads the model in"
-    )
-    startup_timeout_s: float = Field(
-        120.0, gt=0, description="how long the embedded server may take to become ready"
-    )
-    extra_args: list[str] = Field(default_factory=list, description="more rollout-server flags")
-
-
-class RolloutConfig(Section):
-    servers: list[str] = Field(
-        default_factory=list,
-        description="rollout server URLs; empty = start an embedded server as a subprocess",
-    )
-    api_key: str | None = Field(None, description="or set ROLLOUT_API_KEY")
-    timeout_s: float = Field(
-        600.0, gt=0, description="the longest one request to a server may take (a generation)"
-    )
-    max_retries: int = Field(
-        3,
-        ge=0,
-        description="retries, with backoff, of a request that timed out, failed to connect or "
-        "got a 502, 503 or 504",
-    )
-    ready_timeout_s: float = Field(
-        300.0, gt=0, description="how long to wait at the start for every server to be ready"
-    )
-    sync: SyncConfig = Field(
-        default_factory=HttpSyncConfig,
-        description="how the weights reach the servers: http (CPU/tests), file (shared disk), "
-        "nccl (servers on other GPUs) or ipc (a server on the learner's own GPU: colocated "
-        'mode); sync = "nccl" is short for the table with that type and its defaults',
-    )
-    max_staleness: int = Field(
-        0,
-        ge=0,
-        description="overlap: generate up to this many steps ahead with older weights "
-        "(0 = synchronous); samples are importance-weighted for the lag",
-    )
-    sleep_while_training: Literal[1, 2] | None = Field(
-        None,
-        description="colocated mode: put the servers to sleep at this level while the learner "
-        "trains (frees their GPU memory), wake them for the weight sync and generation",
-    )
-    embedded: EmbeddedServerConfig = Field(
-        default_factory=EmbeddedServerConfig,
-        description="the server the learner starts when rollout.servers is empty",
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _flat_sync_keys(cls, data: Any) -> Any:
-        return refuse_flat_sync_keys(data)
-
-    @field_validator("sync", mode="wrap")
-    @classmethod
-    def _sync_section(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        return validate_sync(value, handler)
-
-    @model_validator(mode="after")
-    def _check(self) -> RolloutConfig:
-        if self.max_staleness and self.sleep_while_training:
-            raise ValueError(
-                "rollout.max_staleness > 0 overlaps generation with training, which a server "
-                "asleep during training cannot do: unset one of them"
             )
         return self
 

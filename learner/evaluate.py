@@ -28,7 +28,7 @@ from typing import Any
 from learner.config import LearnerConfig
 from learner.data.prompts import PromptFormat, data_columns, load_rows
 from learner.run.runtime import SetupError, resolve_model
-from learner.servers.embedded import embedded_for
+from learner.servers.embedded import embedded_for, embedded_key
 from learner.step.rollouts import (
     episode_generators,
     generate_request,
@@ -264,10 +264,7 @@ def evaluate_model(cfg: LearnerConfig, model: str | None, out_dir: Path) -> dict
 
         chat = HFChatFormat(tokenizer, cfg.sampling.chat_template_kwargs)
 
-    async def run(urls: list[str]) -> dict[str, float]:
-        import os
-
-        key = cfg.rollout.api_key or os.environ.get("ROLLOUT_API_KEY")
+    async def run(urls: list[str], key: str | None) -> dict[str, float]:
         async with RolloutClient(urls, api_key=key, timeout_s=cfg.rollout.timeout_s) as client:
             await client.wait_ready(cfg.rollout.ready_timeout_s)
             if problems := evaluator.check_limits(await client.info(), cfg.rollout.servers):
@@ -276,9 +273,10 @@ def evaluate_model(cfg: LearnerConfig, model: str | None, out_dir: Path) -> dict
 
     out_dir.mkdir(parents=True, exist_ok=True)
     if cfg.rollout.servers:
-        metrics = asyncio.run(run(cfg.rollout.servers))
+        metrics = asyncio.run(run(cfg.rollout.servers, cfg.rollout.key()))
     else:
-        with embedded_for(cfg, model, out_dir / "rollout_server.log") as url:
-            metrics = asyncio.run(run([url]))
+        key = embedded_key()
+        with embedded_for(cfg, model, out_dir / "rollout_server.log", api_key=key) as url:
+            metrics = asyncio.run(run([url], key))
     (out_dir / "metrics.json").write_text(json.dumps({"model": model, **metrics}, indent=1))
     return metrics

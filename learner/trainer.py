@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from learner.servers.pool import (
     check_server_limits,
     main_decides,
     servers,
+    servers_ready,
     updated_by_another,
 )
 from learner.step.dynamic_sampling import fill_step
@@ -64,9 +64,9 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     try:
         with (
             StopOnSigterm(at_once=True) as stop,
-            servers(cfg, run.model_path, run.run_dir, run.accelerator) as urls,
+            servers(cfg, run.model_path, run.run_dir, run.accelerator) as (urls, key),
         ):
-            conn = connect(run, loop, urls)
+            conn = connect(run, loop, urls, key)
             if run.evaluator is not None and run.state.step == 0 and run.evaluator.due(0):
                 ev = evaluate(run, conn, 0)
                 if metrics_log is not None:
@@ -209,17 +209,19 @@ def open_metrics_log(run: Run) -> MetricsLogger | None:
     )
 
 
-def connect(run: Run, loop: EventLoopThread, urls: list[str]) -> ServerConnection:
+def connect(
+    run: Run, loop: EventLoopThread, urls: list[str], api_key: str | None
+) -> ServerConnection:
     """The servers ready, checked against what the config asks of them, the weight sync
     connected, and the run's weights on them where they serve others."""
     cfg, accelerator = run.cfg, run.accelerator
     client = RolloutClient(
         urls,
-        api_key=cfg.rollout.api_key or os.environ.get("ROLLOUT_API_KEY"),
+        api_key=api_key,
         timeout_s=cfg.rollout.timeout_s,
         max_retries=cfg.rollout.max_retries,
     )
-    loop.run(client.wait_ready(cfg.rollout.ready_timeout_s))
+    loop.run(servers_ready(client, cfg.rollout))
     infos = loop.run(client.info())
     check_server_limits(cfg.sampling, infos, cfg.rollout.servers)
     if run.evaluator is not None and (

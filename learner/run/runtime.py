@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -118,8 +120,28 @@ def start_run(
     check_trackers(cfg)
     if acc.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        write_config(run_dir / "config.json", cfg)
     set_seed(seed)
+
+
+def write_config(path: Path, cfg: BaseModel) -> None:
+    """The resolved config, readable by its owner only, with every ``api_key`` as ``"***"``
+    (the file is copied around with the run; the key is not)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file left by an earlier run keeps its mode otherwise
+    with os.fdopen(fd, "w") as f:
+        json.dump(masked(cfg.model_dump(mode="json")), f, indent=2)
+
+
+def masked(tree: Any) -> Any:
+    """``tree`` with the value of every set ``api_key`` replaced by ``"***"``."""
+    if isinstance(tree, dict):
+        return {
+            k: "***" if k == "api_key" and v is not None else masked(v) for k, v in tree.items()
+        }
+    if isinstance(tree, list):
+        return [masked(v) for v in tree]
+    return tree
 
 
 def check_trackers(cfg: BaseModel) -> None:

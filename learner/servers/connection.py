@@ -17,14 +17,32 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 
-from learner.config import RolloutConfig
+from learner.config_rollout import RolloutConfig
 from learner.run.checkpoint import TrainerState
 from learner.servers.pool import EventLoopThread, main_decides, restarted, sync_weights
 from learner.sync.base import WeightTransport
-from rollout_server.client import RolloutClient
+from rollout_server.client import RolloutClient, RolloutUnavailableError
 
 logger = logging.getLogger(__name__)
+
+#: The learner's exit code when its rollout servers stayed away (``EX_TEMPFAIL``: start them
+#: again and ``--resume``).
+SERVERS_LOST_EXIT = 75
+
+
+class ServersLostError(RuntimeError):
+    """A rollout server went away during the run and did not come back in time."""
+
+    def __init__(self, servers: str, timeout_s: float) -> None:
+        super().__init__(
+            f"the rollout server {servers} went away during the run and was not ready again "
+            f"within rollout.reconnect_timeout_s = {timeout_s:g} s: start it again, then run "
+            "the same command with --resume to continue from the last checkpoint (or raise "
+            "rollout.reconnect_timeout_s)"
+        )
+        self.servers = servers
 
 
 @dataclass
@@ -43,6 +61,36 @@ class ServerConnection:
         """Give the servers the weights the learner already served (a resumed run, a
         restarted server), under the learner's weight version."""
         sync_weights(self.accelerator, self.loop, self.syncer, self.policy, self.state, resync=True)
+
+    def reconnect(self, error: BaseException | None) -> None:
+        """A server went away while generating (``error``, on the ranks that saw it): wait up
+        to ``rollout.reconnect_timeout_s`` for every server to be ready again, then, if one
+        restarted, give it the learner's weights under the learner's version. Raises
+        ``ServersLostError`` on every rank when the wait runs out."""
+        down: list[str | None] = [None]
+        if self.accelerator.is_main_process:
+            down[0] = self._wait_back(error)
+        broadcast_object_list(down, from_process=0)
+        if down[0] is not None:
+            raise ServersLostError(down[0], self.rollout.reconnect_timeout_s)
+        if self.server_restarted():
+            self.resync()
+
+    def _wait_back(self, error: BaseException | None) -> str | None:
+        """Wait for the servers; None once all are ready, else the ones that are not."""
+        timeout = self.rollout.reconnect_timeout_s
+        logger.warning(
+            "a rollout server went away while generating (%s); waiting up to %.0f s "
+            "(rollout.reconnect_timeout_s) for %s to be ready again",
+            error or "on another rank",
+            timeout,
+            ", ".join(self.client.servers),
+        )
+        try:
+            self.loop.run(self.client.wait_ready(timeout))
+        except RolloutUnavailableError as e:
+            return e.server
+        return None
 
     def server_restarted(self) -> bool:
         """Whether a server serves an older weight version than the learner synced (decided on

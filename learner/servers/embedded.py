@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import os
 import runpy
+import secrets
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from grpo_common.net import free_port
+from rollout_server.settings import API_KEY_ENV
 
 if TYPE_CHECKING:
     from learner.config import LearnerConfig
@@ -77,8 +79,10 @@ def embedded_server(
     dtype: str = "float32",
     startup_timeout_s: float = 120.0,
     extra_args: list[str] | None = None,
+    api_key: str | None = None,
 ) -> Iterator[str]:
-    """Start a rollout server on a free loopback port; yield its URL; always stop it."""
+    """Start a rollout server on a free loopback port; yield its URL; always stop it.
+    ``api_key`` reaches it through its environment, where ``ps`` does not show it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     watch_fd, learner_fd = os.pipe()  # learner_fd is not inherited by any other child
@@ -103,7 +107,9 @@ def embedded_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("ab")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("ROLLOUT_API_KEY", None)  # loopback only: the embedded server needs no key
+    env.pop(API_KEY_ENV, None)  # the learner's key for external servers is not this one's
+    if api_key is not None:
+        env[API_KEY_ENV] = api_key
     try:
         proc = subprocess.Popen(
             cmd,
@@ -120,7 +126,7 @@ def embedded_server(
     finally:
         os.close(watch_fd)
     try:
-        _wait_ready(proc, url, startup_timeout_s, log_path)
+        _wait_ready(proc, url, startup_timeout_s, log_path, api_key)
         try:
             yield url
         except Exception as e:
@@ -139,8 +145,11 @@ def embedded_server(
         log.close()
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log_path: Path) -> None:
+def _wait_ready(
+    proc: subprocess.Popen[bytes], url: str, timeout_s: float, log_path: Path, api_key: str | None
+) -> None:
     deadline = time.monotonic() + timeout_s
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise EmbeddedServerError(
@@ -148,7 +157,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, log_p
                 f"its log ({log_path}) ends with:\n{_tail(log_path)}"
             )
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/ready", timeout=2.0).status_code == 200:
+            if httpx.get(url + "/ready", headers=headers, timeout=2.0).status_code == 200:
                 return
         time.sleep(0.25)
     raise EmbeddedServerError(
@@ -181,8 +190,14 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
         proc.wait()
 
 
+def embedded_key() -> str:
+    """A fresh random API key for an embedded server: no other local process may push weights
+    to it or put it to sleep during the run."""
+    return secrets.token_urlsafe(32)
+
+
 def embedded_for(
-    cfg: LearnerConfig, model: str, log_path: Path
+    cfg: LearnerConfig, model: str, log_path: Path, *, api_key: str | None = None
 ) -> contextlib.AbstractContextManager[str]:
     """The embedded rollout server of ``rollout.embedded`` serving ``model``, with limits that
     cover what the config asks of it; the context yields its URL."""
@@ -194,6 +209,7 @@ def embedded_for(
         dtype=e.dtype,
         startup_timeout_s=e.startup_timeout_s,
         extra_args=[*limit_args(cfg), *e.extra_args],
+        api_key=api_key,
     )
 
 

@@ -21,11 +21,18 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from learner.config import LearnerConfig, SamplingConfig
+from learner.config_rollout import RolloutConfig
 from learner.run.checkpoint import TrainerState
 from learner.run.runtime import SetupError
-from learner.servers.embedded import embedded_for
+from learner.servers.embedded import embedded_for, embedded_key
 from learner.sync.base import WeightTransport
-from rollout_server.client import RolloutError, RolloutHTTPError, RolloutUnavailableError
+from rollout_server.client import (
+    RolloutAuthError,
+    RolloutClient,
+    RolloutError,
+    RolloutHTTPError,
+    RolloutUnavailableError,
+)
 from rollout_server.protocol import InfoResponse
 
 logger = logging.getLogger(__name__)
@@ -52,19 +59,43 @@ class EventLoopThread:
 
 
 @contextlib.contextmanager
-def servers(cfg: LearnerConfig, model: str, run_dir: Path, acc: Accelerator) -> Iterator[list[str]]:
+def servers(
+    cfg: LearnerConfig, model: str, run_dir: Path, acc: Accelerator
+) -> Iterator[tuple[list[str], str | None]]:
+    """The rollout servers' URLs and the API key they take: ``rollout.servers`` and the
+    configured key, or an embedded server's, with a fresh random key (every rank's clients
+    get both)."""
     if cfg.rollout.servers:
-        yield cfg.rollout.servers
+        yield cfg.rollout.servers, cfg.rollout.key()
         return
-    urls: list[Any] = [None]
+    url_key: list[Any] = [None, embedded_key()]
     with contextlib.ExitStack() as stack:
         if acc.is_main_process:
-            urls[0] = stack.enter_context(
-                embedded_for(cfg, model, log_path=run_dir / "rollout_server.log")
+            log_path = run_dir / "rollout_server.log"
+            url_key[0] = stack.enter_context(
+                embedded_for(cfg, model, log_path=log_path, api_key=url_key[1])
             )
-        broadcast_object_list(urls, from_process=0)
-        yield [urls[0]]
+        broadcast_object_list(url_key, from_process=0)
+        yield [url_key[0]], url_key[1]
         acc.wait_for_everyone()  # nobody may still be generating when the server stops
+
+
+async def servers_ready(client: RolloutClient, rollout: RolloutConfig) -> None:
+    """Wait for the servers to be ready; one that never is, or that refuses the API key, is a
+    ``SetupError`` naming the setting."""
+    try:
+        await client.wait_ready(rollout.ready_timeout_s)
+    except RolloutAuthError as e:
+        raise SetupError(
+            f"the rollout server {e.server} refused the API key (HTTP {e.status}): give the "
+            "learner the server's key as rollout.api_key_file, the ROLLOUT_API_KEY environment "
+            f"variable or rollout.api_key ({'one is' if rollout.key() else 'none is'} set)"
+        ) from None
+    except RolloutUnavailableError as e:
+        raise SetupError(
+            f"rollout.servers: {e.server} {e.reason} (rollout.ready_timeout_s = "
+            f"{rollout.ready_timeout_s:g})"
+        ) from None
 
 
 def check_server_limits(s: SamplingConfig, infos: list[InfoResponse], urls: list[str]) -> None:
@@ -143,17 +174,22 @@ def sync_weights(
     hf_model = accelerator.unwrap_model(policy).model
     with torch.no_grad():
         if accelerator.is_main_process:
-            serve = None
-            if resync:
-                served = max(i.weight_version for i in loop.run(syncer.client.info()))
-                serve = state.weight_version if served < state.weight_version else None
-            answers = push_weights(accelerator, loop, syncer, hf_model, serve)
+            least = state.weight_version + (0 if resync else 1)
+            serve = version_at_least(loop, syncer, least) if resync else None
+            answers = push_weights(accelerator, loop, syncer, hf_model, serve, least)
             version = [min(a.weight_version for a in answers)]
         else:
             syncer.follow(hf_model)
     broadcast_object_list(version, from_process=0)
     state.weight_version = int(version[0])
     accelerator.wait_for_everyone()  # no rank generates before every server has the new weights
+
+
+def version_at_least(loop: EventLoopThread, syncer: WeightTransport, least: int) -> int | None:
+    """The version to push so that the servers serve at least ``least``: ``least`` where one
+    serves an older version (a fresh server at 0), else None (the servers number it, above)."""
+    served = max(i.weight_version for i in loop.run(syncer.client.info()))
+    return least if served < least else None
 
 
 SYNC_ATTEMPTS = 3
@@ -164,19 +200,25 @@ def push_weights(
     loop: EventLoopThread,
     syncer: WeightTransport,
     hf_model: Any,
-    version: int | None = None,
+    version: int | None,
+    least: int,
 ) -> list[Any]:
     """Push the weights; when a server could not be reached (it restarts, say), wait until the
     servers are ready and push again, up to ``SYNC_ATTEMPTS`` times. Not for NCCL (its group
     would have to be formed again) nor under ZeRO-3 (the other ranks' gathers follow one push).
-    A retry lets the servers number the version (another may have taken ``version`` already)."""
+    A retry asks the servers again which version to push: at least ``least`` (a restarted
+    server at 0 must not take the learner's version back to 1), above theirs (another push may
+    have taken ``least`` already). A server that refuses the weights' shapes serves another
+    model: a ``SetupError`` naming it."""
     ds = accelerator.state.deepspeed_plugin
     retry = syncer.retries_pushes and (ds is None or ds.zero_stage != 3)
-    for attempt in range(1, SYNC_ATTEMPTS):
+    for attempt in range(1, SYNC_ATTEMPTS + 1):
         try:
-            return loop.run(syncer.push(hf_model, version if attempt == 1 else None))
+            return loop.run(syncer.push(hf_model, version))
         except RolloutError as e:
-            if not retry or not server_went_away(e):
+            if (mismatch := other_model(e)) is not None:
+                raise SetupError(mismatch) from None
+            if not retry or not server_went_away(e) or attempt == SYNC_ATTEMPTS:
                 raise
             logger.warning(
                 "weight sync failed (%s); waiting for the rollout servers, then syncing again "
@@ -186,7 +228,23 @@ def push_weights(
                 SYNC_ATTEMPTS,
             )
             loop.run(syncer.client.wait_ready(syncer.ready_timeout_s))
-    return loop.run(syncer.push(hf_model))
+            version = version_at_least(loop, syncer, least)
+    raise AssertionError("unreachable")
+
+
+def other_model(e: BaseException | None) -> str | None:
+    """Why a refused sync means the server serves another model than the learner's (a tensor of
+    another shape, or one it does not have), in one line; None if it does not."""
+    while e is not None:
+        if isinstance(e, RolloutHTTPError) and e.status in (400, 422):
+            detail = " ".join(e.detail.split())
+            if "has shape" in detail or "unknown tensor" in detail:
+                return (
+                    f"the rollout server {e.server} serves a model of other shapes than the "
+                    f"learner's (model.name_or_path): {detail[:400]}. Serve the same model"
+                )
+        e = e.__cause__
+    return None
 
 
 def server_went_away(e: BaseException | None) -> bool:

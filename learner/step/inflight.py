@@ -5,7 +5,8 @@ while the main thread trains, so the rollout servers never idle. A batch is trai
 the weights that produced it are at most s versions older than the learner's. An older one means
 a rollout server restarted and serves its base weights (anything else fails the run with
 ``StalenessError``): the learner then gives the servers its weights again and generates the same
-prompts again, so the data order does not change.
+prompts again, so the data order does not change. A generation that failed because a server went
+away (killed, restarting) waits for it (``rollout.reconnect_timeout_s``) and does the same.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import time
 import zlib
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from learner.config import LearnerConfig
 from learner.data.prompts import PromptStream
 from learner.run.checkpoint import TrainerState
 from learner.servers.connection import ServerConnection
+from learner.servers.pool import server_went_away
 from learner.step.rollouts import (
     StepRollouts,
     check_episodes,
@@ -38,13 +40,17 @@ from learner.step.update import max_over_ranks
 from rewards.chat import ChatFormat
 from rewards.env import Environment
 from rewards.scoring import RewardRunner
-from rollout_server.client import RolloutClient
+from rollout_server.client import RolloutClient, RolloutError
 
 logger = logging.getLogger(__name__)
 
 
 class StalenessError(RuntimeError):
     pass
+
+
+# A staleness no version gap reaches: a rank's generation failed because a server went away.
+SERVER_LOST = 2**62
 
 
 def rows_fingerprint(rows: list[dict[str, Any]]) -> int:
@@ -141,16 +147,30 @@ class InFlightRollouts:
             self.launch()
         launched = self.pending.popleft()
         t0 = time.perf_counter()
-        step_rollouts = launched.future.result()
+        step_rollouts, lost = None, None
+        try:
+            step_rollouts = launched.future.result()
+        except RolloutError as e:
+            if not server_went_away(e):
+                raise
+            lost = e
         wait_s = time.perf_counter() - t0
+        self._count_pending()
+        staleness = self._staleness(step_rollouts)
+        if staleness == SERVER_LOST:
+            self._regenerate(launched, lambda: self.servers.reconnect(lost))
+            return None
+        assert step_rollouts is not None  # else SERVER_LOST
+        if staleness > self.cfg.rollout.max_staleness:
+            if not self.servers.server_restarted():
+                raise StalenessError(
+                    f"samples {staleness} versions old, bound {self.cfg.rollout.max_staleness}"
+                )
+            self._regenerate(launched, self.servers.resync)
+            return None
         if self.rank_rollouts.env_cls is not None:  # all ranks stop, or none: gathered
             world = self.accelerator.num_processes
             check_episodes(self.cfg, step_rollouts, gather_object if world > 1 else None)
-        self._count_pending()
-        staleness = self._staleness(step_rollouts)
-        if staleness > self.cfg.rollout.max_staleness:
-            self._redo(launched, staleness)
-            return None
         return Arrived(step_rollouts, launched.fingerprint, staleness, wait_s)
 
     def refill_round(self, k: int, short: bool) -> StepRollouts | None:
@@ -171,9 +191,12 @@ class InFlightRollouts:
     def _count_pending(self) -> None:
         self.stream.pending = len(self.pending) * self.cfg.grpo.prompts_per_step
 
-    def _staleness(self, step_rollouts: StepRollouts) -> int:
+    def _staleness(self, step_rollouts: StepRollouts | None) -> int:
         """How many versions the samples' weights are behind the learner's, the most over the
-        ranks (one branch on every rank)."""
+        ranks (one branch on every rank); ``SERVER_LOST`` when a rank got none because a
+        server went away."""
+        if step_rollouts is None:
+            return max_over_ranks(self.accelerator, SERVER_LOST)
         version = int(step_rollouts.metrics["weight_version/min"])
         staleness = self.state.weight_version - version
         if staleness < 0 and not self._warned_ahead:
@@ -186,15 +209,12 @@ class InFlightRollouts:
             )
         return max_over_ranks(self.accelerator, staleness)  # one branch on every rank
 
-    def _redo(self, launched: Launched, staleness: int) -> None:
-        """Samples over the bound: a restarted server serves its base weights, so sync this
-        learner's again and generate the same prompts again; anything else is an error."""
-        if not self.servers.server_restarted():
-            raise StalenessError(
-                f"samples {staleness} versions old, bound {self.cfg.rollout.max_staleness}"
-            )
+    def _regenerate(self, launched: Launched, restore: Callable[[], None]) -> None:
+        """A server restarted (it serves its base weights) or went away: ``restore`` the
+        servers (wait for them, sync this learner's weights again), then generate every step
+        in flight again on the same prompts, so the data order does not change."""
         redo = [launched.rows, *(p.rows for p in self.pending)]
         self.cancel()
-        self.servers.resync()
+        restore()
         for rows in redo:
             self.launch(rows)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from learner.config_sync import FileSyncConfig, HttpSyncConfig, IpcSyncConfig, NcclSyncConfig
 
 if TYPE_CHECKING:
-    from learner.config import RolloutConfig
+    from learner.config_rollout import RolloutConfig
     from learner.sync.base import WeightTransport
     from rollout_server.client import RolloutClient
 

@@ -53,16 +53,29 @@ def wait_gone(scan, text: str, timeout_s: float = 15.0) -> list[int]:
     return left
 
 
-def assert_setup_error(run_dir: Path, override: str, message: str) -> None:
-    """The demo with ``--set override`` stops at setup: exit 2, ``message`` in one last line, no
-    traceback, before any model loads."""
+def assert_setup_error(
+    run_dir: Path, override: str, message: str, *more: str, model_loads: bool = False
+) -> None:
+    """The demo with ``--set override`` (and ``more``) stops at setup: exit 2, ``message`` in one
+    last line, no traceback, before any model loads (unless ``model_loads``: what only the
+    rollout servers can tell comes after the learner's model loaded)."""
+    sets = [a for o in (override, *more) for a in ("--set", o)]
     proc = subprocess.run(
-        learner_cmd(run_dir, "--set", override),
+        learner_cmd(run_dir, *sets),
         env=learner_env(),
         capture_output=True,
         text=True,
         timeout=180,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert message in proc.stderr.splitlines()[-1]
-    assert "Loading weights" not in proc.stderr  # found before any model loads
+    assert message in proc.stderr.splitlines()[-1], proc.stderr[-3000:]
+    if not model_loads:
+        assert "Loading weights" not in proc.stderr  # found before any model loads
+
+
+def serve_cmd(model: Path, port: int, *args: str) -> list[str]:
+    """A rollout server subprocess (transformers engine) for ``model`` on loopback ``port``."""
+    return [
+        sys.executable, "-m", "rollout_server", "--model", str(model), "--engine",
+        "transformers", "--port", str(port), "--log-level", "warning", *args,
+    ]  # fmt: skip

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from learner.config import ConfigError, RolloutConfig, load_config
+from learner.config import ConfigError, load_config
+from learner.config_rollout import RolloutConfig
 from learner.config_sync import FileSyncConfig, HttpSyncConfig, IpcSyncConfig, NcclSyncConfig
 from learner.sync import make_transport
 from rollout_server.client import RolloutClient

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.config import RolloutConfig
+from learner.config_rollout import RolloutConfig
 from learner.sync import make_transport
 from rollout_server.client import RolloutClient
 from rollout_server.nccl_wire import params_checksum
@@ -16,8 +16,10 @@ from rollout_server.tiny import save_tiny_model
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_model_dir):
-    with start_server(ServerSettings(model=str(tiny_model_dir), dtype="float32")) as s:
+def server(start_server, tiny_model_dir, tmp_path_factory):
+    base = str(tmp_path_factory.getbasetemp())  # file sync writes under each test's tmp_path
+    settings = ServerSettings(model=str(tiny_model_dir), dtype="float32", weights_dir=base)
+    with start_server(settings) as s:
         yield s
 
 

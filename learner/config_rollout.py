@@ -1,0 +1,130 @@
+"""[rollout]: the rollout servers the learner generates with (or the embedded one it starts),
+how it reaches them, authenticates, and rides out one that goes away; [rollout.sync] is
+``learner.config_sync``'s.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidatorFunctionWrapHandler, field_validator, model_validator
+
+from learner.config_base import FieldError, Section
+from learner.config_sync import HttpSyncConfig, SyncConfig, refuse_flat_sync_keys, validate_sync
+from rollout_server.settings import API_KEY_ENV
+
+
+class EmbeddedServerConfig(Section):
+    engine: Literal["transformers", "vllm"] = Field(
+        "transformers", description="vllm: the server shares the learner's GPU (colocated)"
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the dtype the embedded server loads the model in"
+    )
+    startup_timeout_s: float = Field(
+        120.0, gt=0, description="how long the embedded server may take to become ready"
+    )
+    extra_args: list[str] = Field(default_factory=list, description="more rollout-server flags")
+
+
+class RolloutConfig(Section):
+    servers: list[str] = Field(
+        default_factory=list,
+        description="rollout server URLs; empty = start an embedded server as a subprocess",
+    )
+    api_key: str | None = Field(
+        None,
+        description="the servers' API key; better api_key_file or the ROLLOUT_API_KEY "
+        "environment variable (a key here shows in the config file and on command lines); "
+        'written as "***" to RUN_DIR/config.json',
+    )
+    api_key_file: str | None = Field(
+        None, description="a file holding the servers' API key (its content, stripped)"
+    )
+    timeout_s: float = Field(
+        600.0, gt=0, description="the longest one request to a server may take (a generation)"
+    )
+    max_retries: int = Field(
+        3,
+        ge=0,
+        description="retries, with backoff, of a request that timed out, failed to connect or "
+        "got a 502, 503 or 504",
+    )
+    ready_timeout_s: float = Field(
+        300.0, gt=0, description="how long to wait at the start for every server to be ready"
+    )
+    reconnect_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="how long to wait for a rollout server that went away during the run "
+        "(killed, restarted) before stopping it; once back, it gets the learner's weights and "
+        "the step's prompts are generated again",
+    )
+    sync: SyncConfig = Field(
+        default_factory=HttpSyncConfig,
+        description="how the weights reach the servers: http (CPU/tests), file (shared disk), "
+        "nccl (servers on other GPUs) or ipc (a server on the learner's own GPU: colocated "
+        'mode); sync = "nccl" is short for the table with that type and its defaults',
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="overlap: generate up to this many steps ahead with older weights "
+        "(0 = synchronous); samples are importance-weighted for the lag",
+    )
+    sleep_while_training: Literal[1, 2] | None = Field(
+        None,
+        description="colocated mode: put the servers to sleep at this level while the learner "
+        "trains (frees their GPU memory), wake them for the weight sync and generation",
+    )
+    embedded: EmbeddedServerConfig = Field(
+        default_factory=EmbeddedServerConfig,
+        description="the server the learner starts when rollout.servers is empty",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_sync_keys(cls, data: Any) -> Any:
+        return refuse_flat_sync_keys(data)
+
+    @field_validator("sync", mode="wrap")
+    @classmethod
+    def _sync_section(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return validate_sync(value, handler)
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutConfig:
+        if self.max_staleness and self.sleep_while_training:
+            raise ValueError(
+                "rollout.max_staleness > 0 overlaps generation with training, which a server "
+                "asleep during training cannot do: unset one of them"
+            )
+        if self.api_key is not None and not self.api_key.strip():
+            raise FieldError("api_key", "is blank: give the servers' key, or leave it unset")
+        if self.api_key is not None and self.api_key_file is not None:
+            raise FieldError("api_key_file", "set api_key or api_key_file, not both")
+        if self.api_key_file is not None:
+            read_key_file(self.api_key_file)
+        return self
+
+    def key(self) -> str | None:
+        """The servers' API key: ``api_key``, ``api_key_file``'s, else ``ROLLOUT_API_KEY``'s."""
+        if self.api_key is not None:
+            return self.api_key
+        if self.api_key_file is not None:
+            return read_key_file(self.api_key_file)
+        return os.environ.get(API_KEY_ENV) or None
+
+
+def read_key_file(path: str) -> str:
+    """The API key in ``path``, stripped; a ``FieldError`` naming ``api_key_file`` when it cannot
+    be read or holds only whitespace."""
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as e:
+        raise FieldError("api_key_file", f"cannot read {path}: {e.strerror}") from None
+    if not key:
+        raise FieldError("api_key_file", f"{path} is blank: write the servers' key into it")
+    return key

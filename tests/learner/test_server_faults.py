@@ -1,0 +1,138 @@
+"""The learner against external rollout servers that fail: killed mid-run (the learner waits,
+gives the new one its weights under its own version and goes on), never back (one line, a
+resume hint), unreachable, refusing the key, or serving another model (one line naming the
+setting, exit 2)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+from grpo_common.net import free_port
+from learner.run.metrics import read_metrics
+from learner.servers.connection import SERVERS_LOST_EXIT
+from tests.learner.demo_runs import (
+    assert_setup_error,
+    learner_cmd,
+    learner_env,
+    serve_cmd,
+)
+
+QUIET = ("run.progress_bar=false", "run.save_final=false", "run.tensorboard=false")
+
+
+def _learner(run_dir: Path, model: Path, port: int, *overrides: str) -> subprocess.Popen:
+    sets = [*QUIET, f'model.name_or_path="{model}"']
+    sets += [f'rollout.servers=["http://127.0.0.1:{port}"]', *overrides]
+    return subprocess.Popen(
+        learner_cmd(run_dir, *(a for s in sets for a in ("--set", s))),
+        env=learner_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _kill_after_step(
+    run_dir: Path, learner: subprocess.Popen, server: subprocess.Popen, step: int
+) -> None:
+    """SIGKILL the server as soon as step ``step``'s metrics are written: the learner is then
+    about to generate (or generating) the next step's rollouts."""
+    deadline = time.monotonic() + 240
+    while len(read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []) < step:
+        assert time.monotonic() < deadline and learner.poll() is None
+        time.sleep(0.01)
+    server.kill()
+    server.wait()
+
+
+def test_a_server_killed_mid_generation_is_waited_for_and_the_run_goes_on(
+    tmp_path, tiny_model_dir
+):
+    """Down longer than the generate request's retries (about 3.5 s): the learner waits for the
+    server, gives the new one its weights under its own version (not 1 again) and generates the
+    step's prompts again; every step is trained once and the version never goes back."""
+    port = free_port()
+    server = subprocess.Popen(serve_cmd(tiny_model_dir, port), env=learner_env())
+    run_dir = tmp_path / "run"
+    learner = _learner(run_dir, tiny_model_dir, port, "run.steps=5", "sampling.max_tokens=32")
+    try:
+        _kill_after_step(run_dir, learner, server, 2)
+        time.sleep(8)
+        server = subprocess.Popen(serve_cmd(tiny_model_dir, port), env=learner_env())
+        _, err = learner.communicate(timeout=300)
+    finally:
+        learner.kill()
+        server.kill()
+        server.wait()
+    assert learner.returncode == 0, err[-3000:]
+    assert "went away while generating" in err and "rollout.reconnect_timeout_s" in err
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    versions = [r["weight_version"] for r in records]
+    assert versions == sorted(versions) and versions == [1, 2, 3, 4, 5], versions
+    assert [r["staleness"] for r in records] == [0.0] * 5
+
+
+def test_a_server_that_stays_away_stops_the_run_in_one_line_with_a_resume_hint(
+    tmp_path, tiny_model_dir
+):
+    port = free_port()
+    server = subprocess.Popen(serve_cmd(tiny_model_dir, port), env=learner_env())
+    run_dir = tmp_path / "run"
+    learner = _learner(
+        run_dir, tiny_model_dir, port, "run.steps=5", "rollout.reconnect_timeout_s=2"
+    )
+    try:
+        _kill_after_step(run_dir, learner, server, 1)
+        _, err = learner.communicate(timeout=300)
+    finally:
+        learner.kill()
+    assert learner.returncode == SERVERS_LOST_EXIT and "Traceback" not in err, err[-3000:]
+    last = err.splitlines()[-1]
+    assert f"the rollout server http://127.0.0.1:{port} went away" in last
+    assert "rollout.reconnect_timeout_s = 2 s" in last and "--resume" in last
+
+
+def test_an_unreachable_server_is_a_setup_error(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    assert_setup_error(
+        tmp_path / "run",
+        f'rollout.servers=["{url}"]',
+        f"rollout.servers: {url} not ready after 3 s",
+        "rollout.ready_timeout_s=3",
+        model_loads=True,
+    )
+
+
+def test_a_refused_api_key_is_a_setup_error(tmp_path, start_server, tiny_model_dir):
+    from rollout_server.settings import ServerSettings
+
+    with start_server(ServerSettings(model=str(tiny_model_dir), api_key="the-right-key")) as s:
+        assert_setup_error(
+            tmp_path / "run",
+            f'rollout.servers=["{s.url}"]',
+            f"the rollout server {s.url} refused the API key (HTTP 401): give the learner the "
+            "server's key as rollout.api_key_file",
+            'rollout.api_key="a-wrong-key"',
+            f'model.name_or_path="{tiny_model_dir}"',
+            model_loads=True,
+        )
+
+
+def test_a_server_of_another_model_is_a_setup_error(tmp_path, start_server, tiny_model_dir):
+    """The learner's tiny model is wider than the server's: the first sync is refused for its
+    shapes, which no retry can change."""
+    from rollout_server.settings import ServerSettings
+
+    with start_server(ServerSettings(model=str(tiny_model_dir))) as s:
+        assert_setup_error(
+            tmp_path / "run",
+            f'rollout.servers=["{s.url}"]',
+            f"the rollout server {s.url} serves a model of other shapes than the learner's "
+            "(model.name_or_path)",
+            "model.tiny={hidden=96}",
+            "run.steps=2",
+            model_loads=True,
+        )
