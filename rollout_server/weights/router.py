@@ -32,6 +32,7 @@ from rollout_server.protocol import (
     WeightUpdateId,
     WeightUpdateResponse,
 )
+from rollout_server.weights.paths import WeightDirs
 from rollout_server.weights.service import WeightsService
 from rollout_server.weights.validation import parse_safetensors, read_safetensors_path
 
@@ -135,10 +136,12 @@ async def abort(request: WeightUpdateId, service: WeightsDep) -> dict[str, str]:
 
 @router.post("/load_file", response_model=WeightUpdateResponse, responses=_ERRORS)
 async def load_file(request: WeightFileRequest, service: WeightsDep) -> WeightUpdateResponse:
-    """Load a .safetensors file, or every one in a directory, from a disk the server sees."""
+    """Load a .safetensors file, or every one in a directory, from the model's directory or
+    ``--weights-dir`` on the server's disk."""
     with _counted(service, "file"):
         service.check_update_version(request.version)
-        tensors = await asyncio.to_thread(read_safetensors_path, request.path)
+        dirs = WeightDirs.of(service.core.settings)
+        tensors = await asyncio.to_thread(read_safetensors_path, request.path, dirs)
         return await service.apply_weights(tensors, request.version, transport="file")
 
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from rollout_server.protocol import IpcUpdateRequest, NcclUpdateRequest
+    from rollout_server.weights.paths import WeightDirs
 
 
 def parse_safetensors(blob: bytes, *, what: str = "the request body") -> dict[str, torch.Tensor]:
@@ -35,12 +36,13 @@ def parse_safetensors(blob: bytes, *, what: str = "the request body") -> dict[st
         raise WeightsError(f"{what} is not a valid safetensors blob ({exc})") from exc
 
 
-def read_safetensors_path(path: str) -> dict[str, torch.Tensor]:
-    """Tensors of a .safetensors file, or of every .safetensors file in a directory."""
+def read_safetensors_path(path: str, dirs: WeightDirs | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of a .safetensors file, or of every .safetensors file in a directory; with
+    ``dirs``, only inside those directories (each file's resolved path checked)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    p = Path(path)
+    p = dirs.check(path) if dirs is not None else Path(path)
     if not p.exists():
         raise WeightsError(f"cannot read {path}: no such file or directory on the server")
     files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
@@ -48,6 +50,8 @@ def read_safetensors_path(path: str) -> dict[str, torch.Tensor]:
         raise WeightsError(f"no .safetensors files in the directory {path}")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
+        if dirs is not None:  # a link inside the directory may point outside it
+            f = dirs.check(f)
         try:
             loaded = load_file(f)
         except (OSError, SafetensorError, ValueError, RuntimeError) as exc:

@@ -60,8 +60,12 @@ def _weights_of(models, prompt: list[int], tokens: list[int], logprobs: list[flo
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tiny_model_dir):
-    settings = ServerSettings(model=str(tiny_model_dir), limits=Limits(max_body_mb=1))
+def server(start_server, tiny_model_dir, tmp_path_factory):
+    settings = ServerSettings(
+        model=str(tiny_model_dir),
+        limits=Limits(max_body_mb=1),
+        weights_dir=str(tmp_path_factory.getbasetemp()),  # the files of the bad-update cases
+    )
     with start_server(settings) as s:
         yield s
 
