@@ -208,9 +208,20 @@ def embedded_for(
         engine=e.engine,
         dtype=e.dtype,
         startup_timeout_s=e.startup_timeout_s,
-        extra_args=[*limit_args(cfg), *e.extra_args],
+        extra_args=[*limit_args(cfg), *sync_dir_args(cfg), *e.extra_args],
         api_key=api_key,
     )
+
+
+def sync_dir_args(cfg: LearnerConfig) -> list[str]:
+    """``--weights-dir`` for ``rollout.sync.type = "file"``: the server loads weights files
+    only under the model's directory and the one named there."""
+    from learner.config_sync import FileSyncConfig
+
+    sync = cfg.rollout.sync
+    if not isinstance(sync, FileSyncConfig):
+        return []
+    return ["--weights-dir", str(Path(sync.dir).resolve())]
 
 
 def limit_args(cfg: LearnerConfig) -> list[str]:
