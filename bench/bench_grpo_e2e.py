@@ -325,6 +325,7 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dic
     sync_dir = Path(tempfile.mkdtemp(prefix=f"grpo-e2e-{mode}-", dir=ram_dir(4 << 30)))
     data = write_jsonl(prompt_rows(512), work / "prompts.jsonl")
     opts = server_options(args, mode)
+    opts["extra_args"] += ["--weights-dir", str(sync_dir)]  # where file sync writes
     server = ServerProcess(args.model, log_path=mode_logs / "server.log", **opts)
     config = learner_config(args, mode, server.url, run_dir, data, sync_dir)
     config_path = mode_logs / "learner.toml"
