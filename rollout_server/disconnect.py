@@ -35,12 +35,13 @@ class CancelOnDisconnectMiddleware:
             await self.app(scope, receive, send)
             return
         body_read = asyncio.Event()
-        gone = asyncio.Event()
+        closed = asyncio.Event()  # the connection ended: the client left or the response is sent
+        gone = asyncio.Event()  # the client left before the response was complete
         response_done = False
 
         async def app_receive() -> Message:
             if body_read.is_set():  # later reads (a stream's disconnect listener) share the watch
-                await gone.wait()
+                await closed.wait()
                 return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] != "http.request" or not message.get("more_body", False):
@@ -58,6 +59,7 @@ class CancelOnDisconnectMiddleware:
         async def watch() -> None:
             await body_read.wait()
             message = await receive()  # blocks until the client leaves or the response is sent
+            closed.set()
             if message["type"] == "http.disconnect" and not response_done:
                 gone.set()
                 handler.cancel()
