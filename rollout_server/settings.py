@@ -134,8 +134,8 @@ class ServerSettings(BaseModel):
         if not is_loopback(self.host) and not self.api_key and not self.disable_admin_endpoints:
             raise ValueError(
                 f"refusing to serve the weight and sleep endpoints without an API key on the "
-                f"non-loopback address {self.host!r}: set --api-key (or env {API_KEY_ENV}), bind "
-                f"to 127.0.0.1, or pass --disable-admin-endpoints"
+                f"non-loopback address {self.host!r}: set env {API_KEY_ENV} or --api-key-file "
+                "(or --api-key), bind to 127.0.0.1, or pass --disable-admin-endpoints"
             )
         return self
 
