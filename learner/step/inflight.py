@@ -40,7 +40,7 @@ from learner.step.update import max_over_ranks
 from rewards.chat import ChatFormat
 from rewards.env import Environment
 from rewards.scoring import RewardRunner
-from rollout_server.client import RolloutClient, RolloutError
+from rollout_server.client import RolloutClient
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +150,9 @@ class InFlightRollouts:
         step_rollouts, lost = None, None
         try:
             step_rollouts = launched.future.result()
-        except RolloutError as e:
-            if not server_went_away(e):
-                raise
+        except Exception as e:  # an episode's generation wraps the client's error
+            if not (self.cfg.rollout.servers and server_went_away(e)):
+                raise  # a dead embedded server does not come back: its own error says why
             lost = e
         wait_s = time.perf_counter() - t0
         self._count_pending()
