@@ -165,18 +165,17 @@ def sync_weights(
 ) -> None:
     """Push the weights to the servers; ``state.weight_version`` becomes the version they serve.
 
-    ``resync``: the weights are the ones the learner already served (a resumed run, a restarted
-    server). Servers that serve an older version than the learner's (fresh ones at 0) get the
-    learner's version back, so the version goes on from the checkpoint's instead of counting
-    again from 1 (the staleness bound and the logged weight_version compare versions)."""
+    The version only goes up: a new push is at least the learner's version + 1 and a ``resync``
+    (the weights the learner already served: a resumed run, a restarted server) at least the
+    learner's, so a server that restarted (at 0) serves the learner's version again instead of
+    counting from 1 (the staleness bound and the logged weight_version compare versions)."""
     accelerator.wait_for_everyone()
     version = [state.weight_version]
     hf_model = accelerator.unwrap_model(policy).model
     with torch.no_grad():
         if accelerator.is_main_process:
             least = state.weight_version + (0 if resync else 1)
-            serve = version_at_least(loop, syncer, least) if resync else None
-            answers = push_weights(accelerator, loop, syncer, hf_model, serve, least)
+            answers = push_weights(accelerator, loop, syncer, hf_model, least)
             version = [min(a.weight_version for a in answers)]
         else:
             syncer.follow(hf_model)
@@ -185,11 +184,15 @@ def sync_weights(
     accelerator.wait_for_everyone()  # no rank generates before every server has the new weights
 
 
-def version_at_least(loop: EventLoopThread, syncer: WeightTransport, least: int) -> int | None:
-    """The version to push so that the servers serve at least ``least``: ``least`` where one
-    serves an older version (a fresh server at 0), else None (the servers number it, above)."""
-    served = max(i.weight_version for i in loop.run(syncer.client.info()))
-    return least if served < least else None
+def next_version(loop: EventLoopThread, syncer: WeightTransport, least: int) -> int | None:
+    """The version for a push: None (each server numbers it: its own + 1, as a prepared NCCL
+    update expects) where every server serves the same version and its + 1 is at least
+    ``least``; else ``least``, or above every server's version where one serves a newer one, so
+    that every server takes it and all serve the same version after it."""
+    served = {i.weight_version for i in loop.run(syncer.client.info())}
+    if len(served) == 1 and max(served) + 1 >= least:
+        return None
+    return max(least, max(served) + 1)
 
 
 SYNC_ATTEMPTS = 3
@@ -200,21 +203,18 @@ def push_weights(
     loop: EventLoopThread,
     syncer: WeightTransport,
     hf_model: Any,
-    version: int | None,
     least: int,
 ) -> list[Any]:
-    """Push the weights; when a server could not be reached (it restarts, say), wait until the
-    servers are ready and push again, up to ``SYNC_ATTEMPTS`` times. Not for NCCL (its group
-    would have to be formed again) nor under ZeRO-3 (the other ranks' gathers follow one push).
-    A retry asks the servers again which version to push: at least ``least`` (a restarted
-    server at 0 must not take the learner's version back to 1), above theirs (another push may
-    have taken ``least`` already). A server that refuses the weights' shapes serves another
-    model: a ``SetupError`` naming it."""
+    """Push the weights as version ``next_version(least)``; when a server could not be reached
+    (it restarts, say), wait until the servers are ready and push again (its version asked
+    again), up to ``SYNC_ATTEMPTS`` times. Not for NCCL (its group would have to be formed
+    again) nor under ZeRO-3 (the other ranks' gathers follow one push). A server that refuses
+    the weights' shapes serves another model: a ``SetupError`` naming it."""
     ds = accelerator.state.deepspeed_plugin
     retry = syncer.retries_pushes and (ds is None or ds.zero_stage != 3)
     for attempt in range(1, SYNC_ATTEMPTS + 1):
         try:
-            return loop.run(syncer.push(hf_model, version))
+            return loop.run(syncer.push(hf_model, next_version(loop, syncer, least)))
         except RolloutError as e:
             if (mismatch := other_model(e)) is not None:
                 raise SetupError(mismatch) from None
@@ -228,7 +228,6 @@ def push_weights(
                 SYNC_ATTEMPTS,
             )
             loop.run(syncer.client.wait_ready(syncer.ready_timeout_s))
-            version = version_at_least(loop, syncer, least)
     raise AssertionError("unreachable")
 
 

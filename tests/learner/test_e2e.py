@@ -500,6 +500,8 @@ def test_a_restarted_server_gets_the_weights_again_and_the_run_goes_on(tmp_path,
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert [r["staleness"] for r in records] == [0.0] * 5
     assert [int(r["data/fingerprint"]) for r in records] == _expected_fingerprints(5)
+    # the restarted server got the learner's version, not 1 again
+    assert [r["weight_version"] for r in records] == [1, 2, 3, 4, 5]
 
 
 def test_a_sync_is_retried_only_when_a_server_went_away():

@@ -136,3 +136,43 @@ def test_a_server_of_another_model_is_a_setup_error(tmp_path, start_server, tiny
             "run.steps=2",
             model_loads=True,
         )
+
+
+def test_a_push_never_takes_the_version_back(start_server, tiny_model_dir):
+    """The version a sync pushes: the servers' own numbering where it is at least the learner's
+    next one; the learner's where a server restarted (at 0), never 1 again; above every
+    server's where they differ, so that all take it."""
+    import asyncio
+
+    from safetensors.torch import load_file
+
+    from learner.config_rollout import RolloutConfig
+    from learner.servers.pool import EventLoopThread, next_version
+    from learner.sync import make_transport
+    from rollout_server.client import RolloutClient
+    from rollout_server.settings import ServerSettings
+
+    emb = "model.embed_tokens.weight"
+    weights = [(emb, load_file(str(tiny_model_dir / "model.safetensors"))[emb])]
+
+    async def update(url: str, times: int) -> None:
+        async with RolloutClient(url) as client:
+            for _ in range(times):
+                await client.update_weights(weights)
+
+    settings = ServerSettings(model=str(tiny_model_dir))
+    loop = EventLoopThread()
+    with start_server(settings) as fresh, start_server(settings) as updated:
+        asyncio.run(update(updated.url, 3))
+
+        def version(urls: list[str], least: int) -> int | None:
+            syncer = make_transport(RolloutConfig(), RolloutClient(urls), device="cpu")
+            return next_version(loop, syncer, least)
+
+        assert version([fresh.url], 13) == 13  # restarted: the learner's next version
+        assert version([fresh.url], 1) is None  # the server's numbering gives 1
+        assert version([updated.url], 4) is None  # the server's numbering gives 4
+        assert version([updated.url], 3) is None  # a resync of a server that kept its weights
+        assert version([updated.url], 10) == 10
+        assert version([fresh.url, updated.url], 3) == 4  # both take 4: neither goes back
+    loop.close()
