@@ -56,12 +56,12 @@ def test_the_api_key_comes_from_a_file_and_a_blank_one_is_refused(tmp_path, monk
     monkeypatch.setenv("ROLLOUT_API_KEY", "from-the-env")
     assert load_config(DEMO).rollout.key() == "from-the-env"
 
-    with pytest.raises(ConfigError, match="rollout.api_key: is blank"):
+    with pytest.raises(ConfigError, match=r"rollout\.api_key: is blank"):
         load_config(DEMO, ['rollout.api_key="  \t "'])
     key_file.write_text(" \n")
-    with pytest.raises(ConfigError, match=r"rollout.api_key_file: .*key is blank"):
+    with pytest.raises(ConfigError, match=r"rollout\.api_key_file: .*key is blank"):
         load_config(DEMO, [f'rollout.api_key_file="{key_file}"'])
-    with pytest.raises(ConfigError, match="rollout.api_key_file: cannot read"):
+    with pytest.raises(ConfigError, match=r"rollout\.api_key_file: cannot read"):
         load_config(DEMO, [f'rollout.api_key_file="{tmp_path / "missing"}"'])
-    with pytest.raises(ConfigError, match="rollout.api_key_file: set api_key or api_key_file"):
+    with pytest.raises(ConfigError, match=r"rollout\.api_key_file: set api_key or api_key_file"):
         load_config(DEMO, ['rollout.api_key="k"', f'rollout.api_key_file="{key_file}"'])
