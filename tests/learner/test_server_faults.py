@@ -47,9 +47,7 @@ def _kill_after_step(
     server.wait()
 
 
-def test_a_server_killed_mid_generation_is_waited_for_and_the_run_goes_on(
-    tmp_path, tiny_model_dir
-):
+def test_a_server_killed_mid_generation_is_waited_for_and_the_run_goes_on(tmp_path, tiny_model_dir):
     """Down longer than the generate request's retries (about 3.5 s): the learner waits for the
     server, gives the new one its weights under its own version (not 1 again) and generates the
     step's prompts again; every step is trained once and the version never goes back."""
