@@ -164,7 +164,7 @@ def run_full(model, rows, prompt, meter: Meter) -> list[float]:
 
 
 def run_ours(model, rows, prompt, meter: Meter, fused: bool = False) -> list[float]:
-    from learner.config_step import OptimConfig
+    from learner.config.step import OptimConfig
     from learner.run.runtime import make_accelerator, optimizer_and_schedule, use_fused_adamw
     from learner.sft import NLLPolicy, sft_step
     from learner.step.batch import Rollout, collate

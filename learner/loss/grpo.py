@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from learner.config_step import GRPOConfig
+    from learner.config.step import GRPOConfig
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)

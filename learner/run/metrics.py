@@ -65,7 +65,8 @@ class Trackers:
         return started
 
 
-_SECRET = re.compile(r"api_key|token|secret|password", re.IGNORECASE)
+# a key whose last word names a secret (hf_token, api_key), not one that counts tokens
+_SECRET = re.compile(r"(^|_)(api_key|token|secret|password)$", re.IGNORECASE)
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -76,7 +77,7 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         if isinstance(v, dict) and v:
             out.update(_flat(v, f"{prefix}{k}."))
         else:
-            out[f"{prefix}{k}"] = "***" if v is not None and _SECRET.search(k) else v
+            out[f"{prefix}{k}"] = "***" if v is not None and _SECRET.search(str(k)) else v
     return out
 
 

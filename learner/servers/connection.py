@@ -19,7 +19,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from learner.config_rollout import RolloutConfig
+from learner.config.rollout import RolloutConfig
 from learner.run.checkpoint import TrainerState
 from learner.servers.pool import EventLoopThread, main_decides, restarted, sync_weights
 from learner.sync.base import WeightTransport

@@ -216,7 +216,7 @@ def embedded_for(
 def sync_dir_args(cfg: LearnerConfig) -> list[str]:
     """``--weights-dir`` for ``rollout.sync.type = "file"``: the server loads weights files
     only under the model's directory and the one named there."""
-    from learner.config_sync import FileSyncConfig
+    from learner.config.sync import FileSyncConfig
 
     sync = cfg.rollout.sync
     if not isinstance(sync, FileSyncConfig):

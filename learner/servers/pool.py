@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from learner.config import LearnerConfig, SamplingConfig
-from learner.config_rollout import RolloutConfig
+from learner.config.rollout import RolloutConfig
 from learner.run.checkpoint import TrainerState
 from learner.run.runtime import SetupError
 from learner.servers.embedded import embedded_for, embedded_key

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from learner.config_sync import FileSyncConfig, HttpSyncConfig, IpcSyncConfig, NcclSyncConfig
+from learner.config.sync import FileSyncConfig, HttpSyncConfig, IpcSyncConfig, NcclSyncConfig
 
 if TYPE_CHECKING:
-    from learner.config_rollout import RolloutConfig
+    from learner.config.rollout import RolloutConfig
     from learner.sync.base import WeightTransport
     from rollout_server.client import RolloutClient
 

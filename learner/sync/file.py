@@ -13,7 +13,7 @@ from learner.sync.tensors import in_dtype, sync_tensors
 if TYPE_CHECKING:
     from torch import nn
 
-    from learner.config_sync import FileSyncConfig
+    from learner.config.sync import FileSyncConfig
     from rollout_server.client import RolloutClient
     from rollout_server.protocol import WeightUpdateResponse
 

@@ -11,7 +11,7 @@ from learner.sync.tensors import in_dtype, sync_tensors
 if TYPE_CHECKING:
     from torch import nn
 
-    from learner.config_sync import HttpSyncConfig
+    from learner.config.sync import HttpSyncConfig
     from rollout_server.client import RolloutClient
     from rollout_server.protocol import WeightUpdateResponse
 

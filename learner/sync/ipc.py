@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from learner.config_sync import IpcSyncConfig
+    from learner.config.sync import IpcSyncConfig
 
 log = logging.getLogger(__name__)
 

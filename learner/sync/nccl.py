@@ -14,7 +14,7 @@ from learner.sync.tensors import sync_specs, sync_tensors
 if TYPE_CHECKING:
     from torch import nn
 
-    from learner.config_sync import NcclSyncConfig
+    from learner.config.sync import NcclSyncConfig
     from rollout_server.client import RolloutClient
     from rollout_server.protocol import WeightUpdateResponse
 

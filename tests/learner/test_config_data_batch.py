@@ -121,6 +121,10 @@ def test_none_unsets_a_field_that_may_be_unset():
         ("sampling.min_p=2", "sampling.min_p: Input should be less than or equal to 1"),
         ("sampling.top_k=-5", "sampling.top_k"),
         ("sampling.repetition_penalty=0", "sampling.repetition_penalty"),
+        # the rollout server's floors: a config it would refuse fails at load, not at step 1
+        ("sampling.top_p=1e-9", "sampling.top_p: Input should be greater than or equal to"),
+        ("sampling.temperature=1e-4", "sampling.temperature"),
+        ("sampling.repetition_penalty=1e-3", "sampling.repetition_penalty"),
         ("run.steps=true", "run.steps: give a number, not true"),
         ("grpo.tis_cap=false", "grpo.tis_cap: give a number, not false"),
     ],

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from learner.config_docs import REGENERATE, render, type_name
+from learner.config.docs import REGENERATE, render, type_name
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 

@@ -144,7 +144,7 @@ def test_a_push_never_takes_the_version_back(start_server, tiny_model_dir):
 
     from safetensors.torch import load_file
 
-    from learner.config_rollout import RolloutConfig
+    from learner.config.rollout import RolloutConfig
     from learner.servers.pool import EventLoopThread, next_version
     from learner.sync import make_transport
     from rollout_server.client import RolloutClient

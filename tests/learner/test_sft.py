@@ -274,7 +274,7 @@ def test_fused_adamw_takes_the_same_steps_as_the_default():
     """The learner's optimizer on a GPU without DeepSpeed is torch's fused AdamW (no
     parameter-sized temporaries). Here on CPU (where the learner keeps the default): the same
     three updates as the multi-tensor default, weight decay included."""
-    from learner.config_step import OptimConfig
+    from learner.config.step import OptimConfig
     from learner.run.runtime import make_accelerator, optimizer_and_schedule, use_fused_adamw
 
     assert not use_fused_adamw(make_accelerator())  # no GPU here

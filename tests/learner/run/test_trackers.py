@@ -69,6 +69,7 @@ def test_a_run_reports_to_wandb_and_its_resume_continues_the_same_wandb_run(tmp_
     assert json.loads(config["grpo.loss_type"]) == "dapo"  # the config, flattened
     assert json.loads(config["run.report_to"]) == ["wandb"]
     assert json.loads(config["rollout.api_key"]) == "***"  # the config leaves the machine
+    assert json.loads(config["sampling.max_tokens"]) == 8  # counts tokens: no secret
     logged = {int(r["_step"]): r for r in rows}
     assert sorted(logged) == [1, 2]
     for record in read_metrics(run):  # the same values as metrics.jsonl

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.config_rollout import RolloutConfig
+from learner.config.rollout import RolloutConfig
 from rollout_server.client import RolloutClient
 from rollout_server.cuda_ipc import IpcError, local_device, open_handle, share
 from rollout_server.protocol import IpcHandle, IpcUpdateRequest

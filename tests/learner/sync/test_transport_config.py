@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from learner.config import ConfigError, load_config
-from learner.config_rollout import RolloutConfig
-from learner.config_sync import FileSyncConfig, HttpSyncConfig, IpcSyncConfig, NcclSyncConfig
+from learner.config.rollout import RolloutConfig
+from learner.config.sync import FileSyncConfig, HttpSyncConfig, IpcSyncConfig, NcclSyncConfig
 from learner.sync import make_transport
 from rollout_server.client import RolloutClient
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.config_rollout import RolloutConfig
+from learner.config.rollout import RolloutConfig
 from learner.sync import make_transport
 from rollout_server.client import RolloutClient
 from rollout_server.nccl_wire import params_checksum

@@ -1,6 +1,6 @@
 """Render the learner's config reference, docs/configuration.md, from its pydantic models.
 
-    python -m learner.config_docs > docs/configuration.md
+    python -m learner.config.docs > docs/configuration.md
 
 The models in ``learner.config`` are the one source of every field, type, default and
 description; the page is generated so that it cannot drift from them (a test compares the two).
@@ -24,13 +24,13 @@ from pydantic_core import PydanticUndefined
 
 from learner.config import LearnerConfig
 
-REGENERATE = "python -m learner.config_docs > docs/configuration.md"
+REGENERATE = "python -m learner.config.docs > docs/configuration.md"
 
 HEADER = f"""# Learner configuration
 
-<!-- Generated from learner/config.py by `{REGENERATE}`: edit the models, not this page. -->
+<!-- Generated from learner/config/ by `{REGENERATE}`: edit the models, not this page. -->
 
-A learner config is a TOML file validated by the pydantic models in `learner/config.py`. A file
+A learner config is a TOML file validated by the pydantic models in `learner/config/__init__.py`. A file
 says only what differs from the defaults below; an unknown key is an error that names the field,
 so a typo never falls back to a default silently. `--set section.field=value` overrides one field
 from the command line (the value in TOML syntax; a bare word is a string):

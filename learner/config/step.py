@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from learner.config_base import FieldError, Section
+from learner.config.base import FieldError, Section
 
 
 class GRPOConfig(Section):

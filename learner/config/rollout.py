@@ -1,6 +1,6 @@
 """[rollout]: the rollout servers the learner generates with (or the embedded one it starts),
 how it reaches them, authenticates, and rides out one that goes away; [rollout.sync] is
-``learner.config_sync``'s.
+``learner.config.sync``'s.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidatorFunctionWrapHandler, field_validator, model_validator
 
-from learner.config_base import FieldError, Section
-from learner.config_sync import HttpSyncConfig, SyncConfig, refuse_flat_sync_keys, validate_sync
+from learner.config.base import FieldError, Section
+from learner.config.sync import HttpSyncConfig, SyncConfig, refuse_flat_sync_keys, validate_sync
 from rollout_server.settings import API_KEY_ENV
 
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler
 
-from learner.config_base import FieldError, Section
+from learner.config.base import FieldError, Section
 
 
 class _SyncSection(Section):

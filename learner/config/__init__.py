@@ -19,9 +19,14 @@ from pydantic import (
     model_validator,
 )
 
-from learner.config_base import FieldError, Section
-from learner.config_rollout import RolloutConfig
-from learner.config_step import GRPOConfig, OptimConfig
+from learner.config.base import FieldError, Section
+from learner.config.rollout import RolloutConfig
+from learner.config.step import GRPOConfig, OptimConfig
+from rollout_server.protocol.generation import (
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+)
 
 
 class LoraConfig(Section):
@@ -141,18 +146,21 @@ class SamplingConfig(Section):
     # the rollout server's bounds (rollout_server.protocol.SamplingParams), checked at load
     temperature: float = Field(
         1.0,
-        gt=0,
+        ge=MIN_TEMPERATURE,
         le=100,
         description="sampling temperature; the learner divides its logits by it too, so its "
         "log-probs are those of the distribution sampled from",
     )
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: 1 disables it")
+    top_p: float = Field(1.0, ge=MIN_TOP_P, le=1, description="nucleus sampling: 1 disables it")
     top_k: int = Field(-1, ge=-1, description="-1 or 0 disables top-k")
     min_p: float = Field(
         0.0, ge=0, le=1, description="drop tokens below this fraction of the top one's probability"
     )
     repetition_penalty: float = Field(
-        1.0, gt=0, le=10, description="> 1 discourages tokens already in the sequence; 1: off"
+        1.0,
+        ge=MIN_REPETITION_PENALTY,
+        le=10,
+        description="> 1 discourages tokens already in the sequence; 1: off",
     )
     stop: list[str] = Field(
         default_factory=list, description="strings that end a completion where they appear"
@@ -453,7 +461,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
                 f"the first [section] of the file (a TOML key belongs to the [section] above it)"
             )
         elif e["type"] == "extra_forbidden":
-            msg = "unknown field — check its spelling and section (see learner/config.py)"
+            msg = "unknown field — check its spelling and section (see learner/config/__init__.py)"
         elif e["type"] == "missing":
             msg = "required field is missing — add it to the config"
         lines.append(f"  {loc}: {msg}")
