@@ -11,6 +11,8 @@ import json
 import logging
 import os
 import sys
+import threading
+import time
 from typing import Any
 
 from pydantic import ValidationError
@@ -198,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(exc)
         if server is not None:
             server.should_exit = True
+        # A failed vLLM start can leave a thread behind that keeps asyncio.run (and so this
+        # process) from ever returning: whoever waits for the process would wait for ever.
+        threading.Thread(
+            target=exit_unless_gone, args=(exc, settings.shutdown_timeout + 10.0), daemon=True
+        ).start()
 
     app = build_app(settings, on_engine_failure=on_engine_failure)
     config = uvicorn.Config(
@@ -215,3 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollout-server: the engine failed to start: {failures[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def exit_unless_gone(exc: BaseException, grace_s: float) -> None:
+    """The engine failed to start: end the process with exit code 1 if it is still here after
+    ``grace_s`` (the normal shutdown prints the same line and returns first)."""
+    time.sleep(grace_s)
+    print(f"rollout-server: the engine failed to start: {exc}", file=sys.stderr, flush=True)
+    os._exit(1)
