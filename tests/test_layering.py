@@ -130,3 +130,17 @@ def test_the_check_sees_what_it_must() -> None:
     assert check("rewards.a", "import rewards.pkg._impl") == ["private module rewards.pkg._impl"]
     assert check("rewards.pkg.b", "from .._x import y") == []  # rewards._x is rewards' own
     assert check("rewards.pkg.b", "from ..a import _h") == ["private name of rewards.a"]
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """The test folders have no ``__init__.py``: pytest imports each test module by its
+    basename, and refuses to collect a second module of the same name in one run."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name == "conftest.py":
+            continue
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(ROOT)} and {path.relative_to(ROOT)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, "rename one of each pair: " + "; ".join(clashes)
