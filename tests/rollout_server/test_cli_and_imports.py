@@ -7,13 +7,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from rollout_server import tiny
 from rollout_server.cli import build_parser, main, settings_from_args
+from tests.rollout_server.cli_process import wait_ready
 
 
 def _python(code: str) -> str:
@@ -81,16 +81,8 @@ def test_the_cli_serves_a_model_and_enforces_its_limits(tiny_model_dir):
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the CLI server never became ready"
-            time.sleep(0.2)
+        with httpx.Client(base_url=url) as http:
+            wait_ready(proc, http)
         r = httpx.post(f"{url}/generate", json={"prompts": ["hi"], "n": 3}, timeout=30)
         assert r.status_code == 400 and "limit of 2" in r.json()["detail"]
         r = httpx.post(f"{url}/generate", json={"prompts": ["hi"], "n": 2, "max_tokens": 3})

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from rollout_server.settings import ServerSettings
+from tests.rollout_server.cli_process import wait_ready
 
 # Many rows of the longest completions the default limits allow: minutes of CPU decoding.
 BIG = {"prompts": ["hello"] * 32, "n": 8, "max_tokens": 4096, "ignore_eos": True}
@@ -65,16 +66,8 @@ def test_sigterm_stops_a_busy_server_within_its_grace(tiny_model_dir):
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server never became ready"
-            time.sleep(0.2)
+        with httpx.Client(base_url=url) as http:
+            wait_ready(proc, http)
         answers: list[object] = []
 
         def busy() -> None:  # a client that stays connected, waiting for its answer

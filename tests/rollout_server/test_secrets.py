@@ -11,7 +11,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +18,7 @@ import pytest
 
 from rollout_server.cli import build_parser, main, settings_from_args
 from rollout_server.settings import ServerSettings
+from tests.rollout_server.cli_process import wait_ready
 
 KEY = "file-key-7c1d"
 
@@ -124,16 +124,7 @@ def test_https_with_a_key_file_that_ps_never_shows(tiny_model_dir, tmp_path):
         url = f"https://127.0.0.1:{port}"
         auth = {"Authorization": f"Bearer {KEY}"}
         with httpx.Client(base_url=url, verify=str(cert_pem), timeout=10) as http:
-            deadline = time.monotonic() + 90
-            while True:
-                assert proc.poll() is None, proc.stdout.read()
-                try:
-                    if http.get("/ready", headers=auth).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "the HTTPS server never became ready"
-                time.sleep(0.2)
+            wait_ready(proc, http, auth)
             assert http.get("/info").status_code == 401
             r = http.post("/generate", json={"prompts": ["hi"], "max_tokens": 2}, headers=auth)
             assert r.status_code == 200
