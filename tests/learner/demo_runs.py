@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from learner.run.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "learner" / "configs" / "demo.toml"
 
@@ -79,3 +81,16 @@ def serve_cmd(model: Path, port: int, *args: str) -> list[str]:
         sys.executable, "-m", "rollout_server", "--model", str(model), "--engine",
         "transformers", "--port", str(port), "--log-level", "warning", *args,
     ]  # fmt: skip
+
+
+def kill_after_step(
+    run_dir: Path, learner: subprocess.Popen, server: subprocess.Popen, step: int
+) -> None:
+    """SIGKILL the server as soon as step ``step``'s metrics are written: the learner is then
+    about to generate (or generating) the next step's rollouts."""
+    deadline = time.monotonic() + 240
+    while len(read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []) < step:
+        assert time.monotonic() < deadline and learner.poll() is None
+        time.sleep(0.01)
+    server.kill()
+    server.wait()

@@ -25,6 +25,7 @@ from tests.learner.demo_runs import (
     DEMO,
     ROOT,
     assert_setup_error,
+    kill_after_step,
     learner_cmd,
     learner_env,
     run_ok,
@@ -480,12 +481,7 @@ def test_a_restarted_server_gets_the_weights_again_and_the_run_goes_on(tmp_path,
         text=True,
     )
     try:
-        deadline = time.monotonic() + 240
-        while len(read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []) < 2:
-            assert time.monotonic() < deadline and learner.poll() is None
-            time.sleep(0.1)
-        server.kill()
-        server.wait()
+        kill_after_step(run_dir, learner, server, 2)
         server = start()
         _, err = learner.communicate(timeout=300)
     finally:

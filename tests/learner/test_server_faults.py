@@ -14,6 +14,7 @@ from learner.run.metrics import read_metrics
 from learner.servers.connection import SERVERS_LOST_EXIT
 from tests.learner.demo_runs import (
     assert_setup_error,
+    kill_after_step,
     learner_cmd,
     learner_env,
     serve_cmd,
@@ -34,19 +35,6 @@ def _learner(run_dir: Path, model: Path, port: int, *overrides: str) -> subproce
     )
 
 
-def _kill_after_step(
-    run_dir: Path, learner: subprocess.Popen, server: subprocess.Popen, step: int
-) -> None:
-    """SIGKILL the server as soon as step ``step``'s metrics are written: the learner is then
-    about to generate (or generating) the next step's rollouts."""
-    deadline = time.monotonic() + 240
-    while len(read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []) < step:
-        assert time.monotonic() < deadline and learner.poll() is None
-        time.sleep(0.01)
-    server.kill()
-    server.wait()
-
-
 def test_a_server_killed_mid_generation_is_waited_for_and_the_run_goes_on(tmp_path, tiny_model_dir):
     """Down longer than the generate request's retries (about 3.5 s): the learner waits for the
     server, gives the new one its weights under its own version (not 1 again) and generates the
@@ -56,7 +44,7 @@ def test_a_server_killed_mid_generation_is_waited_for_and_the_run_goes_on(tmp_pa
     run_dir = tmp_path / "run"
     learner = _learner(run_dir, tiny_model_dir, port, "run.steps=5", "sampling.max_tokens=32")
     try:
-        _kill_after_step(run_dir, learner, server, 2)
+        kill_after_step(run_dir, learner, server, 2)
         time.sleep(8)
         server = subprocess.Popen(serve_cmd(tiny_model_dir, port), env=learner_env())
         _, err = learner.communicate(timeout=300)
@@ -83,7 +71,7 @@ def test_a_server_that_stays_away_stops_the_run_in_one_line_with_a_resume_hint(
         run_dir, tiny_model_dir, port, "run.steps=5", "rollout.reconnect_timeout_s=2"
     )
     try:
-        _kill_after_step(run_dir, learner, server, 1)
+        kill_after_step(run_dir, learner, server, 1)
         _, err = learner.communicate(timeout=300)
     finally:
         learner.kill()
