@@ -63,8 +63,10 @@ from e2e_common import (
     workload,
     write_jsonl,
 )
-from gpu_common import API_KEY, ROOT, ServerProcess, free_port, gpu_env
+from gpu_common import API_KEY, ROOT, ServerProcess, gpu_env
 from host_probe import host_facts
+
+from grpo_common.net import free_port
 
 MODES = ("colocated", "split", "overlap")
 SPLIT_LIKE = ("split", "overlap")  # server on GPU 1, ZeRO-3 learner on GPU 0, NCCL

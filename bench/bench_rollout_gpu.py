@@ -42,7 +42,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import ROOT, ServerProcess, free_gpu_bytes, free_port, gpu_env, qwen3_model_dir
+from gpu_common import ROOT, ServerProcess, free_gpu_bytes, gpu_env, qwen3_model_dir
+
+from grpo_common.net import free_port
 
 GPU_MEMORY_UTILIZATION = 0.5
 MAX_MODEL_LEN = 2048

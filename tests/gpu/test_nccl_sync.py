@@ -53,7 +53,9 @@ def send(server, model_dir, *, perturb_seed=None, timeout_s=60.0, log_dir=None, 
     """Run one learner-side sync in a subprocess on GPU 0; return (returncode, summary).
     ``flags``: gpu_sender.py's switches, true to pass (``die`` is --die-after-first-bucket;
     prepare, die_after_prepare, early, broken_stream_first)."""
-    from gpu_common import free_port, gpu_env
+    from gpu_common import gpu_env
+
+    from grpo_common.net import free_port
 
     argv = [
         sys.executable,

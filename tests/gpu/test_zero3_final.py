@@ -30,7 +30,7 @@ def test_zero3_grpo_run_saves_a_full_trained_final_model(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from learner.servers.embedded import free_port
+    from grpo_common.net import free_port
 
     run_dir = tmp_path / "run"
 

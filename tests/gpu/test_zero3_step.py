@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(model_dir: Path, world: int, fused: bool, task: str) -> dict[str, float]:
-    from learner.servers.embedded import free_port
+    from grpo_common.net import free_port
 
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",

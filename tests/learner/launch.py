@@ -9,7 +9,7 @@ import sys
 def cpu_launch(num_processes: int) -> list[str]:
     """``python -m accelerate.commands.launch ...``: append the script (or ``-m module``) and
     its arguments."""
-    from learner.servers.embedded import free_port
+    from grpo_common.net import free_port
 
     return [
         sys.executable, "-m", "accelerate.commands.launch",

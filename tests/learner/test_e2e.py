@@ -195,7 +195,7 @@ def test_a_reward_parameter_that_names_no_column_stops_before_any_model_loads(tm
 
 
 def test_unreachable_server_fails_fast_and_clearly(tmp_path):
-    from learner.servers.embedded import free_port
+    from grpo_common.net import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
@@ -457,7 +457,7 @@ def test_a_restarted_server_gets_the_weights_again_and_the_run_goes_on(tmp_path,
     """The external server is SIGKILLed after step 2 and started again on its port: it serves
     its base weights (version 0), so the learner syncs again (and regenerates the prompts it
     was generating); the run ends with every step and the data order unchanged."""
-    from learner.servers.embedded import free_port
+    from grpo_common.net import free_port
 
     port = free_port()
     serve = [sys.executable, "-m", "rollout_server", "--model", str(tiny_model_dir)]

@@ -189,7 +189,7 @@ async def test_a_server_that_does_not_serve_the_name_lists_what_it_serves(server
 
 
 async def test_a_server_that_is_not_running_fails_at_once_naming_the_url():
-    from learner.servers.embedded import free_port
+    from grpo_common.net import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import httpx
 import pytest
 
+from grpo_common.net import free_port
 from rollout_server import tiny
 from rollout_server.cli import build_parser, main, settings_from_args
 from tests.rollout_server.cli_process import wait_ready
@@ -65,14 +65,8 @@ def test_refuses_to_start_unauthenticated_off_loopback(capsys, monkeypatch):
     assert "--max-n" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_cli_serves_a_model_and_enforces_its_limits(tiny_model_dir):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "ROLLOUT_API_KEY": ""}
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollout_server", "--model", str(tiny_model_dir), "--port",
@@ -97,7 +91,7 @@ def test_the_cli_serves_a_model_and_enforces_its_limits(tiny_model_dir):
 def _serve(model: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "rollout_server", "--model", model,
-         "--port", str(_free_port()), "--log-level", "error"],
+         "--port", str(free_port()), "--log-level", "error"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from grpo_common.net import free_port
 from rollout_server.settings import ServerSettings
 from tests.rollout_server.cli_process import wait_ready
 
@@ -50,14 +50,8 @@ def test_a_disconnected_client_frees_the_server_for_the_next_request(start_serve
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_stops_a_busy_server_within_its_grace(tiny_model_dir):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "ROLLOUT_API_KEY": ""}
     proc = subprocess.Popen(

@@ -4,10 +4,11 @@ GPU tests and an orchestrator's restart policy all wait for the process to end."
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
+
+from grpo_common.net import free_port
 
 SCRIPT = """
 import sys, threading
@@ -32,9 +33,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_a_failed_engine_start_that_leaves_a_thread_behind_still_exits(tiny_model_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     argv = [sys.executable, "-c", SCRIPT, "--model", str(tiny_model_dir), "--port", str(port),
             "--log-level", "error", "--shutdown-timeout", "1"]  # fmt: skip
     t0 = time.monotonic()

@@ -96,7 +96,7 @@ def test_wait_ready_says_why_now_and_then_not_a_warning_per_poll(
 
 
 def test_wait_ready_on_nothing_names_the_server_and_the_last_error(caplog):
-    from learner.servers.embedded import free_port
+    from grpo_common.net import free_port
     from rollout_server.client import RolloutClient, RolloutUnavailableError
 
     url = f"http://127.0.0.1:{free_port()}"

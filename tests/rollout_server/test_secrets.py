@@ -8,7 +8,6 @@ import datetime
 import ipaddress
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,17 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from grpo_common.net import free_port
 from rollout_server.cli import build_parser, main, settings_from_args
 from rollout_server.settings import ServerSettings
 from tests.rollout_server.cli_process import wait_ready
 
 KEY = "file-key-7c1d"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_key_file_gives_the_key(tmp_path):
@@ -110,7 +104,7 @@ def test_https_with_a_key_file_that_ps_never_shows(tiny_model_dir, tmp_path):
     key_pem, cert_pem = _self_signed(tmp_path)
     key_file = tmp_path / "api-key"
     key_file.write_text(KEY + "\n")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "ROLLOUT_API_KEY": ""}
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollout_server", "--model", str(tiny_model_dir), "--port",
