@@ -236,10 +236,11 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp
         _cmd(early), env=learner_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     deadline = time.monotonic() + 120
-    while not (early / "rollout_server.log").exists():  # the embedded server is starting
+    # The embedded server is starting once a process's command line names its model (its log
+    # file is opened a moment before that process exists).
+    while not proc_scan(str(early / "model")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
         time.sleep(0.02)
-    assert proc_scan(str(early / "model"))  # the server's command line names its model
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
