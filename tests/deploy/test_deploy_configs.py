@@ -3,8 +3,9 @@
 docker-compose.yml is parsed with PyYAML and its interpolation resolved as Compose does; the
 commands it runs are fed to the real argument parsers and settings models of the rollout server,
 accelerate and the learner. The accelerate configs go through accelerate's own loader, launcher
-validation and DeepSpeed plugin, and the resulting DeepSpeed config is checked. When the
-``docker compose`` plugin is installed, ``docker compose config`` validates the file as well.
+validation and DeepSpeed plugin, and the resulting DeepSpeed config is checked. ``docker compose
+config`` validates the file as well: skipped where no Compose CLI is installed, a failure under
+CI (``CI=true``), where ``.ci/run`` installs it.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def interpolate(value: object, env: dict[str, str]) -> object:
 
 def load_compose(env: dict[str, str]) -> dict:
     raw = yaml.safe_load(COMPOSE.read_text())
-    raw.pop("x-gpu-env", None)  # an anchor holder; Compose ignores x- keys
+    for key in [k for k in raw if k.startswith("x-")]:
+        raw.pop(key)  # anchor holders; Compose ignores x- keys
     return interpolate(raw, env)
 
 
@@ -82,10 +84,10 @@ def gpu_ids(service: dict) -> list[str]:
 
 def test_services_gpus_and_images(compose: dict) -> None:
     services = compose["services"]
-    assert set(services) == {"rollout", "learner"}
+    assert set(services) == {"rollout", "learner", "learner-check"}
     assert gpu_ids(services["rollout"]) == ["1"]
     assert gpu_ids(services["learner"]) == ["0"]
-    for svc in services.values():
+    for svc in (services["rollout"], services["learner"]):
         build = svc["build"]
         assert (ROOT / build["context"] / build["dockerfile"]).is_file()
         assert svc["environment"]["NCCL_NVLS_ENABLE"] == "0"
@@ -111,7 +113,10 @@ def test_healthcheck_and_startup_order(compose: dict) -> None:
     assert test[0] == "CMD" and test[-1] == "http://127.0.0.1:8000/ready"
     script = test[2].removeprefix("/app/")
     assert (ROOT / script).is_file(), "the healthcheck script must ship in the image"
-    assert learner["depends_on"] == {"rollout": {"condition": "service_healthy"}}
+    assert learner["depends_on"] == {
+        "rollout": {"condition": "service_healthy"},
+        "learner-check": {"condition": "service_completed_successfully"},
+    }
     # time for the SIGTERM path (step, checkpoint) within torchrun's 30 s, not docker's 10 s
     assert learner["stop_grace_period"] == "45s"
 
@@ -123,6 +128,46 @@ def test_required_settings_fail_with_a_message(missing: str) -> None:
         load_compose(env)
     text = COMPOSE.read_text()
     assert re.search(r"\$\{" + missing + r":\?[^}]{10,}\}", text), f"{missing} needs :?message"
+
+
+def test_data_dir_puts_a_host_directory_at_data_in_every_service() -> None:
+    compose = load_compose({**ENV, "DATA_DIR": "/srv/grpo"})
+    for svc in compose["services"].values():
+        assert svc["volumes"] == ["/srv/grpo:/data"]
+
+
+def _check_config(argv: list[str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "ROLLOUT_API_KEY"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "deploy" / "check_config.py"), *argv],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_config_error_stops_the_learner_before_it_starts(compose: dict) -> None:
+    """learner-check runs the learner's own command through the learner's config loader: exit 2
+    on a bad setting, which compose's service_completed_successfully turns into no learner start
+    (the learner's restart policy would otherwise retry a config error three times)."""
+    services = compose["services"]
+    check, learner = services["learner-check"], services["learner"]
+    assert check["command"] == learner["command"]
+    assert check["build"] == learner["build"] and check["image"] == learner["image"]
+    assert check["restart"] == "no" and "deploy" not in check  # one-shot, no GPU
+    script = check["entrypoint"][1]
+    assert check["entrypoint"][0] == "python" and (ROOT / script).is_file()
+    dockerfile = (ROOT / "deploy" / "learner.Dockerfile").read_text()
+    assert re.search(r"^COPY deploy/ deploy/", dockerfile, re.M)
+
+    ok = _check_config(learner["command"])
+    assert ok.returncode == 0, ok.stderr
+    bad = _check_config([*learner["command"], "--set=grpo.no_such_field=1"])
+    assert bad.returncode == 2 and "grpo.no_such_field" in bad.stderr
+    gone = _check_config([*learner["command"], "--config=/nonexistent/my.toml"])
+    assert gone.returncode == 2 and "/nonexistent/my.toml" in gone.stderr
 
 
 def test_rollout_command_is_valid_server_settings(
@@ -300,6 +345,8 @@ def test_docker_compose_config_validates() -> None:
     """``docker compose config`` runs client-side (no engine needed) when the plugin exists."""
     cmd = _compose_cli()
     if cmd is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("CI=true but no docker compose CLI: .ci/run installs docker-compose")
         pytest.skip("no docker compose CLI here (the Compose plugin is not installed)")
     env = {**os.environ, **ENV}
     ok = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "-q"], env=env, capture_output=True)
