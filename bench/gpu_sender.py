@@ -55,7 +55,7 @@ def load_model(model_dir: str, perturb_seed: int | None = None) -> Any:
 def reference_checksum(model: Any) -> float:
     """sum(x) + sum(x*x) over every parameter, tensor by tensor (independent of the buckets,
     and of vLLM's fused layout: ``GET /weights/checksum`` computes the same)."""
-    from rollout_server.nccl_wire import params_checksum
+    from rollout_server.weight_digest import params_checksum
 
     return params_checksum(model)
 

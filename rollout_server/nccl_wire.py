@@ -1,8 +1,9 @@
 """The NCCL weight-sync wire format, shared by both ends: the learner's sender
 (``learner.sync.nccl``) and the rollout server's vLLM worker (``rollout_server.engine.vllm_worker``).
 
-Bucket layout, the float64 checksum, and joining / aborting the communicator live here so that
-the two ends share one definition and the learner imports no engine code. torch is imported;
+Bucket layout and joining / aborting the communicator live here so that the two ends share one
+definition and the learner imports no engine code (the digest of what was sent is
+``rollout_server.weight_digest``'s). torch is imported;
 vLLM only inside ``join_group``. See ``rollout_server.engine.vllm_worker`` for the protocol.
 """
 
@@ -24,23 +25,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# One float64 checksum per update: sum(x) + sum(x*x) over every element of every bucket, summed
-# bucket by bucket in chunks of CHECKSUM_CHUNK elements. The learner computes it the same way
-# (learner.sync.nccl.flat_checksum) over the same flat buffers, so equal numbers mean equal bytes.
-CHECKSUM_CHUNK = 1 << 26
 _POLL_S = 0.0005  # the longest sleep between polls; the first ones are much shorter
 _POLL_FIRST_S = 0.00002
 _POLL_FAST_S = 0.00005  # the longest sleep while the wait is young: a sync ends within ~50 us
 _FAST_FOR_S = 0.2
-
-
-def flat_checksum(flat: torch.Tensor, chunk: int = CHECKSUM_CHUNK) -> torch.Tensor:
-    """Float64 ``sum(x) + sum(x*x)`` of a 1-D tensor, as a 0-d tensor (no host sync)."""
-    total = torch.zeros((), dtype=torch.float64, device=flat.device)
-    for start in range(0, flat.numel(), chunk):
-        part = flat[start : start + chunk].double()  # [<=chunk]
-        total += part.sum() + part.square().sum()
-    return total
 
 
 def copy_all(dests: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
@@ -50,13 +38,6 @@ def copy_all(dests: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> 
     path."""
     with torch.no_grad():
         torch._foreach_copy_(list(dests), list(sources))
-
-
-def params_checksum(model: torch.nn.Module) -> float:
-    """``flat_checksum`` summed over a model's parameters (shared ones once): the same number
-    for the same weights however they are fused, split or renamed (padding rows are zeros)."""
-    with torch.no_grad():
-        return float(sum(flat_checksum(p.detach().reshape(-1)) for p in model.parameters()))
 
 
 @dataclass(frozen=True)

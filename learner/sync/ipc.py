@@ -31,8 +31,9 @@ from learner.sync.nccl_buckets import (
 )
 from learner.sync.tensors import sync_specs, sync_tensors
 from rollout_server.client import RolloutClient
-from rollout_server.nccl_wire import bucket_layout, flat_checksum
+from rollout_server.nccl_wire import bucket_layout
 from rollout_server.protocol import IpcUpdateRequest, TensorSpec, WeightUpdateResponse
+from rollout_server.weight_digest import flat_checksum
 
 if TYPE_CHECKING:
     import torch
@@ -88,7 +89,11 @@ class IpcWeightSender:
                         "the tensor stream yielded more tensors than the specs announce"
                     )
                 torch.cuda.current_stream(self.device).synchronize()
-                total = float(sum(flat_checksum(f) for f in flats)) if checksum else 0.0
+                total = (
+                    float(sum(flat_checksum(f, b) for b, f in enumerate(flats)))
+                    if checksum
+                    else 0.0
+                )
                 request = IpcUpdateRequest(
                     tensors=specs,
                     buckets=plan.buckets,

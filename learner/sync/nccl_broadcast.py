@@ -26,10 +26,10 @@ from rollout_server.nccl_wire import (
     NcclGroupError,
     Segment,
     copy_all,
-    flat_checksum,
     nccl_abort,
     wait_event,
 )
+from rollout_server.weight_digest import flat_checksum
 
 if TYPE_CHECKING:
     import torch
@@ -218,7 +218,7 @@ class Broadcaster:
                     wire.wait_event(ready)
                     if total is not None and failure is None:
                         with torch.cuda.stream(wire):
-                            total += flat_checksum(flat.view(-1))
+                            total += flat_checksum(flat.view(-1), b, g.offset)
                     comm.broadcast(flat, src=0, stream=wire)
                     if not direct:
                         slots.sent(bucket.dtype, slot, wire)

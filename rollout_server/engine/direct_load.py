@@ -23,13 +23,6 @@ import torch
 
 from rollout_server.nccl_wire import copy_all
 
-# vLLM's usual fusions, for a model class without ``packed_modules_mapping`` (``verify`` still
-# decides whether a plan built from them is right)
-COMMON_PACKED = {
-    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-    "gate_up_proj": ["gate_proj", "up_proj"],
-}
-
 # vLLM pads the vocabulary rows of these (to a multiple of 64); the checkpoint rows come first.
 _VOCAB_PADDED = ("embed_tokens.weight", "lm_head.weight")
 

@@ -28,12 +28,12 @@ from rollout_server.nccl_wire import (  # the wire format, shared with the learn
     CancelFlag,
     NcclGroupError,
     bucket_layout,
-    flat_checksum,
     join_group,
     nccl_abort,
     unflatten,
     wait_event,
 )
+from rollout_server.weight_digest import flat_checksum
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +306,12 @@ class NcclReceiver:
         try:  # any failure: what the overlapped copies put in is undone, and the learner told
             received_s, received_at = self._wait_all(p, device)
             if p.checksum:
-                total = float(sum(flat_checksum(f.to(device, non_blocking=True)) for f in p.staged))
+                total = float(
+                    sum(
+                        flat_checksum(f.to(device, non_blocking=True), b)
+                        for b, f in enumerate(p.staged)
+                    )
+                )
             refuse_non_finite(p.staged, p.layout, device)
             if p.kept is not None:
                 staging = p.kept  # the views into kept buffers are made once per layout

@@ -276,7 +276,7 @@ class TransformersEngine(HFTokenizerMixin, Engine):
                 target.copy_(tensor)
 
     async def weights_checksum(self) -> float:
-        from rollout_server.nccl_wire import params_checksum
+        from rollout_server.weight_digest import params_checksum
 
         return await self._run(params_checksum, self.model)
 

@@ -88,7 +88,7 @@ class WeightSyncWorkerExtension:
 
     def grpo_params_checksum(self) -> float:
         """``params_checksum`` of this worker's model (its shard under tensor parallelism)."""
-        from rollout_server.nccl_wire import params_checksum
+        from rollout_server.weight_digest import params_checksum
 
         return params_checksum(self._grpo_loader().model())
 

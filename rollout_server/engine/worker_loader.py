@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from rollout_server.nccl_wire import Bucket, bucket_layout, flat_checksum, unflatten
+from rollout_server.nccl_wire import Bucket, bucket_layout, unflatten
+from rollout_server.weight_digest import COMMON_PACKED, flat_checksum
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,8 @@ class WorkerLoader:
         return direct_load.plan_copies(
             dict(model.named_parameters()),
             [(n, s, d) for n, s, d in key],
-            getattr(model, "packed_modules_mapping", None) or direct_load.COMMON_PACKED,
+            getattr(model, "packed_modules_mapping", None)
+            or COMMON_PACKED,  # verify decides whether these fusions are right
             skip=frozenset({"lm_head.weight"}) if tied else frozenset(),
         )
 
@@ -150,7 +152,9 @@ class WorkerLoader:
             for flat, b in zip(flats, layout, strict=True):
                 if flat.numel() != b.numel or flat.dtype != b.dtype:
                     raise ValueError(f"an IPC bucket is {flat.numel()} x {flat.dtype}, not {b}")
-            total = float(sum(flat_checksum(f) for f in flats)) if checksum else None
+            total = (
+                float(sum(flat_checksum(f, b) for b, f in enumerate(flats))) if checksum else None
+            )
             refuse_non_finite(flats, layout, device)
             received_s = time.perf_counter() - start
             weights = [w for f, b in zip(flats, layout, strict=True) for w in unflatten(f, b)]

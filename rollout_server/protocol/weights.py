@@ -76,7 +76,7 @@ class NcclUpdateRequest(WireModel):
     buckets: list[list[int]] = Field(description="indices into tensors, per bucket")
     bucket_dtypes: list[str]
     version: Version | None = None
-    checksum: bool = Field(False, description="return a float64 checksum of the loaded weights")
+    checksum: bool = Field(False, description="return a float64 digest of the received buckets")
     segment_bytes: int = Field(
         64 << 20,
         ge=1 << 16,
@@ -146,9 +146,10 @@ class WeightUpdateResponse(WireModel):
 
 
 class WeightChecksum(WireModel):
-    """``GET /weights/checksum``: float64 sum(x) + sum(x*x) over every served parameter (a
-    shared one once), layout-independent: compare it with the learner's over its parameters
-    (``rollout_server.nccl_wire.params_checksum``)."""
+    """``GET /weights/checksum``: a float64 digest of the served parameters (a shared one
+    once) that depends on every element's position and every tensor's name, so misplaced
+    weights change it, but not on vLLM's fusing of q/k/v and gate/up: compare it with the
+    learner's over its parameters (``rollout_server.weight_digest.params_checksum``)."""
 
     weight_version: int
     checksum: float

@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 
 from rollout_server.engine.base import EngineError, ReceivedUpdate
 from rollout_server.engine.transformers_engine import TransformersEngine
-from rollout_server.nccl_wire import params_checksum
 from rollout_server.settings import ServerSettings
 from rollout_server.tiny import save_tiny_model
+from rollout_server.weight_digest import params_checksum
 
 PROBE = {"prompts": ["probe"], "max_tokens": 4, "seed": 0, "ignore_eos": True}
 

@@ -302,7 +302,7 @@ async def test_32_concurrent_generates_race_a_weight_update(client, states, mode
 async def test_the_checksum_route_tells_which_weights_serve(client, states, models):
     """``GET /weights/checksum`` equals the learner-side ``params_checksum`` of the model whose
     weights serve (an HF model, not the server's own copy), before and after an update."""
-    from rollout_server.nccl_wire import params_checksum
+    from rollout_server.weight_digest import params_checksum
 
     want = {name: params_checksum(m) for name, m in models.items()}
     assert want["A"] != pytest.approx(want["B"], rel=1e-6)

@@ -7,6 +7,7 @@ The broadcasts themselves need two GPUs (tests/gpu/test_nccl_sync.py).
 from __future__ import annotations
 
 import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ import torch
 from learner.sync.nccl_buckets import fill_bucket, plan_buckets
 from learner.sync.zero3 import iter_gathered_params, param_specs, strip_wrappers
 from rollout_server.engine.vllm_engine import hf_weight_metadata
-from rollout_server.nccl_wire import bucket_layout, flat_checksum, unflatten
+from rollout_server.nccl_wire import bucket_layout, unflatten
 from rollout_server.protocol import NcclUpdateRequest, TensorSpec
+from rollout_server.weight_digest import flat_checksum, name_weight
 from rollout_server.weights.validation import validate_nccl_announce
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -148,16 +150,37 @@ def test_fill_refuses_a_stream_that_disagrees_with_the_specs() -> None:
 
 def test_flat_checksum_by_hand_and_independent_of_chunking() -> None:
     x = torch.tensor([1.0, 2.0, 3.0, -0.5])
-    # sum = 5.5; sum of squares = 1 + 4 + 9 + 0.25 = 14.25
-    assert flat_checksum(x).item() == 19.75
-    assert flat_checksum(x, chunk=3).item() == 19.75
-    assert flat_checksum(x.to(torch.bfloat16), chunk=1).item() == 19.75
+
+    def by_hand(values: list[float], bucket: int, start: int) -> float:
+        total = 0.0
+        for i, v in enumerate(values, start):
+            a, b = i * 0.6180339887498949, i * 0.41421356237309515
+            total += v * (1 + a - math.floor(a)) + v * v * (1 + b - math.floor(b))
+        return total * name_weight(f"bucket {bucket}")
+
+    want = by_hand(x.tolist(), 0, 0)
+    assert flat_checksum(x).item() == pytest.approx(want, rel=1e-15)
+    assert flat_checksum(x, chunk=3).item() == pytest.approx(want, rel=1e-15)
+    assert flat_checksum(x.to(torch.bfloat16), chunk=1).item() == pytest.approx(want, rel=1e-15)
+    # the learner sums segments, the server whole buckets: the same number
+    segments = flat_checksum(x[:3], 2, 0) + flat_checksum(x[3:], 2, 3)
+    assert segments.item() == pytest.approx(flat_checksum(x, 2).item(), rel=1e-12)
+    assert flat_checksum(x, 2).item() == pytest.approx(by_hand(x.tolist(), 2, 0), rel=1e-15)
     y = torch.randn(1000, dtype=torch.float64)
-    ref = float(y.sum() + (y * y).sum())
+    ref = by_hand(y.tolist(), 0, 0)
     assert flat_checksum(y.float(), chunk=128).item() == pytest.approx(
-        float(y.float().double().sum() + y.float().double().square().sum()), rel=1e-12
+        by_hand(y.float().double().tolist(), 0, 0), rel=1e-12
     )
     assert flat_checksum(y, chunk=7).item() == pytest.approx(ref, rel=1e-12)
+
+
+def test_flat_checksum_sees_moved_values() -> None:
+    """A plain sum cannot tell a permuted bucket, or the same bytes in another bucket."""
+    x = torch.randn(64)
+    same = flat_checksum(x.clone()).item()
+    assert flat_checksum(x).item() == same
+    assert flat_checksum(x.flip(0)).item() != pytest.approx(same, rel=1e-9)
+    assert flat_checksum(x, 1).item() != pytest.approx(same, rel=1e-9)
 
 
 def test_strip_wrappers() -> None:

@@ -10,9 +10,9 @@ import torch
 from learner.config.rollout import RolloutConfig
 from learner.sync import make_transport
 from rollout_server.client import RolloutClient
-from rollout_server.nccl_wire import params_checksum
 from rollout_server.settings import ServerSettings
 from rollout_server.tiny import save_tiny_model
+from rollout_server.weight_digest import params_checksum
 
 
 @pytest.fixture(scope="module")

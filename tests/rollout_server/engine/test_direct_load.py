@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_server.engine.direct_load import COMMON_PACKED, copy_in, plan_copies, verify
+from rollout_server.engine.direct_load import copy_in, plan_copies, verify
 from rollout_server.tiny import tiny_qwen3_config
+from rollout_server.weight_digest import COMMON_PACKED
 
 PACKED = COMMON_PACKED
 STACKED = [(f, p) for f, parts in PACKED.items() for p in parts]
