@@ -7,6 +7,12 @@ SFT's mean over every target are global, so the sharding must not change the num
 whose weight ZeRO-3 gathers for it. `--sft`: one SFT step (`learner.sft.sft_step`, the chunked
 NLL) on the same sequences, the completions as targets. Every 4th rollout has zero advantage
 (left out of the GRPO step: `grpo.skip_zero_advantage`). Prints one JSON line on rank 0.
+`--updates PATH`: rank 0 saves every parameter's update (fp32 master weights after the step
+minus before, gathered) to PATH, so that the runs can be compared parameter by parameter: equal
+loss and gradient norm do not show that each shard's gradient reached its own parameter. The
+AdamW step is made linear in the gradient (eps far above every clipped gradient element, lr
+large enough to show in fp32, no weight decay), so the updates differ only as much as the
+gradients do; a plain Adam first step is about lr * sign(g), which bf16 noise flips.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from learner.model.setup import build_models
 from learner.run.runtime import make_accelerator
 from learner.step.batch import Rollout, collate, micro_batches
 from learner.step.update import StepOptions, build_micro_batches, reduce_metrics, train_on
+from learner.sync.zero3 import strip_wrappers
 
 
 def rollouts(n: int, vocab: int, seed: int = 0) -> list[Rollout]:
@@ -42,7 +49,21 @@ def rollouts(n: int, vocab: int, seed: int = 0) -> list[Rollout]:
     return out
 
 
-def main(model_dir: str, fused: bool = False, sft: bool = False) -> None:
+def master_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every trained parameter's fp32 master copy, whole, on the CPU (the optimizer's, gathered
+    under ZeRO-3: a collective call, every rank makes it)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for name, p in policy.named_parameters():
+        if p.requires_grad:
+            full = safe_get_full_fp32_param(p)
+            assert full is not None, f"no fp32 master weights for {name}"
+            out[strip_wrappers(name)] = full.detach().float().cpu()
+    return out
+
+
+def main(model_dir: str, fused: bool = False, sft: bool = False, updates: str = "") -> None:
     acc = make_accelerator()
     cfg = load_config(
         None,
@@ -53,8 +74,10 @@ def main(model_dir: str, fused: bool = False, sft: bool = False) -> None:
         from learner.sft import NLLPolicy
 
         policy = NLLPolicy(policy.model, fused=fused)
-    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6)
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1.0, eps=1.0, weight_decay=0.0)  # linear: see above
     policy, opt = acc.prepare(policy, opt)
+    before = master_weights(policy) if updates else {}
     vocab = 256  # ids every tokenizer/model of the suite has
     mine = rollouts(16, vocab)[acc.process_index :: acc.num_processes]
     if sft:
@@ -72,6 +95,10 @@ def main(model_dir: str, fused: bool = False, sft: bool = False) -> None:
         step = build_micro_batches(mine, opts, cfg, pad_id=0)
         m = train_on(acc, policy, None, opt, cfg, step, opts)
     m = reduce_metrics(acc, {"loss": m["loss"], "grad_norm": m["grad_norm"]})
+    if updates:
+        after = master_weights(policy)
+        if acc.is_main_process:
+            torch.save({n: after[n] - w for n, w in before.items()}, updates)
     if acc.is_main_process:
         out = {"world": acc.num_processes, "fused": fused, "sft": sft, **m}
         print(json.dumps(out), flush=True)
@@ -79,4 +106,10 @@ def main(model_dir: str, fused: bool = False, sft: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], fused="--fused" in sys.argv[2:], sft="--sft" in sys.argv[2:])
+    flags = sys.argv[2:]
+    main(
+        sys.argv[1],
+        fused="--fused" in flags,
+        sft="--sft" in flags,
+        updates=flags[flags.index("--updates") + 1] if "--updates" in flags else "",
+    )
