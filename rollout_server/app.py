@@ -28,6 +28,7 @@ from rollout_server.generation.service import GenerationService
 from rollout_server.metrics import Metrics
 from rollout_server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from rollout_server.openai_compat.router import router as openai_router
+from rollout_server.openapi_schema import install_openapi
 from rollout_server.settings import ServerSettings
 from rollout_server.sleep.router import router as sleep_router
 from rollout_server.sleep.service import SleepService
@@ -88,6 +89,7 @@ def build_app(
     if not settings.disable_admin_endpoints:
         app.include_router(weights_router)
         app.include_router(sleep_router)
+    install_openapi(app)
     # Added last = outermost: an unauthenticated request is refused before anything else.
     app.add_middleware(CancelOnDisconnectMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_body_mb * 2**20)

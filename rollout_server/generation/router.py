@@ -18,7 +18,7 @@ def get_generation(request: Request) -> GenerationService:
 
 GenerationDep = Annotated[GenerationService, Depends(get_generation)]
 
-_ERRORS = {
+GENERATION_ERRORS = {
     400: {"model": ErrorResponse, "description": "a limit or the vocabulary was exceeded"},
     500: {
         "model": ErrorResponse,
@@ -29,7 +29,7 @@ _ERRORS = {
 }
 
 
-@router.post("/generate", response_model=GenerateResponse, responses=_ERRORS)
+@router.post("/generate", response_model=GenerateResponse, responses=GENERATION_ERRORS)
 async def generate(request: GenerateRequest, generation: GenerationDep) -> GenerateResponse:
     """``n`` samples per prompt, with each sampled token's log-prob and the weight version."""
     return await generation.generate(request)

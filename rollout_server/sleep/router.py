@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
@@ -19,14 +19,28 @@ def get_sleep(request: Request) -> SleepService:
 SleepDep = Annotated[SleepService, Depends(get_sleep)]
 
 
-@router.post("/sleep", response_model=SleepStatus)
+def _links(**targets: str) -> dict[str, Any]:
+    """OpenAPI links from a 200 to the operations it changes the answers of."""
+    links = {name: {"operationRef": ref} for name, ref in targets.items()}
+    return {"responses": {"200": {"links": links}}}
+
+
+_AFTER_SLEEP = _links(
+    wake_up="#/paths/~1wake_up/post",
+    generate="#/paths/~1generate/post",
+    checksum="#/paths/~1weights~1checksum/get",
+)
+_AFTER_WAKE = _links(sleep="#/paths/~1sleep/post", generate="#/paths/~1generate/post")
+
+
+@router.post("/sleep", response_model=SleepStatus, openapi_extra=_AFTER_SLEEP)
 async def sleep(service: SleepDep, request: SleepRequest | None = None) -> SleepStatus:
     """Waits for in-flight generations, then offloads (level 1) or discards (level 2) the
     weights; generate answers 503 until ``/wake_up``. No body means level 1."""
     return await service.sleep((request or SleepRequest()).level)
 
 
-@router.post("/wake_up", response_model=SleepStatus)
+@router.post("/wake_up", response_model=SleepStatus, openapi_extra=_AFTER_WAKE)
 async def wake_up(service: SleepDep, request: WakeUpRequest | None = None) -> SleepStatus:
     """Wake the given parts (default: all). After level 2, sync weights before generating."""
     return await service.wake_up(request.tags if request else None)

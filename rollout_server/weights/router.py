@@ -59,8 +59,47 @@ _ERRORS = {
     409: {"model": ErrorResponse, "description": "stale version, weights asleep, bucket order"},
     413: {"model": ErrorResponse, "description": "body larger than max_body_mb"},
 }
+_NO_UPDATE = {
+    404: {"model": ErrorResponse, "description": "no open update with this id (committed, aborted)"}
+}
 _UNSUPPORTED = {
     501: {"model": ErrorResponse, "description": "not supported by this engine or its settings"}
+}
+
+# OpenAPI links: a client (and the stateful fuzzer) learns that begin's update_id feeds the
+# bucket, commit and abort of the same update.
+_UPDATE_ID = "$response.body#/update_id"
+_STAGED_LINKS = {
+    "responses": {
+        "200": {
+            "links": {
+                "bucket": {
+                    "operationRef": "#/paths/~1weights~1bucket/post",
+                    "parameters": {"update_id": _UPDATE_ID, "index": 0},
+                },
+                "commit": {
+                    "operationRef": "#/paths/~1weights~1commit/post",
+                    "requestBody": {"update_id": _UPDATE_ID, "num_buckets": 1},
+                },
+                "abort": {
+                    "operationRef": "#/paths/~1weights~1abort/post",
+                    "requestBody": {"update_id": _UPDATE_ID},
+                },
+            }
+        }
+    }
+}
+_BUCKET_LINKS = {
+    "responses": {
+        "200": {
+            "links": {
+                "commit": {
+                    "operationRef": "#/paths/~1weights~1commit/post",
+                    "requestBody": {"update_id": "$request.query.update_id", "num_buckets": 1},
+                }
+            }
+        }
+    }
 }
 
 
@@ -91,7 +130,9 @@ async def update(
         return await service.apply_weights(tensors, version, transport="http")
 
 
-@router.post("/begin", response_model=WeightUpdateId, responses=_ERRORS)
+@router.post(
+    "/begin", response_model=WeightUpdateId, responses=_ERRORS, openapi_extra=_STAGED_LINKS
+)
 async def begin(request: WeightUpdateBegin, service: WeightsDep) -> WeightUpdateId:
     """Open a multi-bucket update (supersedes any open one); nothing is applied until commit."""
     with _counted(service, "http"):
@@ -99,7 +140,7 @@ async def begin(request: WeightUpdateBegin, service: WeightsDep) -> WeightUpdate
         return WeightUpdateId(update_id=service.stager.begin(request.version))
 
 
-@router.post("/bucket", responses=_ERRORS, openapi_extra=_BLOB)
+@router.post("/bucket", responses=_ERRORS | _NO_UPDATE, openapi_extra=_BLOB | _BUCKET_LINKS)
 async def bucket(
     request: Request,
     service: WeightsDep,
@@ -115,7 +156,7 @@ async def bucket(
         return {"index": index, "num_tensors": len(tensors)}
 
 
-@router.post("/commit", response_model=WeightUpdateResponse, responses=_ERRORS)
+@router.post("/commit", response_model=WeightUpdateResponse, responses=_ERRORS | _NO_UPDATE)
 async def commit(request: WeightUpdateCommit, service: WeightsDep) -> WeightUpdateResponse:
     """Apply every staged bucket under the pause, then bump the version.
 
