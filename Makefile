@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 # libraries). A GPU machine: make venv TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: venv demo test lint format gpu-check clean
+.PHONY: venv demo test fuzz lint format gpu-check clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,11 @@ test: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports --no-logo
 	$(BIN)/python -m pytest -q -m "not gpu" --durations=15 -n auto --maxprocesses 4 --dist loadfile
+
+# Property-based fuzzing of the rollout server's whole OpenAPI (schemathesis, stateful chains
+# included) against a real server on loopback under a memory cap; docs/api.md says what it checks.
+fuzz: venv
+	timeout 900 $(BIN)/python tests/fuzz/run_fuzz.py
 
 lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports --no-logo
