@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
+import socket
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +32,16 @@ def make_accelerator() -> Accelerator:
     No dataloader goes through ``prepare()`` and we set DeepSpeed's accumulation boundary
     ourselves, so DeepSpeed is told one micro-batch per step and no accumulation."""
     acc = Accelerator(cpu=not torch.cuda.is_available())
+    if acc.num_processes > 1:  # which machine each rank runs on: a multi-node launch's first check
+        log.info(
+            "process %d of %d (local %d of %s) on %s, device %s",
+            acc.process_index,
+            acc.num_processes,
+            acc.local_process_index,
+            os.environ.get("LOCAL_WORLD_SIZE", "?"),
+            socket.gethostname(),
+            acc.device,
+        )
     ds = acc.state.deepspeed_plugin
     if ds is not None:
         ds.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
@@ -121,7 +134,47 @@ def start_run(
     if acc.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_config(run_dir / "config.json", cfg)
+    check_shared_run_dir(acc, run_dir)
     set_seed(seed)
+
+
+def check_shared_run_dir(acc: Accelerator, run_dir: Path, wait_s: float = 10.0) -> None:
+    """Every rank must see what the main process writes in the run directory: a checkpoint
+    holds every rank's files (RNG states, DeepSpeed's partitions) in one directory that the
+    main process renames once all are written, and the tiny model and the SFT warm start are
+    written by the main process and loaded by all. Across machines that takes a disk every
+    machine mounts at the same path; without one, a ``SetupError`` on every rank before any
+    model loads, rather than checkpoints that a resume cannot read. ``wait_s`` covers a
+    network file system's attribute cache."""
+    if acc.num_processes == 1:
+        return
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    marker = run_dir / ".shared-by-every-rank"
+    token = [secrets.token_hex(8) if acc.is_main_process else ""]
+    if acc.is_main_process:
+        marker.write_text(token[0])
+    broadcast_object_list(token, from_process=0)  # after the main process wrote it
+    deadline = time.monotonic() + wait_s
+    while not (seen := _holds(marker, token[0])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    blind = [rank for rank, ok in enumerate(gather_object([seen])) if not ok]
+    if acc.is_main_process:
+        marker.unlink()
+    if blind:
+        raise SetupError(
+            f"run.run_dir {run_dir} is not shared by every process: process(es) {blind} "
+            "cannot see the file the main process wrote there. Across machines the run "
+            "directory must be on a disk every machine mounts at the same path "
+            "(docs/multi-node.md)"
+        )
+
+
+def _holds(path: Path, text: str) -> bool:
+    try:
+        return path.read_text() == text
+    except OSError:
+        return False
 
 
 def write_config(path: Path, cfg: BaseModel) -> None:
