@@ -81,6 +81,8 @@ def test_every_node_gets_one_command_servers_first(key_file: Path) -> None:
     split = [srun_split(s) for s in steps]
     assert [o["nodelist"] for o, _ in split] == nodes
     assert all(o["nodes"] == "1" and o["ntasks"] == "1" for o, _ in split)
+    # a step gets only what it asks for: the node's GPUs and CPUs
+    assert all(o["gpus-per-node"] == "4" and o["cpus-per-task"] == "16" for o, _ in split)
     assert [c[0] for _, c in split] == ["rollout-server"] * 2 + ["accelerate"] * 5
 
 
