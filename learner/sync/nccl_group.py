@@ -57,6 +57,8 @@ async def form_group(
     workers (each acknowledges a load)."""
     import torch
 
+    if unreachable := loopback_master(master_address, client.servers):
+        log.warning(unreachable)
     infos = await client.info()
     sizes = [i.tensor_parallel_size * i.data_parallel_size for i in infos]
     multi = len(client.servers) > 1
@@ -109,6 +111,29 @@ async def form_group(
         master_port,
     )
     return comm, dev, world_size - 1
+
+
+def loopback_master(master_address: str, servers: list[str]) -> str | None:
+    """Why servers on other hosts cannot join a group whose rendezvous is a loopback address
+    (the default ``rollout.sync.master_address``), or None: the join would otherwise only time
+    out. A warning, not an error: a server URL may name this host by another address."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    def loopback(host: str) -> bool:
+        try:
+            return host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+    remote = [url for url in servers if not loopback(urlsplit(url).hostname or "")]
+    if not loopback(master_address) or not remote:
+        return None
+    return (
+        f"rollout.sync.master_address = {master_address} is a loopback address, which the "
+        f"rollout servers {remote} cannot reach from another host: set it to an address of "
+        "the learner's main machine (machine_rank 0) that they can reach (docs/multi-node.md)"
+    )
 
 
 async def _first_failure(futures: list[asyncio.Future]) -> None:

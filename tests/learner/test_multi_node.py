@@ -118,3 +118,16 @@ def test_a_run_dir_the_machines_do_not_share_stops_every_rank_at_setup(tmp_path,
         assert "run.run_dir" in last and "is not shared by every process: process(es) [1]" in last
         # the learner's own one line (the launcher reports the exit with its own traceback)
         assert f'File "{ROOT / "learner"}' not in err and "Loading weights" not in err
+
+
+def test_a_loopback_nccl_rendezvous_with_servers_on_other_hosts_is_named():
+    """The NCCL weight group's rendezvous (rollout.sync.master_address) must be reachable from
+    the servers' hosts: its loopback default with a server elsewhere is warned about by name."""
+    from learner.sync.nccl_group import loopback_master
+
+    local = ["http://127.0.0.1:8000", "http://localhost:8001"]
+    assert loopback_master("127.0.0.1", local) is None
+    assert loopback_master("10.0.0.1", ["http://10.0.0.2:8000"]) is None
+    why = loopback_master("127.0.0.1", [*local, "http://gpu-node-2:8000"])
+    assert why is not None and "rollout.sync.master_address = 127.0.0.1" in why
+    assert "['http://gpu-node-2:8000']" in why and "machine_rank 0" in why
