@@ -345,9 +345,40 @@ def test_overlap_never_exceeds_the_staleness_bound(tmp_path):
     assert [int(r["data/fingerprint"]) for r in records] == _expected_fingerprints(6)
 
 
-def test_lora_run_syncs_merged_weights_to_the_server(tmp_path):
+def test_lora_run_syncs_merged_weights_to_the_server(tmp_path, start_server):
+    """A LoRA run against a real server: the server ends holding exactly the merged model the
+    learner saved (its weights' digest is the digest of ``final``), not the base weights."""
+    import asyncio
+
+    from transformers import AutoModelForCausalLM
+
+    from rollout_server.client import RolloutClient
+    from rollout_server.settings import ServerSettings
+    from rollout_server.tiny import save_tiny_model
+    from rollout_server.weight_digest import params_checksum
+
     run_dir = tmp_path / "lora"
-    run_ok(run_dir, "run.steps=3", "model.lora.r=4", "grpo.beta=0.05")
+    demo = load_config(DEMO)  # the server serves the model the run makes for itself
+    save_tiny_model(run_dir / "model", seed=demo.run.seed, **demo.model.tiny)
+
+    async def served(url: str) -> float:
+        async with RolloutClient(url) as client:
+            (answer,) = await client.weights_checksum()
+            return answer.checksum
+
+    with start_server(ServerSettings(model=str(run_dir / "model"))) as server:
+        base_digest = asyncio.run(served(server.url))
+        run_ok(
+            run_dir,
+            "run.steps=3",
+            "model.lora.r=4",
+            "grpo.beta=0.05",
+            f'rollout.servers=["{server.url}"]',
+        )
+        served_digest = asyncio.run(served(server.url))
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "final", dtype=torch.float32)
+    assert served_digest == pytest.approx(params_checksum(merged), rel=1e-9)
+    assert served_digest != pytest.approx(base_digest, rel=1e-9)
     records = read_metrics(run_dir)
     assert [r["weight_version"] for r in records] == [1, 2, 3]
     assert all("kl" in r for r in records)
