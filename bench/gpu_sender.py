@@ -21,7 +21,8 @@ run on the new weights), then collects the HTTP answers (``answers()``).
 (the learner sends commit word 0, the workers acknowledge 0 and keep their weights), records
 the error, then sends properly over the same group.
 
-The last line of stdout is a JSON summary (responses, checksums, timings).
+The last line of stdout is a JSON summary (responses, checksums of the parameters and of the
+buckets, timings).
 """
 
 from __future__ import annotations
@@ -53,11 +54,32 @@ def load_model(model_dir: str, perturb_seed: int | None = None) -> Any:
 
 
 def reference_checksum(model: Any) -> float:
-    """sum(x) + sum(x*x) over every parameter, tensor by tensor (independent of the buckets,
-    and of vLLM's fused layout: ``GET /weights/checksum`` computes the same)."""
+    """The digest of the model's parameters by name and position (``params_checksum``: in
+    vLLM's fused name space, so ``GET /weights/checksum`` of vLLM serving them is the same)."""
     from rollout_server.weight_digest import params_checksum
 
     return params_checksum(model)
+
+
+def bucket_checksum(model: Any, specs: Any, bucket_bytes: int) -> float:
+    """The digest of the update's buckets packed here, apart from the sender (``flat_checksum``
+    of each bucket, in order): what a server reports that received every byte in its place."""
+    import torch
+
+    from learner.sync.nccl_buckets import fill_bucket, plan_buckets
+    from learner.sync.zero3 import iter_gathered_params
+    from rollout_server.nccl_wire import bucket_layout
+    from rollout_server.weight_digest import flat_checksum
+
+    plan = plan_buckets(specs, bucket_bytes)
+    layout = bucket_layout([s.model_dump() for s in specs], plan.buckets, plan.dtypes)
+    it = iter_gathered_params(model)
+    total = 0.0
+    for b, bucket in enumerate(layout):
+        flat = torch.empty(bucket.numel, dtype=bucket.dtype, device="cuda")
+        fill_bucket(flat, bucket, it)
+        total += float(flat_checksum(flat, b))
+    return total
 
 
 async def connect(url: str, master_port: int, timeout_s: float) -> tuple[Any, Any]:
@@ -152,6 +174,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "responses": [r.model_dump() for r in responses],
         "reference_checksum": reference_checksum(model),
+        "bucket_checksum": bucket_checksum(model, specs, args.bucket_mb << 20),
         "stats": sender.last_stats,
         **extra_out,
     }
