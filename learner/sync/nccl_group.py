@@ -117,17 +117,12 @@ def loopback_master(master_address: str, servers: list[str]) -> str | None:
     """Why servers on other hosts cannot join a group whose rendezvous is a loopback address
     (the default ``rollout.sync.master_address``), or None: the join would otherwise only time
     out. A warning, not an error: a server URL may name this host by another address."""
-    import ipaddress
     from urllib.parse import urlsplit
 
-    def loopback(host: str) -> bool:
-        try:
-            return host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return False
+    from rollout_server.settings import is_loopback
 
-    remote = [url for url in servers if not loopback(urlsplit(url).hostname or "")]
-    if not loopback(master_address) or not remote:
+    remote = [url for url in servers if not is_loopback(urlsplit(url).hostname or "")]
+    if not is_loopback(master_address) or not remote:
         return None
     return (
         f"rollout.sync.master_address = {master_address} is a loopback address, which the "
