@@ -88,9 +88,15 @@ def kill_after_step(
 ) -> None:
     """SIGKILL the server as soon as step ``step``'s metrics are written: the learner is then
     about to generate (or generating) the next step's rollouts."""
+    wait_for_step(run_dir, learner, step)
+    server.kill()
+    server.wait()
+
+
+def wait_for_step(run_dir: Path, learner: subprocess.Popen, step: int) -> None:
+    """Poll until step ``step``'s metrics are written (the learner, still running, has synced
+    that step's weights)."""
     deadline = time.monotonic() + 240
     while len(read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []) < step:
         assert time.monotonic() < deadline and learner.poll() is None
         time.sleep(0.01)
-    server.kill()
-    server.wait()
