@@ -192,9 +192,10 @@ class Engine(abc.ABC):
     def is_sleeping(self) -> bool: ...
 
     async def weights_checksum(self) -> float:
-        """Float64 ``sum(x) + sum(x*x)`` over every parameter the engine serves with (a shared
-        one once): independent of how the engine fuses or renames tensors, so it equals the
-        learner's over its own parameters when the weights are equal."""
+        """``rollout_server.weight_digest.params_checksum`` of the parameters the engine serves
+        with (a shared one once): it sees every element's position and tensor's name, and is
+        defined in vLLM's fused name space, so it equals the learner's over its own parameters
+        when the weights are equal and in their places."""
         raise UnsupportedError(f"the {self.name} engine cannot checksum its weights")
 
     async def init_weight_group(self, request: NcclInitRequest) -> None:
