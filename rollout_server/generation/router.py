@@ -29,7 +29,18 @@ GENERATION_ERRORS = {
 }
 
 
-@router.post("/generate", response_model=GenerateResponse, responses=GENERATION_ERRORS)
+def json_example(example: dict[str, object]) -> dict[str, object]:
+    """``openapi_extra`` giving a route's JSON body an example (/docs shows it, the fuzzer
+    sends it)."""
+    return {"requestBody": {"content": {"application/json": {"example": example}}}}
+
+
+@router.post(
+    "/generate",
+    response_model=GenerateResponse,
+    responses=GENERATION_ERRORS,
+    openapi_extra=json_example({"prompts": ["What is 7 * 6?"], "n": 2, "max_tokens": 8}),
+)
 async def generate(request: GenerateRequest, generation: GenerationDep) -> GenerateResponse:
     """``n`` samples per prompt, with each sampled token's log-prob and the weight version."""
     return await generation.generate(request)

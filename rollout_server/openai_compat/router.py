@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from rollout_server.errors import BadRequest
-from rollout_server.generation.router import GENERATION_ERRORS, GenerationDep
+from rollout_server.generation.router import GENERATION_ERRORS, GenerationDep, json_example
 from rollout_server.generation.service import GenerationService
 from rollout_server.openai_compat.protocol import ChatCompletionRequest, CompletionRequest
 from rollout_server.openai_compat.serving import TokenText, chat_response, completion_response
@@ -46,7 +46,11 @@ def _prompts_called(old: str, new: str) -> Iterator[None]:
         raise BadRequest(e.detail.replace(old, new), headers=e.headers) from None
 
 
-@router.post("/completions", responses=GENERATION_ERRORS)
+@router.post(
+    "/completions",
+    responses=GENERATION_ERRORS,
+    openapi_extra=json_example({"prompt": "What is 7 * 6?", "max_tokens": 8}),
+)
 async def completions(request: CompletionRequest, generation: GenerationDep) -> dict[str, Any]:
     """Any ``model`` name is accepted: a server serves one model."""
     core = generation.core
@@ -57,7 +61,13 @@ async def completions(request: CompletionRequest, generation: GenerationDep) -> 
     return completion_response(resp, core.settings.name, request.logprobs, token_text)
 
 
-@router.post("/chat/completions", responses=GENERATION_ERRORS)
+@router.post(
+    "/chat/completions",
+    responses=GENERATION_ERRORS,
+    openapi_extra=json_example(
+        {"messages": [{"role": "user", "content": "What is 7 * 6?"}], "max_tokens": 8}
+    ),
+)
 async def chat_completions(
     request: ChatCompletionRequest, generation: GenerationDep
 ) -> dict[str, Any]:

@@ -38,14 +38,15 @@ CHECKS = (
     "content_type_conformance",
     "response_schema_conformance",
 )
-# Small limits: the fuzzer's largest valid request stays cheap on a CPU.
+# Small limits: the fuzzer's largest valid request stays cheap on a CPU. max_tokens admits the
+# defaults of the request models (16 and 256), else no generation would pass validation.
 SERVER_LIMITS = (
-    "--max-tokens=8",
+    "--max-tokens=256",
     "--max-n=2",
     "--max-batch-size=2",
     "--max-prompt-len=64",
     "--max-body-mb=1",
-    "--max-model-len=128",
+    "--max-model-len=512",
     "--max-num-seqs=4",
 )
 
@@ -108,9 +109,23 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 120.0) -> No
     raise RuntimeError(f"the server at {url} never became ready (exit code {proc.poll()})")
 
 
-def run_schemathesis(url: str, args: argparse.Namespace, har: Path) -> int:
+# Two passes. A /sleep that level 2 discards the weights leaves generation answering 503 until a
+# weight update the fuzzer cannot build, so the first pass fuzzes every other operation with
+# the weights served, and the second /sleep and /wake_up with the operations whose answers they
+# change (the stateful phase follows the links sleep -> generate, checksum, wake_up).
+SLEEP_ROUTES = "^/(sleep|wake_up)$"
+PASSES = {
+    "awake": ["--exclude-path-regex", SLEEP_ROUTES],
+    "sleep": ["--include-path-regex", "^/(sleep|wake_up|generate|weights/checksum|ready)$"],
+}
+
+
+def run_schemathesis(
+    url: str, args: argparse.Namespace, har: Path, scratch: str, filters: list[str]
+) -> int:
     st = Path(sys.executable).parent / "schemathesis"
     cmd = [str(st), "run", f"{url}/openapi.json", "-H", f"Authorization: Bearer {API_KEY}"]
+    cmd += filters
     cmd += ["--checks", ",".join(CHECKS), "--phases", args.phases]
     cmd += ["--max-examples", str(args.max_examples), "--seed", str(args.seed)]
     cmd += ["--max-response-time", str(args.max_response_time)]
@@ -125,8 +140,8 @@ def run_schemathesis(url: str, args: argparse.Namespace, har: Path) -> int:
         "SCHEMATHESIS_HOOKS": "st_hooks",
         "PYTHONPATH": os.pathsep.join(p for p in (hooks_dir, os.environ.get("PYTHONPATH")) if p),
     }
-    # its cache (.schemathesis/) goes next to the HAR, not into the checkout
-    return subprocess.run(cmd, env=env, cwd=har.parent, check=False).returncode
+    # its caches (.schemathesis/, .hypothesis/) go to a scratch directory, not the checkout
+    return subprocess.run(cmd, env=env, cwd=scratch, check=False).returncode
 
 
 def count_requests(har: Path) -> dict[str, collections.Counter[int]]:
@@ -196,19 +211,25 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         log = args.report.with_suffix(".server.log")
+        by_route: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
         proc = start_server(model_dir, port, args.as_cap_mb, log)
         rss = PeakRss(proc.pid)
         try:
             wait_ready(proc, url)
-            st_code = run_schemathesis(url, args, Path(tmp) / "fuzz.har")
-            by_route = count_requests(Path(tmp) / "fuzz.har")
+            st_codes = {}
+            for name, filters in PASSES.items():
+                har = args.report.with_name(f"{args.report.stem}.{name}.har").resolve()
+                st_codes[name] = run_schemathesis(url, args, har, tmp, filters)
+                for route, counts in count_requests(har).items():
+                    by_route[route].update(counts)
         finally:
             alive = proc.poll() is None
             peak_mb = rss.stop()
             exit_code = stop_server(proc)
     problems = []
-    if st_code != 0:
-        problems.append(f"schemathesis found failures (exit code {st_code})")
+    for name, code in st_codes.items():
+        if code != 0:
+            problems.append(f"schemathesis found failures in the {name} pass (exit code {code})")
     if not alive:
         problems.append(f"the server died during the run (exit code {exit_code}); see {log}")
     if peak_mb > args.rss_cap_mb:
