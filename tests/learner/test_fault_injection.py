@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +26,14 @@ import pytest
 
 from grpo_common.net import free_port
 from learner.run.metrics import read_metrics
-from tests.learner.demo_runs import learner_cmd, learner_env, serve_cmd, wait_for_step
+from tests.learner.demo_runs import (
+    DEMO,
+    ROOT,
+    learner_cmd,
+    learner_env,
+    serve_cmd,
+    wait_for_step,
+)
 
 QUIET = ("run.progress_bar=false", "run.save_final=false", "run.tensorboard=false")
 SHORT = ("sampling.max_tokens=8", "run.steps=3")
@@ -226,3 +234,91 @@ def test_a_frozen_server_times_out_the_learners_requests_and_the_run_goes_on(
     assert learner.returncode == 0, err[-3000:]
     assert "timed out (ReadTimeout) (attempt 1/6)" in err, err[-3000:]
     assert _versions_rise(run_dir, 3) == [1, 2, 3]
+
+
+ENV_SERVER = """
+import sys, time
+from pathlib import Path
+import uvicorn
+from pydantic import BaseModel
+from openreward.environments import Environment, Server, TextBlock, ToolOutput, terminal, tool
+
+class Answer(BaseModel):
+    answer: str
+
+class Echo(Environment):
+    @classmethod
+    def list_splits(cls):
+        return ["train", "test"]
+
+    @classmethod
+    def list_tasks(cls, split):
+        return [{"key": f"t{i}"} for i in range(8)]
+
+    def get_prompt(self):
+        return [TextBlock(text="Say something.")]
+
+    @terminal
+    @tool
+    async def submit(self, params: Answer) -> ToolOutput:
+        '''Grade the final answer (a moment's work: a kill can land in it).'''
+        Path(sys.argv[2]).touch()
+        time.sleep(0.2)
+        reward = min(len(params.answer), 20) / 20
+        return ToolOutput(blocks=[TextBlock(text="graded")], reward=reward, finished=True)
+
+uvicorn.run(Server([Echo]).app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"""
+
+
+def _env_server(port: int, marker: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-c", ENV_SERVER, str(port), str(marker)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
+            return proc
+        except httpx.TransportError:
+            assert proc.poll() is None and time.monotonic() < deadline, "no environment server"
+            time.sleep(0.1)
+
+
+def test_an_environment_server_killed_mid_episode_stops_the_run_and_resume_goes_on(tmp_path):
+    """The Open Reward Standard server dies while it grades step 2's episodes: they all fail, so
+    the run stops naming the environment and the first error (training on their zeros would
+    teach noise); started again, ``--resume`` trains steps 2 and 3 once, versions rising."""
+    pytest.importorskip("openreward")
+    port, marker, run_dir = free_port(), tmp_path / "graded", tmp_path / "run"
+    env = _env_server(port, marker)
+    sets = [*QUIET, "run.steps=3", "run.checkpoint_every=1", "sampling.max_tokens=8"]
+    sets += [f'environment.name="openreward:http://127.0.0.1:{port}/echo"']
+    sets += ["environment.max_turns=1", "eval.max_prompts=2", "eval.num_generations=1"]
+    cmd = learner_cmd(run_dir, *(a for s in sets for a in ("--set", s)))
+    cmd[cmd.index(str(DEMO))] = str(ROOT / "learner" / "configs" / "calculator.toml")
+    learner = subprocess.Popen(
+        cmd, env=learner_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_for_step(run_dir, learner, 1)
+        marker.unlink()
+        _wait(marker.exists, "step 2's grading", learner)
+        env.kill()
+        env.wait()
+        _, err = learner.communicate(timeout=120)
+        assert learner.returncode == 1, err[-3000:]
+        last = err[err.rindex("error: environment ") :]
+        assert "every episode of the step failed" in last, err[-3000:]
+        assert f"openreward:http://127.0.0.1:{port}/echo" in last and "first error: " in last
+        assert f"Cannot connect to host 127.0.0.1:{port}" in last
+        assert [r["step"] for r in read_metrics(run_dir)] == [1]
+        env = _env_server(port, marker)
+        done = subprocess.run(
+            [*cmd, "--resume"], env=learner_env(), capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        learner.kill()
+        env.kill()
+        env.wait()
+    _versions_rise(run_dir, 3)
