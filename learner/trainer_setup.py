@@ -26,7 +26,9 @@ from learner.model.setup import build_models
 from learner.run.checkpoint import TrainerState, restore
 from learner.run.perf import peak_tflops
 from learner.run.runtime import (
+    SetupError,
     check_model_options,
+    machine_count,
     make_accelerator,
     optimizer_and_schedule,
     resolve_model,
@@ -154,6 +156,13 @@ def check_launch(accelerator: Accelerator, cfg: LearnerConfig) -> None:
             "model); a frozen full copy is not supported with ZeRO-3 — or set grpo.beta = 0"
         )
     check_model_options(accelerator, cfg.model)
+    if not cfg.rollout.servers and (machines := machine_count(accelerator)) > 1:
+        raise SetupError(
+            f"the learner runs on {machines} machines and rollout.servers is empty: an embedded "
+            "rollout server listens on machine 0's loopback address, which the other machines' "
+            "processes cannot reach. Start rollout servers (python -m rollout_server --host "
+            "ADDRESS) and list them in rollout.servers (docs/multi-node.md)"
+        )
 
 
 def load_prompts(cfg: LearnerConfig) -> Prompts:

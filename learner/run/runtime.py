@@ -62,6 +62,13 @@ def make_accelerator() -> Accelerator:
     return acc
 
 
+def machine_count(acc: Accelerator) -> int:
+    """The machines the launch spans: its processes over this machine's (``LOCAL_WORLD_SIZE``,
+    set by torchrun, which ``accelerate launch`` runs)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
+    return max(1, acc.num_processes // max(local, 1))
+
+
 def use_fused_adamw(acc: Accelerator) -> bool:
     """The fused AdamW kernel on a GPU; not under DeepSpeed, whose ZeRO optimizer wraps the
     client optimizer around its own fp32 partitions (and may offload them to the CPU)."""

@@ -33,7 +33,7 @@ def learner_args(run_dir: Path, server_url: str, model: Path) -> list[str]:
         "sampling.seed=7",  # the same samples in both runs
         "eval.max_prompts=2",
         f'model.name_or_path="{model}"',
-        f'rollout.servers=["{server_url}"]',
+        *([f'rollout.servers=["{server_url}"]'] if server_url else []),  # "": embedded
     ]
     args = ["-m", "learner", "--config", str(DEMO), "--run-dir", str(run_dir)]
     return args + [a for s in sets for a in ("--set", s)]
@@ -118,6 +118,18 @@ def test_a_run_dir_the_machines_do_not_share_stops_every_rank_at_setup(tmp_path,
         assert "run.run_dir" in last and "is not shared by every process: process(es) [1]" in last
         # the learner's own one line (the launcher reports the exit with its own traceback)
         assert f'File "{ROOT / "learner"}' not in err and "Loading weights" not in err
+
+
+def test_an_embedded_server_across_machines_stops_every_rank_at_setup(tmp_path, tiny_model_dir):
+    """Without rollout.servers the main process would start a server on machine 0's loopback,
+    which machine 1's process cannot reach: both stop before any model loads, naming the
+    setting."""
+    logs = run_two_machines(tmp_path / "run", "", tiny_model_dir, exit=2)
+    for err in logs:
+        last = [line for line in err.splitlines() if line.startswith("error: ")][-1]
+        assert "the learner runs on 2 machines and rollout.servers is empty" in last
+        assert "Loading weights" not in err
+    assert not (tmp_path / "run" / "rollout_server.log").exists()  # no server started
 
 
 def test_a_loopback_nccl_rendezvous_with_servers_on_other_hosts_is_named():
