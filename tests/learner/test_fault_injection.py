@@ -199,6 +199,7 @@ def test_a_learner_killed_while_its_sync_waits_leaves_the_server_whole_and_resum
         assert "resumed from" in done.stderr
         versions = _versions_rise(run_dir, 3)
         assert versions[0] == before[0] and min(versions[1:]) > info["weight_version"]
+        assert versions == [1, 4, 5]  # 3: step 1's weights again, given on resume
         final = httpx.get(f"{url}/weights/checksum", timeout=10).json()
         assert final["weight_version"] == versions[-1]
     finally:
