@@ -244,7 +244,7 @@ def evaluate_model(cfg: LearnerConfig, model: str | None, out_dir: Path) -> dict
     from transformers import AutoTokenizer
 
     assert cfg.eval is not None
-    if cfg.rollout.servers and model is not None:
+    if cfg.rollout.external and model is not None:
         raise SetupError(
             f"--model {model}: the config's rollout.servers serve the weights they hold, which "
             "is what gets evaluated; drop --model, or drop rollout.servers to serve it here"
@@ -267,13 +267,13 @@ def evaluate_model(cfg: LearnerConfig, model: str | None, out_dir: Path) -> dict
     async def run(urls: list[str], key: str | None) -> dict[str, float]:
         async with RolloutClient(urls, api_key=key, timeout_s=cfg.rollout.timeout_s) as client:
             await client.wait_ready(cfg.rollout.ready_timeout_s)
-            if problems := evaluator.check_limits(await client.info(), cfg.rollout.servers):
+            if problems := evaluator.check_limits(await client.info(), urls):
                 raise SetupError("; ".join(problems) + ": lower it, or raise the server's limit")
             return await evaluator.run(client, 0, tokenizer, chat)
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.rollout.servers:
-        metrics = asyncio.run(run(cfg.rollout.servers, cfg.rollout.key()))
+    if cfg.rollout.external:
+        metrics = asyncio.run(run(cfg.rollout.listed(), cfg.rollout.key()))
     else:
         key = embedded_key()
         with embedded_for(cfg, model, out_dir / "rollout_server.log", api_key=key) as url:

@@ -125,9 +125,8 @@ def train_step(
     t_sync = time.perf_counter() - t0
     run.state.step += 1
     times = StepTimes(t_step, arrived.wait_s, t_refill, t_train, t_sync)
-    return reduce_metrics(
-        run.accelerator, step_metrics(run, arrived, step_rollouts, micro, train_metrics, times)
-    )
+    local = step_metrics(run, arrived, step_rollouts, micro, train_metrics, times)
+    return reduce_metrics(run.accelerator, {**local, **conn.metrics()})
 
 
 def train_on_rollouts(
@@ -223,9 +222,10 @@ def connect(
     )
     loop.run(servers_ready(client, cfg.rollout))
     infos = loop.run(client.info())
-    check_server_limits(cfg.sampling, infos, cfg.rollout.servers)
+    external = urls if cfg.rollout.external else []
+    check_server_limits(cfg.sampling, infos, external)
     if run.evaluator is not None and (
-        problems := run.evaluator.check_limits(infos, cfg.rollout.servers)
+        problems := run.evaluator.check_limits(infos, external)
     ):
         raise SetupError("; ".join(problems) + ": lower it, or raise the server's limit")
     syncer = make_transport(cfg.rollout, client, device=accelerator.device)
@@ -234,8 +234,8 @@ def connect(
     conn = ServerConnection(cfg.rollout, accelerator, loop, client, syncer, run.policy, run.state)
     # The servers must serve the checkpoint's (or the SFT's) weights, not the base model's
     # (an embedded server already starts from the SFT's).
-    resync = run.resumed or (cfg.sft is not None and bool(cfg.rollout.servers))
-    if cfg.rollout.servers and not resync:  # a server another learner already updated
+    resync = run.resumed or (cfg.sft is not None and cfg.rollout.external)
+    if cfg.rollout.external and not resync:  # a server another learner already updated
         resync = main_decides(accelerator, functools.partial(updated_by_another, infos))
     if resync:
         conn.resync()

@@ -79,7 +79,12 @@ def _shards(count: int, parts: int) -> list[tuple[int, int]]:
 
 
 class RolloutClient:
-    """Async client for a fleet of rollout servers (one batch is spread over all of them)."""
+    """Async client for a fleet of rollout servers (one batch is spread over all of them).
+
+    ``servers`` are the ones in rotation. A server that cannot be reached while generating
+    (after the retries) is taken out of rotation and its share goes to the others; ``dropped``
+    keeps it for whoever brings it back (the learner resyncs it first). The last server is
+    never taken out: its error reaches the caller."""
 
     def __init__(
         self,
@@ -96,15 +101,45 @@ class RolloutClient:
             raise ValueError(
                 "RolloutClient needs at least one server URL (e.g. http://127.0.0.1:8000)"
             )
-        self.servers = [u.rstrip("/") for u in urls]
-        self._calls = ServerCalls(
-            self.servers,
-            api_key=api_key,
-            timeout_s=timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            max_retries=max_retries,
-            backoff_s=backoff_s,
-        )
+        self._options: dict[str, Any] = {
+            "api_key": api_key,
+            "timeout_s": timeout_s,
+            "connect_timeout_s": connect_timeout_s,
+            "max_retries": max_retries,
+            "backoff_s": backoff_s,
+        }
+        self._calls = ServerCalls([u.rstrip("/") for u in urls], **self._options)
+        self.dropped: list[str] = []  # taken out of rotation, in the order they were
+        self._load: dict[str, int] = {}  # prompts in flight per server
+
+    @property
+    def servers(self) -> list[str]:
+        """The servers in rotation (a new list object on every change: a call in flight keeps
+        the list it started with)."""
+        return self._calls.servers
+
+    @servers.setter
+    def servers(self, urls: Sequence[str]) -> None:
+        if not urls:
+            raise ValueError("a RolloutClient needs at least one server in rotation")
+        self._calls.servers = [u.rstrip("/") for u in urls]
+        self.dropped = [s for s in self.dropped if s not in self._calls.servers]
+
+    def drop(self, server: str, why: str) -> bool:
+        """Take ``server`` out of rotation (not the last one); returns whether it was."""
+        if server not in self.servers or len(self.servers) == 1:
+            return False
+        self._calls.servers = [s for s in self.servers if s != server]
+        self.dropped.append(server)
+        logger.warning(
+            "rollout server %s taken out of rotation (%s); %d remain: %s",
+            server, why, len(self.servers), ", ".join(self.servers),
+        )  # fmt: skip
+        return True
+
+    def subset(self, urls: Sequence[str]) -> RolloutClient:
+        """A client for ``urls`` with this one's key, timeouts and retries."""
+        return RolloutClient(list(urls), **self._options)
 
     @property
     def max_retries(self) -> int:
@@ -161,8 +196,11 @@ class RolloutClient:
         start = time.monotonic()
         next_note = start
         while True:
-            why = await self._calls.all(lambda s: self._probe(s, "/ready", auth_fails=True))
-            down = {s: w for s, w in zip(self.servers, why, strict=True) if w is not None}
+            servers = self.servers
+            why = await asyncio.gather(
+                *(self._probe(s, "/ready", auth_fails=True) for s in servers)
+            )
+            down = {s: w for s, w in zip(servers, why, strict=True) if w is not None}
             waited = time.monotonic() - start
             if not down:
                 if waited >= poll_s:
@@ -183,36 +221,67 @@ class RolloutClient:
                 next_note += note_every_s
             await asyncio.sleep(poll_s)
 
+    async def is_ready(self, server: str) -> bool:
+        """Whether ``server`` (in rotation or not) answers ``/ready`` (one attempt)."""
+        return await self._probe(server, "/ready") is None
+
+    async def info_of(self, server: str) -> InfoResponse:
+        """``server``'s ``/info`` (in rotation or not)."""
+        return await self._calls.json(server, "GET", "/info", InfoResponse, retry=False)
+
     async def info(self) -> list[InfoResponse]:
         return await self._calls.all(lambda s: self._calls.json(s, "GET", "/info", InfoResponse))
 
     # -- generation ------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
-        """Generate for a batch, spread in contiguous shards over all servers, results in order."""
-        shards = _shards(len(request.prompts), len(self.servers))
-
-        async def one(server: str, start: int, end: int) -> GenerateResponse:
-            update: dict[str, Any] = {"prompts": request.prompts[start:end]}
-            if request.seed is not None:  # prompt k draws from seed + k * n on any server
-                update["seed"] = request.seed + start * request.n
-            sub = request.model_copy(update=update)
-            out = await self._calls.json(server, "POST", "/generate", GenerateResponse, body=sub)
-            if len(out.results) != end - start:
-                raise RolloutError(
-                    server, f"returned {len(out.results)} results for {end - start} prompts"
-                )
-            return out
-
+        """Generate for a batch, spread in contiguous shards over the servers in rotation (the
+        least loaded first), results in order. A shard whose server cannot be reached goes to
+        another one (the seeds stay those of its prompts: the samples do not change)."""
+        servers = sorted(self.servers, key=lambda s: self._load.get(s, 0))
+        shards = _shards(len(request.prompts), len(servers))
         parts = await asyncio.gather(
-            *(one(s, a, b) for s, (a, b) in zip(self.servers, shards, strict=False))
+            *(self._shard(request, s, a, b) for s, (a, b) in zip(servers, shards, strict=False))
         )
         results = [r for p in parts for r in p.results]
         return GenerateResponse(
             results=results,
             weight_version=min(p.weight_version for p in parts),
-            server=",".join(s for s, _ in zip(self.servers, shards, strict=False)),
+            server=",".join(p.server for p in parts),
         )
+
+    async def _shard(
+        self, request: GenerateRequest, server: str, start: int, end: int
+    ) -> GenerateResponse:
+        """Prompts ``[start, end)`` of ``request`` on ``server``, or, when it cannot be
+        reached, on the least loaded server still in rotation."""
+        update: dict[str, Any] = {"prompts": request.prompts[start:end]}
+        if request.seed is not None:  # prompt k draws from seed + k * n on any server
+            update["seed"] = request.seed + start * request.n
+        sub = request.model_copy(update=update)
+        while True:
+            try:
+                out = await self._generate_on(server, sub, end - start)
+            except RolloutUnavailableError as e:
+                if not self.drop(server, e.reason) and server in self.servers:
+                    raise
+                server = min(self.servers, key=lambda s: self._load.get(s, 0))
+                continue
+            if len(out.results) != end - start:
+                raise RolloutError(
+                    server, f"returned {len(out.results)} results for {end - start} prompts"
+                )
+            return out.model_copy(update={"server": server})
+
+    async def _generate_on(
+        self, server: str, sub: GenerateRequest, prompts: int
+    ) -> GenerateResponse:
+        """``POST /generate`` on ``server``, counted in its load while it runs."""
+        self._load[server] = self._load.get(server, 0) + prompts
+        try:
+            return await self._calls.json(server, "POST", "/generate", GenerateResponse, body=sub)
+        finally:
+            self._load[server] -= prompts
 
     # -- sleep -----------------------------------------------------------------------------
 
@@ -324,7 +393,7 @@ class RolloutClient:
             except RolloutError as e:
                 raise WeightSyncError(s, f"commit refused, old weights still serve: {e}") from e
 
-        return await self._calls.all(commit)
+        return list(await asyncio.gather(*(commit(s) for s in staged)))
 
     async def _upload(
         self,
@@ -338,14 +407,18 @@ class RolloutClient:
 
         staged: dict[str, str] = {}
         num_buckets = 0
+        servers = list(self.servers)  # the rotation may change while the update is staged
         try:
             begin = WeightUpdateBegin(version=version)
-            ids = await self._calls.all(
-                lambda s: self._calls.json(
-                    s, "POST", "/weights/begin", WeightUpdateId, body=begin, retry=False
+            ids = await asyncio.gather(
+                *(
+                    self._calls.json(
+                        s, "POST", "/weights/begin", WeightUpdateId, body=begin, retry=False
+                    )
+                    for s in servers
                 )
             )
-            staged = {s: i.update_id for s, i in zip(self.servers, ids, strict=True)}
+            staged = {s: i.update_id for s, i in zip(servers, ids, strict=True)}
             for index, bucket in enumerate(_bucketize(named_tensors, bucket_bytes)):
                 payload = st_save(dict(bucket))
                 del bucket
@@ -358,7 +431,7 @@ class RolloutClient:
                             content=payload,
                             params={"update_id": staged[s], "index": index},
                         )
-                        for s in self.servers
+                        for s in servers
                     )
                 )
                 num_buckets = index + 1

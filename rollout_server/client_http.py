@@ -138,7 +138,8 @@ class ServerCalls:
 
     async def all(self, coro_fn: Callable[[str], Coroutine[Any, Any, Any]]) -> list[Any]:
         """``coro_fn(server)`` for every server at once, answers in server order."""
-        return list(await asyncio.gather(*(coro_fn(s) for s in self.servers)))
+        servers = self.servers  # a change of the rotation replaces the list: this one stays
+        return list(await asyncio.gather(*(coro_fn(s) for s in servers)))
 
 
 def _detail(resp: httpx.Response) -> str:

@@ -34,6 +34,12 @@ class RolloutConfig(Section):
         default_factory=list,
         description="rollout server URLs; empty = start an embedded server as a subprocess",
     )
+    servers_file: str | None = Field(
+        None,
+        description="a file of rollout server URLs, one per line (# comments), re-read after "
+        "every step: a server added joins once it serves the learner's weights, a removed one "
+        "leaves (an elastic fleet; instead of servers)",
+    )
     api_key: str | None = Field(
         None,
         description="the servers' API key; better api_key_file or the ROLLOUT_API_KEY "
@@ -107,7 +113,22 @@ class RolloutConfig(Section):
             raise FieldError("api_key_file", "set api_key or api_key_file, not both")
         if self.api_key_file is not None:
             read_key_file(self.api_key_file)
+        if self.servers_file is not None:
+            if self.servers:
+                raise FieldError("servers_file", "set servers or servers_file, not both")
+            read_servers_file(self.servers_file)
         return self
+
+    @property
+    def external(self) -> bool:
+        """Whether the learner uses servers it did not start (else it starts an embedded one)."""
+        return bool(self.servers) or self.servers_file is not None
+
+    def listed(self) -> list[str]:
+        """The server URLs as configured now: ``servers``, or ``servers_file``'s lines."""
+        if self.servers_file is None:
+            return list(self.servers)
+        return read_servers_file(self.servers_file)
 
     def key(self) -> str | None:
         """The servers' API key: ``api_key``, ``api_key_file``'s, else ``ROLLOUT_API_KEY``'s."""
@@ -128,3 +149,27 @@ def read_key_file(path: str) -> str:
     if not key:
         raise FieldError("api_key_file", f"{path} is blank: write the servers' key into it")
     return key
+
+
+def read_servers_file(path: str) -> list[str]:
+    """The URLs in ``path`` (one per line; blank lines and ``#`` comments skipped), each once;
+    a ``FieldError`` naming ``servers_file`` when it cannot be read, names none, or names
+    something that is not an http(s) URL."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise FieldError("servers_file", f"cannot read {path}: {e.strerror}") from None
+    urls: list[str] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        url = line.split("#", 1)[0].strip().rstrip("/")
+        if not url:
+            continue
+        if not url.startswith(("http://", "https://")) or " " in url:
+            raise FieldError(
+                "servers_file", f"{path} line {n}: {url!r} is not a URL like http://host:8000"
+            )
+        if url not in urls:
+            urls.append(url)
+    if not urls:
+        raise FieldError("servers_file", f"{path} names no server: write one URL per line")
+    return urls

@@ -17,13 +17,15 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 
 from learner.config.rollout import RolloutConfig
 from learner.run.checkpoint import TrainerState
+from learner.servers.fleet import Fleet, FleetPlan
 from learner.servers.pool import EventLoopThread, main_decides, restarted, sync_weights
+from learner.sync import make_transport
 from learner.sync.base import WeightTransport
-from rollout_server.client import RolloutClient, RolloutUnavailableError
+from rollout_server.client import RolloutClient, RolloutError
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,11 @@ class ServerConnection:
     syncer: WeightTransport
     policy: torch.nn.Module
     state: TrainerState
+    fleet: Fleet | None = None  # the main process's
+
+    def __post_init__(self) -> None:
+        if self.accelerator.is_main_process:
+            self.fleet = Fleet(self.rollout, self.client)
 
     def resync(self) -> None:
         """Give the servers the weights the learner already served (a resumed run, a
@@ -63,34 +70,89 @@ class ServerConnection:
         sync_weights(self.accelerator, self.loop, self.syncer, self.policy, self.state, resync=True)
 
     def reconnect(self, error: BaseException | None) -> None:
-        """A server went away while generating (``error``, on the ranks that saw it): wait up
-        to ``rollout.reconnect_timeout_s`` for every server to be ready again, then, if one
-        restarted, give it the learner's weights under the learner's version. Raises
-        ``ServersLostError`` on every rank when the wait runs out."""
+        """Every server in rotation went away while generating (``error``, on the ranks that
+        saw it): wait up to ``rollout.reconnect_timeout_s`` for a listed server to be ready,
+        then bring the rotation up to date (one that restarted gets the learner's weights
+        under the learner's version first). Raises ``ServersLostError`` on every rank when the
+        wait runs out."""
         down: list[str | None] = [None]
         if self.accelerator.is_main_process:
-            down[0] = self._wait_back(error)
+            assert self.fleet is not None
+            logger.warning(
+                "a rollout server went away while generating (%s); waiting up to %.0f s "
+                "(rollout.reconnect_timeout_s) for a listed server to be ready",
+                error or "on another rank",
+                self.rollout.reconnect_timeout_s,
+            )
+            down[0] = self.loop.run(self.fleet.wait_any(self.rollout.reconnect_timeout_s))
         broadcast_object_list(down, from_process=0)
         if down[0] is not None:
             raise ServersLostError(down[0], self.rollout.reconnect_timeout_s)
-        if self.server_restarted():
-            self.resync()
+        self.refresh(check_all=True)
 
-    def _wait_back(self, error: BaseException | None) -> str | None:
-        """Wait for the servers; None once all are ready, else the ones that are not."""
-        timeout = self.rollout.reconnect_timeout_s
-        logger.warning(
-            "a rollout server went away while generating (%s); waiting up to %.0f s "
-            "(rollout.reconnect_timeout_s) for %s to be ready again",
-            error or "on another rank",
-            timeout,
-            ", ".join(self.client.servers),
-        )
-        try:
-            self.loop.run(self.client.wait_ready(timeout))
-        except RolloutUnavailableError as e:
-            return e.server
-        return None
+    def refresh(self, *, check_all: bool = False) -> None:
+        """Between steps, on every rank: bring the rotation up to date (``learner.servers.
+        fleet``): servers that left are out, and ready ones that join serve the learner's
+        weights before they get a request. ``check_all``: ask every listed server its version
+        (after one went away), not only those outside the rotation."""
+        acc = self.accelerator
+        dropped = self.client.dropped
+        self.client.dropped = []
+        if acc.num_processes > 1:
+            dropped = gather_object(dropped)
+        plan: list[FleetPlan | None] = [None]
+        if acc.is_main_process:
+            assert self.fleet is not None
+            version = self.state.weight_version
+            p = self.loop.run(self.fleet.plan(version, dropped=set(dropped), check_all=check_all))
+            plan[0] = p if p.changes else None
+        broadcast_object_list(plan, from_process=0)
+        if plan[0] is not None:
+            self._change(plan[0])
+
+    def _change(self, plan: FleetPlan) -> None:
+        """Put ``plan`` into effect on every rank. NCCL's group spans the rotation: it is formed
+        again over the new one, and every server synced. Other transports give the weights to
+        the joining servers that lack them alone; one that fails to take them stays out."""
+        acc = self.accelerator
+        rotation = [*plan.members, *plan.join]
+        if self.syncer.group_bound:
+            self.client.servers = rotation
+            self.syncer.close()
+            self.resync()
+        else:
+            failed: list[list[str]] = [self._push_to(plan.stale(self.state.weight_version))]
+            broadcast_object_list(failed, from_process=0)
+            for s in failed[0]:
+                rotation.remove(s)
+                del plan.join[s]
+            self.client.servers = rotation
+        if acc.is_main_process:
+            assert self.fleet is not None
+            self.fleet.note(plan, self.state.weight_version)
+
+    def _push_to(self, servers: list[str]) -> list[str]:
+        """Give ``servers`` the learner's weights under its version (a transport of the run's
+        kind for them alone; every rank: the ZeRO-3 gathers); returns the ones that failed."""
+        if not servers:
+            return []
+        hf_model = self.accelerator.unwrap_model(self.policy).model
+        with torch.no_grad():
+            if not self.accelerator.is_main_process:
+                self.syncer.follow(hf_model)
+                return []
+            sub = self.client.subset(servers)
+            transport = make_transport(self.rollout, sub, device=self.accelerator.device)
+            try:
+                self.loop.run(transport.connect())
+                self.loop.run(transport.push(hf_model, self.state.weight_version))
+                return []
+            except RolloutError as e:
+                logger.warning("giving the weights to joining server(s) failed: %s", e)
+                return servers
+            finally:
+                transport.close()
+                self.loop.run(sub.aclose())
 
     def server_restarted(self) -> bool:
         """Whether a server serves an older weight version than the learner synced (decided on
@@ -136,6 +198,17 @@ class ServerConnection:
         sync_weights(self.accelerator, self.loop, self.syncer, self.policy, self.state)
         if sleep_level and self.accelerator.is_main_process:
             self.loop.run(self.client.wake_up(["kv_cache"]))
+        self.refresh()
+
+    def metrics(self) -> dict[str, float]:
+        """The rotation's size and changes so far (on the main process)."""
+        if self.fleet is None:
+            return {}
+        return {
+            "fleet/servers": float(len(self.client.servers)),
+            "fleet/joined": float(self.fleet.joined_total),
+            "fleet/left": float(self.fleet.left_total),
+        }
 
     def close(self) -> None:
         self.syncer.close()

@@ -62,11 +62,11 @@ class EventLoopThread:
 def servers(
     cfg: LearnerConfig, model: str, run_dir: Path, acc: Accelerator
 ) -> Iterator[tuple[list[str], str | None]]:
-    """The rollout servers' URLs and the API key they take: ``rollout.servers`` and the
-    configured key, or an embedded server's, with a fresh random key (every rank's clients
-    get both)."""
-    if cfg.rollout.servers:
-        yield cfg.rollout.servers, cfg.rollout.key()
+    """The rollout servers' URLs and the API key they take: ``rollout.servers`` (or
+    ``servers_file``'s) and the configured key, or an embedded server's, with a fresh random
+    key (every rank's clients get both)."""
+    if cfg.rollout.external:
+        yield cfg.rollout.listed(), cfg.rollout.key()
         return
     url_key: list[Any] = [None, embedded_key()]
     with contextlib.ExitStack() as stack:
@@ -206,8 +206,9 @@ def push_weights(
     least: int,
 ) -> list[Any]:
     """Push the weights as version ``next_version(least)``; when a server could not be reached
-    (it restarts, say), wait until the servers are ready and push again (its version asked
-    again), up to ``SYNC_ATTEMPTS`` times. Not for NCCL (its group would have to be formed
+    (it restarts, say), take the servers that are not ready out of rotation where others are
+    (they get the weights when they join again: ``learner.servers.fleet``), else wait until
+    they are ready, and push again (its version asked again), up to ``SYNC_ATTEMPTS`` times. Not for NCCL (its group would have to be formed
     again) nor under ZeRO-3 (the other ranks' gathers follow one push). A server that refuses
     the weights' shapes serves another model: a ``SetupError`` naming it."""
     ds = accelerator.state.deepspeed_plugin
@@ -227,8 +228,19 @@ def push_weights(
                 attempt + 1,
                 SYNC_ATTEMPTS,
             )
+            loop.run(drop_unready(syncer.client))
             loop.run(syncer.client.wait_ready(syncer.ready_timeout_s))
     raise AssertionError("unreachable")
+
+
+async def drop_unready(client: RolloutClient) -> None:
+    """Take the servers that do not answer ``/ready`` out of rotation (never the last one)."""
+    servers = client.servers
+    ready = await asyncio.gather(*(client.is_ready(s) for s in servers))
+    if any(ready):
+        for s, ok in zip(servers, ready, strict=True):
+            if not ok:
+                client.drop(s, "not ready after a failed weight sync")
 
 
 def other_model(e: BaseException | None) -> str | None:

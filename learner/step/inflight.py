@@ -151,7 +151,7 @@ class InFlightRollouts:
         try:
             step_rollouts = launched.future.result()
         except Exception as e:  # an episode's generation wraps the client's error
-            if not (self.cfg.rollout.servers and server_went_away(e)):
+            if not (self.cfg.rollout.external and server_went_away(e)):
                 raise  # a dead embedded server does not come back: its own error says why
             lost = e
         wait_s = time.perf_counter() - t0

@@ -26,6 +26,9 @@ class WeightTransport(ABC):
     #: Whether a push that failed because a server went away (a restart) may simply be pushed
     #: again once the servers are ready.
     retries_pushes: ClassVar[bool] = True
+    #: Whether what ``connect`` forms spans the servers it was formed with (NCCL's group): a
+    #: change of the rotation then forms it again over the new one (``close``, then push).
+    group_bound: ClassVar[bool] = False
 
     def __init__(self, client: RolloutClient, *, ready_timeout_s: float) -> None:
         self.client = client

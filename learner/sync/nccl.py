@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 class NcclTransport(WeightTransport):
     # A failed push aborts the group: pushing again would have to form it again first.
     retries_pushes = False
+    group_bound = True
 
     def __init__(
         self,
