@@ -186,3 +186,33 @@ def test_a_servers_file_is_checked_at_load(tmp_path):
         RolloutConfig(servers=["http://a:1"], servers_file=str(listing))
     with pytest.raises(ValueError, match="cannot read"):
         RolloutConfig(servers_file=str(tmp_path / "missing"))
+
+
+def test_a_server_that_fails_its_part_of_a_sync_leaves_and_the_others_are_synced(
+    start_server, tiny_model_dir
+):
+    """Of two servers, one cannot be reached when the weights go out: the sync is pushed again
+    to the other alone (which serves the new version), and the unreachable one is out of
+    rotation, never serving a mix of versions."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from learner.config.sync import HttpSyncConfig
+    from learner.servers.pool import EventLoopThread, push_weights
+    from learner.sync.http import HttpTransport
+
+    settings = ServerSettings(model=str(tiny_model_dir), engine="transformers")
+    dead = f"http://127.0.0.1:{free_port()}"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    loop = EventLoopThread()
+    try:
+        with start_server(settings) as server:
+            client = RolloutClient([server.url, dead], max_retries=0)
+            syncer = HttpTransport(HttpSyncConfig(), client, ready_timeout_s=5)
+            answers = push_weights(Accelerator(cpu=True), loop, syncer, model, least=3)
+            assert [a.weight_version for a in answers] == [3]
+            assert client.servers == [server.url] and client.dropped == [dead]
+            assert _version(server.url) == 3
+            loop.run(client.aclose())
+    finally:
+        loop.close()
