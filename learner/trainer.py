@@ -288,12 +288,15 @@ def finish(run: Run, last: dict[str, float], *, stopped: bool) -> dict[str, floa
 
 
 def check_ranks_agree(accelerator: Accelerator, policy: torch.nn.Module, run_dir: Path) -> None:
-    """Every rank must end with identical weights; write the checksums and fail loudly if not."""
+    """Every rank must end with identical weights; write the checksums and fail loudly if not.
+    The checksum weighs every element by its position and tensor name, so weights that moved
+    between tensors or within one do not pass for the same."""
     from learner.sync.zero3 import iter_gathered_params
+    from rollout_server.weight_digest import name_weight, positional_sum
 
     with torch.no_grad():  # ZeRO-3: every rank gathers the same full tensors, bucket by bucket
         params = iter_gathered_params(accelerator.unwrap_model(policy))
-        local = sum(float(p.double().abs().sum()) for _, p in params)
+        local = sum(float(positional_sum(p.reshape(-1))) * name_weight(n) for n, p in params)
     sums = accelerator.gather(torch.tensor([local], dtype=torch.float64, device=accelerator.device))
     values = sums.tolist()
     if accelerator.is_main_process:
