@@ -47,7 +47,6 @@ grad_weight) at the measured bf16 matmul rate.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -58,6 +57,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_common import require_modules
 
 # the variants and their measurement; loss_gpu_regimes.py reads make_inputs, run_fused and
 # VARIANTS from this module
@@ -79,6 +80,9 @@ from loss_gpu_variants import (
 
 from learner.loss.fused import auto_chunk_size
 
+# the baselines the variants name: a requested one that cannot be imported fails the run
+BASELINES = {"liger": {"liger_kernel": "liger-kernel"}, "full-trl": {"trl": "trl==1.16.0"}}
+BASELINES["trl-chunked"] = BASELINES["full-trl"]
 HEADS = {"qwen3-0.6b": (1024, 2048, [2, 4, 8, 16]), "qwen3-8b": (4096, 4096, [1, 2, 4, 8])}
 
 
@@ -293,7 +297,7 @@ def plot(results, path):
     fig.savefig(path, dpi=110)
 
 
-def main():
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -324,19 +328,16 @@ def main():
     args = p.parse_args()
     FUSED_CHUNK["size"] = args.fused_chunk
     COOLDOWN["s"] = args.cooldown
-    if "liger" in args.variants and importlib.util.find_spec("liger_kernel") is None:
-        print(
-            "liger-kernel is not installed: skipping the liger variant (pip install liger-kernel)"
-        )
-        args.variants = [v for v in args.variants if v != "liger"]
-    if {"full-trl", "trl-chunked"} & set(args.variants) and importlib.util.find_spec("trl") is None:
-        print("trl is not installed: skipping the TRL variants (pip install trl==1.16.0)")
-        args.variants = [v for v in args.variants if v not in ("full-trl", "trl-chunked")]
+    # a baseline is dropped only by leaving it out of --variants, never because it is missing
+    require_modules(
+        "bench_loss_gpu.py",
+        {m: pip for v in args.variants for m, pip in BASELINES.get(v, {}).items()},
+    )
     if args.profile:
         for head in args.heads:
             hd, t, bs = HEADS[head]
             profile_fused(hd, bs[-1], t, args.out_dir)
-        return
+        return 0
     if args.breakdown:
         for head in args.heads:
             hd, t, bs = HEADS[head]
@@ -347,7 +348,7 @@ def main():
                 breakdown_fused(hd, bs[-1], t, chunk, entropy_coef=ENT_COEF)
             if "ours" in args.variants:
                 breakdown(hd, bs[-1], t)
-        return
+        return 0
     tflops = matmul_tflops()
     print(f"device: {torch.cuda.get_device_name()}, bf16 8192^3 matmul: {tflops:.0f} TFLOP/s")
     results = []
@@ -362,15 +363,18 @@ def main():
                 iters = args.iters if name != "liger" else max(2, args.iters // 3)
                 if name == "liger":  # compile each shape afresh: torch 2.11's dynamic-shape
                     torch._dynamo.reset()  # recompile of Liger's loss fails on the second shape
+                error = None
                 try:
                     ms, gb = measure(fn, inputs, iters)
-                except Exception as e:  # one failing variant must not end the run
-                    print(f"{head} {name} N={n} failed: {type(e).__name__}: {str(e)[:200]}")
+                except Exception as e:  # one failing variant must not end the run: it fails it
+                    error = f"{type(e).__name__}: {str(e)[:200]}"
+                    print(f"{head} {name} N={n} failed: {error}")
                     ms, gb = float("nan"), float("nan")
                 del inputs
                 torch.cuda.empty_cache()
                 row = {"head": head, "variant": name, "tokens": n, "batch": b, "seq": t}
                 row |= {"hidden": hd, "vocab": VOCAB, "ms": ms, "gb": gb, "floor_ms": floor_ms}
+                row |= {"error": error} if error else {}
                 results.append(row)
                 print(
                     f"{head:<11}{name:<12} B={b:<3}T={t:<5}N={n:<6}{ms:9.1f} ms {gb:8.2f} GB"
@@ -407,7 +411,11 @@ def main():
                 f"| {r['head']} | {r['variant']} | {r['tokens']} | {r['loss']:.1e} | "
                 f"{r['grad_hidden']:.1e} | {r['grad_weight']:.1e} |"
             )
+    if failed := [f"{r['head']} {r['variant']} N={r['tokens']}" for r in results if "error" in r]:
+        print(f"bench_loss_gpu.py: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

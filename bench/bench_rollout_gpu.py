@@ -42,13 +42,29 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import ROOT, ServerProcess, free_gpu_bytes, gpu_env, qwen3_model_dir
+from gpu_common import (
+    ROOT,
+    ServerProcess,
+    free_gpu_bytes,
+    gpu_env,
+    qwen3_model_dir,
+    require_modules,
+)
 
 from grpo_common.net import free_port
 
 GPU_MEMORY_UTILIZATION = 0.5
 MAX_MODEL_LEN = 2048
 PROMPT_LEN = 128
+# what every part needs: the server (vLLM, its HTTP stack) and the learner side (torch, httpx)
+DEPENDENCIES = {
+    "torch": "torch",
+    "vllm": "vllm",
+    "pydantic": "pydantic",
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "httpx": "httpx",
+}
 
 
 def server_settings(model: str) -> Any:
@@ -514,7 +530,12 @@ def verdicts(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def main() -> None:
+def failed_parts(r: dict[str, Any]) -> list[str]:
+    """The parts that raised (each recorded with its error); any one fails the benchmark."""
+    return [k for k, v in r.items() if isinstance(v, dict) and "error" in v]
+
+
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "rollout_gpu.json")
@@ -530,10 +551,12 @@ def main() -> None:
     p.add_argument("--iters", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.offline_worker:
-        return offline_worker(args)
+        offline_worker(args)
+        return 0
     if args.nccl_peer:
-        return nccl_peer(args)
-
+        nccl_peer(args)
+        return 0
+    require_modules("bench_rollout_gpu.py", DEPENDENCIES)
     import torch
 
     args.model = str(args.model or qwen3_model_dir())
@@ -588,7 +611,11 @@ def main() -> None:
     for what, measured, ratio, verdict in rows:
         print(f"{what:34} {measured:40} {ratio:>16}  {verdict}")
     print(f"\nwrote {args.out}")
+    if failed := failed_parts(r):
+        print(f"bench_rollout_gpu.py: failed parts: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

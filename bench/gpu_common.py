@@ -34,6 +34,21 @@ NO_MULTICAST = {
 API_KEY = "gpu-test-key"
 
 
+def require_modules(script: str, modules: dict[str, str]) -> None:
+    """Exit 2 naming every package (``{import name: pip name}``) that cannot be imported, before
+    anything starts: a benchmark never reports ok with a part or baseline it could not run."""
+    import importlib.util
+
+    missing = [pip for mod, pip in modules.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        print(
+            f"{script}: error: missing dependencies: {', '.join(missing)} (on the GPU machine: "
+            "PYTHONPATH=/tmp/site, which bench/gpu_suite.sh step setup installs)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+
+
 def gpu_env(cuda_visible_devices: str | None = None, **extra: str) -> dict[str, str]:
     env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1", **extra}
     if cuda_visible_devices is not None:

@@ -7,10 +7,13 @@
 # Steps: setup (vLLM bundle from /tmp/parts into /tmp/site, project installed editable),
 # model (random-weight Qwen3-0.6B-shaped model, kept in $WORK while the machine stays up),
 # tests (pytest -m gpu), bench_rollout (bench/bench_rollout_gpu.py), bench_loss
-# (bench/bench_loss_gpu.py), e2e (end-to-end GRPO steps: TRL's GRPOTrainer with colocated vLLM,
-# then ours colocated on GPU 0, then ours split over 2 GPUs; not in the default list: it needs
-# the 2-GPU machine and ~6 min, SUITE_STEPS="setup model e2e"; ours only with E2E_TRL=0, and
-# E2E_ARGS="--modes split --no-prepare-sync" times the split step without a prepared sync), memory (issue 7: peak learner
+# (bench/bench_loss_gpu.py), e2e_colocated (end-to-end GRPO steps on GPU 0: TRL's GRPOTrainer
+# with colocated vLLM, then ours colocated; ours only with E2E_TRL=0), e2e_split (ours over
+# 2 GPUs: split synchronous, then split with rollout.max_staleness 1; E2E_ARGS="--modes split
+# --no-prepare-sync" times the split step without a prepared sync). Each e2e step holds one
+# comparison, both sides in one call and one JSON, ~4-5 min; neither is in the default list:
+# SUITE_STEPS="setup model e2e_colocated", then a call with "setup model e2e_split" on the
+# 2-GPU machine. memory (issue 7: peak learner
 # memory and step time with each memory option on vs off, bench/bench_memory_options.py, one
 # GPU, no rollout server, ~2.5 min), overlap (issue 7: bench_grpo_e2e.py in mode split twice,
 # rollout.max_staleness 0 then 1, 12 steps each; needs the 2-GPU machine, ~4 min). Neither is
@@ -21,12 +24,16 @@
 # script's start and the machine's call limit from the call's: make the suite the whole command
 # (its setup step runs .dev/bin/install.sh itself, inside the budget), with SUITE_BUDGET_S at
 # least 20 s under the call's timeout_s; otherwise the machine cuts the call before the suite's
-# own limits do. Results in $OUT (few files, as the device tool returns at most 8):
-#   summary.json  steps (status, seconds, exit code), test counts, benchmark verdicts
+# own limits do. A step is ok only when its command exits 0, the result file it owes exists and
+# that file records no failed part, missing baseline or failed test (bench/suite_report.py
+# decides; its reason goes into summary.json); the suite exits 1 when any step is not ok.
+# Results in $OUT (few files, as the device tool returns at most 8):
+#   summary.json  steps (status, why, seconds, exit code), pytest's own test counts, verdicts
 #   steps.tsv  the steps ended so far and the one running (kept current while the suite runs)
 #   gpu_tests.xml  junit report of pytest -m gpu
 #   bench_rollout_gpu.json  throughput / sleep / sync numbers
-#   bench_grpo_e2e.json  e2e: TRL vs colocated vs split, median s/step and phases, verdicts
+#   bench_e2e_colocated.json / bench_e2e_split.json  e2e_colocated: TRL vs ours colocated;
+#                e2e_split: split vs overlap; median s/step and phases, verdicts, the run id
 #                (rewritten as each mode ends: a cut call keeps the modes that finished)
 #   bench_memory_options.json  memory: peak bytes, step seconds, recompute probe per option
 #   bench_overlap.json  overlap: synchronous vs overlapped split medians, the verdict
@@ -50,6 +57,8 @@ export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export GRPO_GPU_MODEL=${GRPO_GPU_MODEL:-$WORK/qwen3-0.6b-shape} GRPO_GPU_LOG_DIR=$LOGS
 export GRPO_GPU_PIDFILE=$WORK/servers.pid  # rollout servers started by the steps (by pid)
+# this run's id, in every benchmark's JSON: numbers are put side by side only within one run
+export SUITE_RUN_ID=${SUITE_RUN_ID:-$(hostname)-$(date +%s)-$$}
 export ROOT OUT WORK LOGS
 
 START=$(date +%s)
@@ -96,52 +105,61 @@ step_tests() {
   # GPU_TESTS: which tests (default all of tests/), e.g. "tests/gpu/test_ipc_sync.py"
   # SIGINT a little before the step's own limit: pytest then still prints why tests failed
   # (a SIGTERM from the step's timeout would cut it before its report).
+  rm -f "$OUT/gpu_tests.xml"  # the verdict reads this run's report only
   timeout -s INT -k 15 $(( ${STEP_LIMIT:-420} - 25 )) \
   python3 -m pytest -m gpu ${GPU_TESTS:-tests} -q -rfEs -p no:cacheprovider \
     --junitxml="$OUT/gpu_tests.xml" -o junit_family=xunit2
 }
 
 step_bench_rollout() {
-  python3 bench/bench_rollout_gpu.py --model "$GRPO_GPU_MODEL" --out "$WORK/bench_rollout/bench_rollout_gpu.json" ${BENCH_ROLLOUT_ARGS:-} \
-    && cp "$WORK/bench_rollout/bench_rollout_gpu.json" "$OUT/"
+  rm -f "$WORK/bench_rollout/bench_rollout_gpu.json"  # the verdict reads this run's file only
+  python3 bench/bench_rollout_gpu.py --model "$GRPO_GPU_MODEL" --out "$WORK/bench_rollout/bench_rollout_gpu.json" ${BENCH_ROLLOUT_ARGS:-}
+  local rc=$?
+  cp "$WORK/bench_rollout/bench_rollout_gpu.json" "$OUT/" 2>/dev/null  # failed parts included
+  return $rc
 }
 
 step_bench_loss() {
+  rm -f "$WORK/bench_loss/loss_gpu.json"
   python3 bench/bench_loss_gpu.py --out-dir "$WORK/bench_loss"
 }
 
-step_e2e() {
-  # TRL 1.16 first (vLLM in its process, GPU 0), then bench_grpo_e2e.py: colocated (server and
-  # learner on GPU 0, sleep mode), split (server GPU 1, ZeRO-3 learner GPU 0, NCCL sync). Each
-  # run has its own limit; the TRL result (or its absence) goes into the verdicts.
-  local d=$WORK/e2e rc
-  rm -rf "$d" && mkdir -p "$d" "$LOGS/e2e"
-  if [ "${E2E_TRL:-1}" = 0 ]; then  # ours only (e.g. the 2-GPU modes in a second call)
-    python3 bench/bench_grpo_e2e.py --model "$GRPO_GPU_MODEL" --out "$OUT/bench_grpo_e2e.json" \
-      --log-dir "$LOGS/e2e" --work-dir "$d/runs" --steps-colocated "${E2E_COLOCATED_STEPS:-20}" \
-      --steps-split "${E2E_SPLIT_STEPS:-20}" --timeout "${T_E2E_MODE:-190}" --server-timeout 150 \
-      ${E2E_ARGS:-}
-    rc=$?
-    return $rc
-  fi
-  echo "-- trl (limit ${T_E2E_TRL:-200}s, ${E2E_TRL_STEPS:-20} steps) -> $LOGS/e2e/trl.log"
-  timeout -k 10 "${T_E2E_TRL:-200}" python3 bench/bench_trl_grpo.py --model "$GRPO_GPU_MODEL" \
-    --out "$d/trl.json" --steps "${E2E_TRL_STEPS:-20}" ${E2E_TRL_ARGS:-} > "$LOGS/e2e/trl.log" 2>&1
-  rc=$?
-  echo "-- trl: rc $rc"; tail -n 8 "$LOGS/e2e/trl.log"
-  [ -f "$d/trl.json" ] || echo "{\"status\": \"error\", \"error\": \"TRL run: rc $rc (timeout: 124/137), see logs/e2e/trl.log\"}" > "$d/trl.json"
-  python3 bench/bench_grpo_e2e.py --model "$GRPO_GPU_MODEL" --trl-json "$d/trl.json" \
-    --out "$OUT/bench_grpo_e2e.json" --log-dir "$LOGS/e2e" --work-dir "$d/runs" \
+e2e_ours() {  # bench_grpo_e2e.py for one step: $1 step name, then its own flags
+  local name=$1; shift
+  python3 bench/bench_grpo_e2e.py --model "$GRPO_GPU_MODEL" --out "$OUT/bench_$name.json" \
+    --log-dir "$LOGS/$name" --work-dir "$WORK/$name/runs" \
     --steps-colocated "${E2E_COLOCATED_STEPS:-20}" --steps-split "${E2E_SPLIT_STEPS:-20}" \
-    --timeout "${T_E2E_MODE:-190}" --server-timeout 150 ${E2E_ARGS:-}
+    --timeout "${T_E2E_MODE:-190}" --server-timeout 150 "$@" ${E2E_ARGS:-}
+}
+export -f e2e_ours
+
+step_e2e_colocated() {
+  # TRL 1.16 first (vLLM in its process, GPU 0), then ours colocated (server and learner on
+  # GPU 0, sleep mode), in one call: a TRL run that fails or is missing fails the step.
+  local d=$WORK/e2e_colocated rc
+  rm -rf "$d" && mkdir -p "$d" "$LOGS/e2e_colocated"
+  if [ "${E2E_TRL:-1}" = 0 ]; then e2e_ours e2e_colocated --modes colocated; return $?; fi
+  echo "-- trl (limit ${T_E2E_TRL:-200}s, ${E2E_TRL_STEPS:-20} steps) -> $LOGS/e2e_colocated/trl.log"
+  timeout -k 10 "${T_E2E_TRL:-200}" python3 bench/bench_trl_grpo.py --model "$GRPO_GPU_MODEL" \
+    --out "$d/trl.json" --steps "${E2E_TRL_STEPS:-20}" ${E2E_TRL_ARGS:-} > "$LOGS/e2e_colocated/trl.log" 2>&1
   rc=$?
-  return $rc
+  echo "-- trl: rc $rc"; tail -n 8 "$LOGS/e2e_colocated/trl.log"
+  [ -f "$d/trl.json" ] || echo "{\"status\": \"error\", \"error\": \"TRL run: rc $rc (timeout: 124/137), see logs/e2e_colocated/trl.log\"}" > "$d/trl.json"
+  e2e_ours e2e_colocated --modes colocated --trl-json "$d/trl.json"
+}
+
+step_e2e_split() {
+  # Ours over 2 GPUs (server GPU 1, ZeRO-3 learner GPU 0, NCCL sync): synchronous, then
+  # overlapped (rollout.max_staleness 1), in one call and one JSON with the verdict.
+  rm -rf "$WORK/e2e_split" && mkdir -p "$LOGS/e2e_split"
+  e2e_ours e2e_split --modes split,overlap
 }
 
 step_memory() {
   # Peak learner memory (max_memory_allocated) and step time per memory option, one learner
   # step of the real code path on a fixed synthetic batch, a fresh process per configuration;
   # no configuration starts after MEMORY_BUDGET_S.
+  rm -f "$WORK/memory/bench_memory_options.json"
   CUDA_VISIBLE_DEVICES=${MEMORY_GPU:-0} python3 bench/bench_memory_options.py \
     --model "$GRPO_GPU_MODEL" --out "$WORK/memory/bench_memory_options.json" \
     --budget-s "${MEMORY_BUDGET_S:-150}" ${MEMORY_ARGS:-}
@@ -196,7 +214,8 @@ limit_for() {  # seconds allowed for a step: its own limit, capped by what is le
     tests) own=${T_TESTS:-420} ;;
     bench_rollout) own=${T_BENCH_ROLLOUT:-420} ;;
     bench_loss) own=${T_BENCH_LOSS:-240} ;;
-    e2e) own=${T_E2E:-480} ;;
+    e2e_colocated) own=${T_E2E_COLOCATED:-480} ;;
+    e2e_split) own=${T_E2E_SPLIT:-480} ;;
     memory) own=${T_MEMORY:-200} ;;
     overlap) own=${T_OVERLAP:-420} ;;
     *) own=60 ;;
@@ -225,10 +244,13 @@ for step in $SUITE_STEPS; do
   timeout -k 15 "$limit" bash -c "step_$step" > "$LOGS/$step.log" 2>&1
   rc=$?
   secs=$(( $(date +%s) - t0 ))
-  case $rc in 0) st=ok ;; 124|137) st=timeout ;; *) st=failed ;; esac
-  printf '%s\t%s\t%s\t%s\n' "$step" "$st" "$secs" "$rc" >> "$STATUS_FILE"
+  # the verdict from the exit code and the step's result file (bench/suite_report.py)
+  verdict=$(python3 bench/suite_report.py verdict "$step" "$rc" --out "$OUT" --work "$WORK") \
+    || verdict=$(printf 'failed\tbench/suite_report.py could not judge the step')
+  st=${verdict%%$'\t'*}; why=${verdict#*$'\t'}
+  printf '%s\t%s\t%s\t%s\t%s\n' "$step" "$st" "$secs" "$rc" "$why" >> "$STATUS_FILE"
   cp "$STATUS_FILE" "$OUT/steps.tsv"
-  echo "== $step: $st in ${secs}s (rc $rc)"
+  echo "== $step: $st in ${secs}s (rc $rc)${why:+: $why}"
   tail -n 25 "$LOGS/$step.log" | sed 's/^/   | /'
   stop_leftover_servers
   # setup exports PYTHONPATH inside its subshell; make it visible to the next steps too
@@ -239,74 +261,4 @@ done
 tar -czf "$OUT/logs.tar.gz" -C "$WORK" logs $( [ -d "$WORK/bench_loss" ] && echo bench_loss ) \
   $( [ -d "$WORK/bench_rollout" ] && echo bench_rollout ) 2>/dev/null
 
-python3 - "$STATUS_FILE" "$OUT" "$SUITE_BUDGET_S" "$START" <<'EOF'
-import json, sys, time
-import xml.etree.ElementTree as ET
-from pathlib import Path
-
-status_file, out, budget, start = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-steps = []
-for line in Path(status_file).read_text().splitlines():
-    name, status, secs, rc = line.split("\t")
-    steps.append({"step": name, "status": status, "seconds": int(secs), "rc": rc})
-summary = {"steps": steps, "total_s": int(time.time()) - start, "budget_s": budget}
-junit = out / "gpu_tests.xml"
-if junit.is_file():
-    root = ET.parse(junit).getroot()
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    cases = []
-    for case in suite.iter("testcase"):
-        outcome = "passed"
-        for tag in ("failure", "error", "skipped"):
-            el = case.find(tag)
-            if el is not None:
-                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                msg = (el.get("message") or "")[:300]
-                break
-        else:
-            msg = ""
-        cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                      "seconds": float(case.get("time") or 0), "message": msg})
-    summary["tests"] = {k: sum(c["outcome"] == k for c in cases)
-                        for k in ("passed", "failed", "error", "skipped")}
-    summary["test_cases"] = cases
-bench = out / "bench_rollout_gpu.json"
-if bench.is_file():
-    data = json.loads(bench.read_text())
-    summary["bench_rollout_verdicts"] = data.get("verdicts", [])
-    summary["bench_rollout_errors"] = {k: v["error"] for k, v in data.items()
-                                       if isinstance(v, dict) and "error" in v}
-e2e = out / "bench_grpo_e2e.json"
-if e2e.is_file():
-    data = json.loads(e2e.read_text())
-    summary["e2e_verdicts"] = data.get("verdicts", [])
-    summary["e2e_median_step_s"] = {}
-    for k in ("trl", "colocated", "split", "overlap"):
-        run = data.get(k)
-        if isinstance(run, dict):
-            ok = run.get("status") == "ok"
-            summary["e2e_median_step_s"][k] = (
-                run["summary"]["step_s"]["median"] if ok else run.get("error"))
-memory = out / "bench_memory_options.json"
-if memory.is_file():
-    data = json.loads(memory.read_text())
-    summary["memory_options"] = {
-        r["name"]: {"status": r["status"], "peak_gb": round(r["peak_bytes"] / 1e9, 3),
-                    "step_s": round(r["step_s"]["median"], 3),
-                    "recomputes": r.get("recomputes_activations")}
-        if r["status"] == "ok" else {"status": r["status"], "error": str(r.get("error"))[:300]}
-        for r in data.get("configs", [])}
-    summary["memory_checks"] = {c["check"]: c["ok"] for c in data.get("checks", [])}
-overlap = out / "bench_overlap.json"
-if overlap.is_file():
-    data = json.loads(overlap.read_text())
-    summary["overlap_verdicts"] = data.get("verdicts", [])
-    summary["overlap_median_step_s"] = {k: data[k]["median_step_s"] or data[k]["error"]
-                                        for k in ("synchronous", "overlap")}
-    summary["overlap_ran_ahead"] = data.get("overlap_ran_ahead")
-(out / "summary.json").write_text(json.dumps(summary, indent=2))
-print(json.dumps({k: v for k, v in summary.items() if k != "test_cases"}, indent=1))
-for c in summary.get("test_cases", []):
-    if c["outcome"] != "passed":
-        print(f"{c['outcome'].upper():8} {c['test']}: {c['message']}")
-EOF
+python3 bench/suite_report.py summary "$STATUS_FILE" --out "$OUT" --budget "$SUITE_BUDGET_S" --start "$START"

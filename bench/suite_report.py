@@ -1,0 +1,264 @@
+"""The GPU suite's verdicts (bench/gpu_suite.sh): whether each step is ok, and summary.json.
+
+A step's exit code alone is not evidence: a benchmark whose every part raised can still exit 0,
+and a pytest interrupted at its time limit leaves a junit report whose last test case is empty.
+So a step is ``ok`` only when its command exited 0, the result file it owes exists, and that
+file shows no failed part, missing baseline or failed test. Test counts are pytest's own totals
+(the ``<testsuite>`` attributes), never a count of ``<testcase>`` elements.
+
+    python3 bench/suite_report.py verdict STEP RC --out OUT --work WORK   # prints STATUS<TAB>WHY
+    python3 bench/suite_report.py summary STATUS_TSV --out OUT --budget S --start EPOCH
+
+Standard library only: it runs with the system python3 of the GPU machine, before setup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+E2E_RUNS = ("trl", "colocated", "split", "overlap")
+
+
+def result_files(out: Path, work: Path) -> dict[str, Path]:
+    """The file each step must leave behind (steps not listed owe none: setup, model)."""
+    return {
+        "tests": out / "gpu_tests.xml",
+        "bench_rollout": out / "bench_rollout_gpu.json",
+        "bench_loss": work / "bench_loss" / "loss_gpu.json",
+        "e2e_colocated": out / "bench_e2e_colocated.json",
+        "e2e_split": out / "bench_e2e_split.json",
+        "memory": out / "bench_memory_options.json",
+        "overlap": out / "bench_overlap.json",
+    }
+
+
+# -- pytest's totals ----------------------------------------------------------------------------
+
+
+def junit_totals(path: Path) -> dict[str, Any]:
+    """pytest's own counts from its junit report, and each test case's outcome.
+
+    ``passed`` = tests - failures - errors - skipped of the ``<testsuite>`` elements: pytest
+    counts only tests that reported a result. The ``<testcase>`` with no name that pytest
+    writes for the test an interrupt cut is listed as ``interrupted``, never as a pass."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    cases: list[dict[str, Any]] = []
+    for suite in suites:
+        for key in counts:
+            counts[key] += int(suite.get(key) or 0)
+        cases += [_case(case) for case in suite.iter("testcase")]
+    totals = {
+        "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+        "failed": counts["failures"],
+        "error": counts["errors"],
+        "skipped": counts["skipped"],
+        "interrupted": sum(c["outcome"] == "interrupted" for c in cases),
+    }
+    return {"totals": totals, "cases": cases}
+
+
+def _case(case: ET.Element) -> dict[str, Any]:
+    if not case.get("name"):
+        return {"test": "?", "outcome": "interrupted", "seconds": float(case.get("time") or 0),
+                "message": "no result: the run was cut during this test"}  # fmt: skip
+    outcome, msg = "passed", ""
+    for tag, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+        el = case.find(tag)
+        if el is not None:
+            outcome, msg = name, (el.get("message") or "")[:300]
+            break
+    return {
+        "test": f"{case.get('classname')}::{case.get('name')}",
+        "outcome": outcome,
+        "seconds": float(case.get("time") or 0),
+        "message": msg,
+    }
+
+
+# -- what a result file says about its step ------------------------------------------------------
+
+
+def _json(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path.name} holds {type(data).__name__}, not an object")
+    return data
+
+
+def problems_tests(path: Path) -> list[str]:
+    t = junit_totals(path)["totals"]
+    out = [f"{t[k]} {k}" for k in ("failed", "error", "interrupted") if t[k]]
+    if t["passed"] + t["failed"] + t["error"] == 0:
+        out.append("no test ran")
+    return out
+
+
+def problems_bench_rollout(path: Path) -> list[str]:
+    data = _json(path)
+    return [
+        f"part {k}: {v['error']}" for k, v in data.items() if isinstance(v, dict) and "error" in v
+    ]
+
+
+def problems_bench_loss(path: Path) -> list[str]:
+    data = _json(path)
+    return [
+        f"{r['head']} {r['variant']} N={r['tokens']}: {r['error']}"
+        for r in data.get("results", [])
+        if r.get("error")
+    ]
+
+
+def problems_e2e(path: Path) -> list[str]:
+    data = _json(path)
+    out = [f"{k}: {(data[k] or {}).get('error', 'not ok')}" for k in E2E_RUNS
+           if k in data and data[k] is not None and data[k].get("status") != "ok"]  # fmt: skip
+    out += [f"modes never run: {data['pending_modes']}"] if data.get("pending_modes") else []
+    out += [f"interrupted: {data['interrupted']}"] if data.get("interrupted") else []
+    out += [data["trl_note"]] if data.get("trl_note") else []
+    return out
+
+
+def problems_memory(path: Path) -> list[str]:
+    data = _json(path)
+    return [f"{r['name']}: {r['status']}" for r in data.get("configs", []) if r["status"] != "ok"]
+
+
+def problems_overlap(path: Path) -> list[str]:
+    data = _json(path)
+    out = [f"{k}: {data[k].get('error') or data[k].get('status')}"
+           for k in ("synchronous", "overlap") if data[k].get("status") != "ok"]  # fmt: skip
+    out += [data["note"]] if data.get("note") else []
+    return out
+
+
+PROBLEMS: dict[str, Callable[[Path], list[str]]] = {
+    "tests": problems_tests,
+    "bench_rollout": problems_bench_rollout,
+    "bench_loss": problems_bench_loss,
+    "e2e_colocated": problems_e2e,
+    "e2e_split": problems_e2e,
+    "memory": problems_memory,
+    "overlap": problems_overlap,
+}
+
+
+def step_verdict(step: str, rc: int, out: Path, work: Path) -> tuple[str, str]:
+    """``(status, why)``: ``ok`` only on exit 0 with the step's result file present and free of
+    failures; ``timeout`` on 124/137 (the step's time limit); otherwise ``failed``."""
+    why: list[str] = []
+    if rc != 0:
+        why.append(
+            f"exit code {rc}" + (" (pytest interrupted)" if step == "tests" and rc == 2 else "")
+        )
+    path = result_files(out, work).get(step)
+    if path is not None:
+        if not path.is_file():
+            why.append(f"no result file {path.name}")
+        else:
+            try:
+                why += PROBLEMS[step](path)
+            except (ValueError, KeyError, TypeError, AttributeError, ET.ParseError) as e:
+                why.append(f"unreadable {path.name}: {type(e).__name__}: {e}")
+    if not why:
+        return "ok", ""
+    return ("timeout" if rc in (124, 137) else "failed"), "; ".join(why)[:1000]
+
+
+# -- summary.json ------------------------------------------------------------------------------
+
+
+def read_steps(status_file: Path) -> list[dict[str, Any]]:
+    steps = []
+    for line in status_file.read_text().splitlines():
+        name, status, secs, rc, *why = line.split("\t")
+        steps.append({"step": name, "status": status, "seconds": int(secs), "rc": rc,
+                      "why": why[0] if why else ""})  # fmt: skip
+    return steps
+
+
+def _e2e_section(data: dict[str, Any]) -> dict[str, Any]:
+    medians = {}
+    for k in E2E_RUNS:
+        run = data.get(k)
+        if isinstance(run, dict):
+            ok = run.get("status") == "ok"
+            medians[k] = run["summary"]["step_s"]["median"] if ok else run.get("error")
+    return {"verdicts": data.get("verdicts", []), "median_step_s": medians,
+            "run": (data.get("workload") or {}).get("run")}  # fmt: skip
+
+
+def summary(steps: list[dict[str, Any]], out: Path, budget: int, start: int) -> dict[str, Any]:
+    s: dict[str, Any] = {"steps": steps, "total_s": int(time.time()) - start, "budget_s": budget}
+    s["ok"] = bool(steps) and all(x["status"] == "ok" for x in steps)
+    junit = out / "gpu_tests.xml"
+    if junit.is_file():
+        try:
+            t = junit_totals(junit)
+            s["tests"], s["test_cases"] = t["totals"], t["cases"]
+        except ET.ParseError as e:
+            s["tests"] = {"error": f"unreadable gpu_tests.xml: {e}"}
+    if (bench := out / "bench_rollout_gpu.json").is_file():
+        data = _json(bench)
+        s["bench_rollout_verdicts"] = data.get("verdicts", [])
+        s["bench_rollout_errors"] = {k: v["error"] for k, v in data.items()
+                                     if isinstance(v, dict) and "error" in v}  # fmt: skip
+    for name in ("e2e_colocated", "e2e_split"):
+        if (path := out / f"bench_{name}.json").is_file():
+            s[name] = _e2e_section(_json(path))
+    if (memory := out / "bench_memory_options.json").is_file():
+        data = _json(memory)
+        s["memory_options"] = {
+            r["name"]: {"status": r["status"], "peak_gb": round(r["peak_bytes"] / 1e9, 3),
+                        "step_s": round(r["step_s"]["median"], 3),
+                        "recomputes": r.get("recomputes_activations")}
+            if r["status"] == "ok" else {"status": r["status"], "error": str(r.get("error"))[:300]}
+            for r in data.get("configs", [])}  # fmt: skip
+        s["memory_checks"] = {c["check"]: c["ok"] for c in data.get("checks", [])}
+    if (overlap := out / "bench_overlap.json").is_file():
+        data = _json(overlap)
+        s["overlap_verdicts"] = data.get("verdicts", [])
+        s["overlap_median_step_s"] = {k: data[k]["median_step_s"] or data[k]["error"]
+                                      for k in ("synchronous", "overlap")}  # fmt: skip
+        s["overlap_ran_ahead"] = data.get("overlap_ran_ahead")
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verdict", help="a step's status and why, tab-separated")
+    v.add_argument("step")
+    v.add_argument("rc", type=int)
+    v.add_argument("--out", type=Path, required=True)
+    v.add_argument("--work", type=Path, required=True)
+    m = sub.add_parser("summary", help="summary.json from the steps' status file")
+    m.add_argument("status_file", type=Path)
+    m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--budget", type=int, required=True)
+    m.add_argument("--start", type=int, required=True)
+    args = p.parse_args(argv)
+    if args.cmd == "verdict":
+        status, why = step_verdict(args.step, args.rc, args.out, args.work)
+        print(f"{status}\t{why}".replace("\n", " "))
+        return 0
+    s = summary(read_steps(args.status_file), args.out, args.budget, args.start)
+    (args.out / "summary.json").write_text(json.dumps(s, indent=2))
+    print(json.dumps({k: v for k, v in s.items() if k != "test_cases"}, indent=1))
+    for c in s.get("test_cases", []):
+        if c["outcome"] != "passed":
+            print(f"{c['outcome'].upper():11} {c['test']}: {c['message']}")
+    return 0 if s["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
