@@ -27,6 +27,12 @@ class EmbeddedServerConfig(Section):
         120.0, gt=0, description="how long the embedded server may take to become ready"
     )
     extra_args: list[str] = Field(default_factory=list, description="more rollout-server flags")
+    per_rank: bool = Field(
+        False,
+        description="every learner process starts its own server on its own device (its GPU: "
+        "colocated on every rank), generates its share of the prompts there and syncs the "
+        'weights to it alone (sync "http" or "ipc"); false: the main process starts one',
+    )
 
 
 class RolloutConfig(Section):
@@ -113,6 +119,12 @@ class RolloutConfig(Section):
             raise FieldError("api_key_file", "set api_key or api_key_file, not both")
         if self.api_key_file is not None:
             read_key_file(self.api_key_file)
+        if self.embedded.per_rank and (self.external or self.sync.type in ("nccl", "file")):
+            raise FieldError(
+                "embedded.per_rank",
+                "starts a server on every rank: it takes no rollout.servers or servers_file, "
+                'and its weights go over sync = "http" or "ipc"',
+            )
         if self.servers_file is not None:
             if self.servers:
                 raise FieldError("servers_file", "set servers or servers_file, not both")

@@ -61,13 +61,32 @@ class ServerConnection:
     fleet: Fleet | None = None  # the main process's
 
     def __post_init__(self) -> None:
-        if self.accelerator.is_main_process:
+        if self.accelerator.is_main_process and not self.per_rank:
             self.fleet = Fleet(self.rollout, self.client)
+
+    @property
+    def per_rank(self) -> bool:
+        """Every rank has its own embedded server (``rollout.embedded.per_rank``): each rank
+        puts its server to sleep, wakes it and syncs it; no fleet (a rank's rotation is its
+        one server)."""
+        return self.rollout.embedded.per_rank
+
+    @property
+    def speaks(self) -> bool:
+        """Whether this process asks the servers to sleep and wake."""
+        return self.per_rank or self.accelerator.is_main_process
+
+    def sync(self, *, resync: bool = False) -> None:
+        """Push the weights (every rank enters)."""
+        acc, per_rank = self.accelerator, self.per_rank
+        sync_weights(
+            acc, self.loop, self.syncer, self.policy, self.state, resync=resync, per_rank=per_rank
+        )
 
     def resync(self) -> None:
         """Give the servers the weights the learner already served (a resumed run, a
         restarted server), under the learner's weight version."""
-        sync_weights(self.accelerator, self.loop, self.syncer, self.policy, self.state, resync=True)
+        self.sync(resync=True)
 
     def reconnect(self, error: BaseException | None) -> None:
         """Every server in rotation went away while generating (``error``, on the ranks that
@@ -96,6 +115,8 @@ class ServerConnection:
         weights before they get a request. ``check_all``: ask every listed server its version
         (after one went away), not only those outside the rotation."""
         acc = self.accelerator
+        if self.per_rank:
+            return
         dropped = self.client.dropped
         self.client.dropped = []
         if acc.num_processes > 1:
@@ -156,7 +177,9 @@ class ServerConnection:
 
     def server_restarted(self) -> bool:
         """Whether a server serves an older weight version than the learner synced (decided on
-        the main process, the answer on every rank)."""
+        the main process, or by any rank for its own server; the answer on every rank)."""
+        if self.per_rank:
+            return any(gather_object([self._restarted()]))
         return main_decides(self.accelerator, self._restarted)
 
     def _restarted(self) -> bool:
@@ -177,7 +200,7 @@ class ServerConnection:
         """Colocated: put the servers to sleep. With no rollouts ``pending`` (the servers idle):
         have them queue the sync's receives now. Returns that preparation, in flight."""
         sleep_level = self.rollout.sleep_while_training
-        if sleep_level and self.accelerator.is_main_process:
+        if sleep_level and self.speaks:
             self.loop.run(self.client.sleep(sleep_level))  # colocated: give the GPU to training
         if self.may_prepare(pending):  # the servers are idle: queue the
             hf_model = self.accelerator.unwrap_model(self.policy).model  # sync's receives now
@@ -187,7 +210,7 @@ class ServerConnection:
     def after_training(self, prepared: concurrent.futures.Future[Any] | None) -> None:
         """Wake the servers and push the new weights (``state.weight_version`` moves on)."""
         sleep_level = self.rollout.sleep_while_training
-        if sleep_level and self.accelerator.is_main_process:
+        if sleep_level and self.speaks:
             # weights first, KV cache after the load
             self.loop.run(self.client.wake_up(["weights"]))
         if prepared is not None:
@@ -195,8 +218,8 @@ class ServerConnection:
                 prepared.result()
             except Exception:  # the push announces instead
                 logger.warning("preparing the weight sync failed", exc_info=True)
-        sync_weights(self.accelerator, self.loop, self.syncer, self.policy, self.state)
-        if sleep_level and self.accelerator.is_main_process:
+        self.sync()
+        if sleep_level and self.speaks:
             self.loop.run(self.client.wake_up(["kv_cache"]))
         self.refresh()
 

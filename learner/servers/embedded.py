@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -80,10 +80,13 @@ def embedded_server(
     startup_timeout_s: float = 120.0,
     extra_args: list[str] | None = None,
     api_key: str | None = None,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[str]:
-    """Start a rollout server on a free loopback port; yield its URL; always stop it.
-    ``api_key`` reaches it through its environment, where ``ps`` does not show it."""
-    port = free_port()
+    """Start a rollout server on ``port`` (default: a free one) of loopback; yield its URL;
+    always stop it. ``api_key`` reaches it through its environment, where ``ps`` does not show
+    it; ``env``: more of its environment (the GPU it runs on)."""
+    port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     watch_fd, learner_fd = os.pipe()  # learner_fd is not inherited by any other child
     cmd = [
@@ -106,16 +109,16 @@ def embedded_server(
     ]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("ab")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop(API_KEY_ENV, None)  # the learner's key for external servers is not this one's
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    child_env.pop(API_KEY_ENV, None)  # the learner's key for external servers is not this one's
     if api_key is not None:
-        env[API_KEY_ENV] = api_key
+        child_env[API_KEY_ENV] = api_key
     try:
         proc = subprocess.Popen(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=child_env,
             pass_fds=(watch_fd,),
             start_new_session=True,  # its own process group: stopped with its children
         )
@@ -197,10 +200,17 @@ def embedded_key() -> str:
 
 
 def embedded_for(
-    cfg: LearnerConfig, model: str, log_path: Path, *, api_key: str | None = None
+    cfg: LearnerConfig,
+    model: str,
+    log_path: Path,
+    *,
+    api_key: str | None = None,
+    port: int | None = None,
+    device: Any = None,
 ) -> contextlib.AbstractContextManager[str]:
     """The embedded rollout server of ``rollout.embedded`` serving ``model``, with limits that
-    cover what the config asks of it; the context yields its URL."""
+    cover what the config asks of it; the context yields its URL. ``device``: a learner
+    process's own device, which the server alone is to use (``rollout.embedded.per_rank``)."""
     e = cfg.rollout.embedded
     return embedded_server(
         model,
@@ -210,7 +220,35 @@ def embedded_for(
         startup_timeout_s=e.startup_timeout_s,
         extra_args=[*limit_args(cfg), *sync_dir_args(cfg), *e.extra_args],
         api_key=api_key,
+        port=port,
+        env=device_env(device),
     )
+
+
+def device_env(device: Any) -> dict[str, str]:
+    """The environment that gives a server the learner's GPU ``device`` alone (its
+    ``CUDA_VISIBLE_DEVICES`` names that GPU, which the server sees as its first: vLLM and the
+    transformers engine both take that one); nothing for a CPU or no device."""
+    if device is None:
+        return {}
+    import torch
+
+    dev = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    if dev.type != "cuda":
+        return {}
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    visible = [v for v in visible if v]
+    return {"CUDA_VISIBLE_DEVICES": visible[index] if visible else str(index)}
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (one per rank's server)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    return ports
 
 
 def sync_dir_args(cfg: LearnerConfig) -> list[str]:

@@ -18,13 +18,13 @@ from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 
 from learner.config import LearnerConfig, SamplingConfig
 from learner.config.rollout import RolloutConfig
 from learner.run.checkpoint import TrainerState
 from learner.run.runtime import SetupError
-from learner.servers.embedded import embedded_for, embedded_key
+from learner.servers.embedded import embedded_for, embedded_key, free_ports
 from learner.sync.base import WeightTransport
 from rollout_server.client import (
     RolloutAuthError,
@@ -64,9 +64,14 @@ def servers(
 ) -> Iterator[tuple[list[str], str | None]]:
     """The rollout servers' URLs and the API key they take: ``rollout.servers`` (or
     ``servers_file``'s) and the configured key, or an embedded server's, with a fresh random
-    key (every rank's clients get both)."""
+    key (every rank's clients get both). With ``rollout.embedded.per_rank`` every rank starts
+    its own on its own device, and gets its URL alone."""
     if cfg.rollout.external:
         yield cfg.rollout.listed(), cfg.rollout.key()
+        return
+    if cfg.rollout.embedded.per_rank:
+        with own_server(cfg, model, run_dir, acc) as url_key:
+            yield url_key
         return
     url_key: list[Any] = [None, embedded_key()]
     with contextlib.ExitStack() as stack:
@@ -78,6 +83,22 @@ def servers(
         broadcast_object_list(url_key, from_process=0)
         yield [url_key[0]], url_key[1]
         acc.wait_for_everyone()  # nobody may still be generating when the server stops
+
+
+@contextlib.contextmanager
+def own_server(
+    cfg: LearnerConfig, model: str, run_dir: Path, acc: Accelerator
+) -> Iterator[tuple[list[str], str]]:
+    """This rank's embedded server (``rollout.embedded.per_rank``): on this rank's device, on
+    a port the main process picked distinct from the other ranks', logging to
+    ``rollout_server.rank{k}.log``; its URL alone and its own key."""
+    ports: list[Any] = [free_ports(acc.num_processes) if acc.is_main_process else None]
+    broadcast_object_list(ports, from_process=0)
+    key, rank = embedded_key(), acc.process_index
+    log_path = run_dir / f"rollout_server.rank{rank}.log"
+    port = ports[0][rank]
+    with embedded_for(cfg, model, log_path, api_key=key, port=port, device=acc.device) as url:
+        yield [url], key
 
 
 async def servers_ready(client: RolloutClient, rollout: RolloutConfig) -> None:
@@ -162,8 +183,11 @@ def sync_weights(
     state: TrainerState,
     *,
     resync: bool = False,
+    per_rank: bool = False,
 ) -> None:
     """Push the weights to the servers; ``state.weight_version`` becomes the version they serve.
+    ``per_rank`` (``rollout.embedded.per_rank``): every rank pushes to its own server, all
+    under one version.
 
     The version only goes up: a new push is at least the learner's version + 1 and a ``resync``
     (the weights the learner already served: a resumed run, a restarted server) at least the
@@ -172,9 +196,11 @@ def sync_weights(
     accelerator.wait_for_everyone()
     version = [state.weight_version]
     hf_model = accelerator.unwrap_model(policy).model
+    least = state.weight_version + (0 if resync else 1)
     with torch.no_grad():
-        if accelerator.is_main_process:
-            least = state.weight_version + (0 if resync else 1)
+        if per_rank:
+            version = [push_to_own(accelerator, loop, syncer, hf_model, least)]
+        elif accelerator.is_main_process:
             answers = push_weights(accelerator, loop, syncer, hf_model, least)
             version = [min(a.weight_version for a in answers)]
         else:
@@ -195,6 +221,23 @@ def next_version(loop: EventLoopThread, syncer: WeightTransport, least: int) -> 
     return max(least, max(served) + 1)
 
 
+def push_to_own(
+    accelerator: Accelerator,
+    loop: EventLoopThread,
+    syncer: WeightTransport,
+    hf_model: Any,
+    least: int,
+) -> int:
+    """Every rank: push the weights to this rank's own server, as one version agreed over the
+    ranks (at least ``least`` and above what any rank's server serves, so every server takes
+    it); under ZeRO-3 the ranks' pushes run the gathers together. Returns the version the
+    servers serve, the least over the ranks."""
+    served = max(i.weight_version for i in loop.run(syncer.client.info()))
+    agreed = max(gather_object([max(least, served + 1)]))
+    answers = push_weights(accelerator, loop, syncer, hf_model, least, version=agreed)
+    return min(gather_object([min(a.weight_version for a in answers)]))
+
+
 SYNC_ATTEMPTS = 3
 
 
@@ -204,8 +247,10 @@ def push_weights(
     syncer: WeightTransport,
     hf_model: Any,
     least: int,
+    *,
+    version: int | None = None,
 ) -> list[Any]:
-    """Push the weights as version ``next_version(least)``; when a server could not be reached
+    """Push the weights as ``version`` (default ``next_version(least)``); when a server could not be reached
     (it restarts, say), take the servers that are not ready out of rotation where others are
     (they get the weights when they join again: ``learner.servers.fleet``), else wait until
     they are ready, and push again (its version asked again), up to ``SYNC_ATTEMPTS`` times. Not for NCCL (its group would have to be formed
@@ -215,7 +260,8 @@ def push_weights(
     retry = syncer.retries_pushes and (ds is None or ds.zero_stage != 3)
     for attempt in range(1, SYNC_ATTEMPTS + 1):
         try:
-            return loop.run(syncer.push(hf_model, next_version(loop, syncer, least)))
+            v = next_version(loop, syncer, least) if version is None else version
+            return loop.run(syncer.push(hf_model, v))
         except RolloutError as e:
             if (mismatch := other_model(e)) is not None:
                 raise SetupError(mismatch) from None
