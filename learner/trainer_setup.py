@@ -31,6 +31,7 @@ from learner.run.runtime import (
     machine_count,
     make_accelerator,
     optimizer_and_schedule,
+    raise_on_every_rank,
     resolve_model,
     start_run,
     use_fused_adamw,
@@ -157,11 +158,14 @@ def check_launch(accelerator: Accelerator, cfg: LearnerConfig) -> None:
         )
     check_model_options(accelerator, cfg.model)
     if not cfg.rollout.servers and (machines := machine_count(accelerator)) > 1:
-        raise SetupError(
-            f"the learner runs on {machines} machines and rollout.servers is empty: an embedded "
-            "rollout server listens on machine 0's loopback address, which the other machines' "
-            "processes cannot reach. Start rollout servers (python -m rollout_server --host "
-            "ADDRESS) and list them in rollout.servers (docs/multi-node.md)"
+        raise_on_every_rank(
+            SetupError(
+                f"the learner runs on {machines} machines and rollout.servers is empty: an "
+                "embedded rollout server listens on machine 0's loopback address, which the "
+                "other machines' processes cannot reach. Start rollout servers (python -m "
+                "rollout_server --host ADDRESS) and list them in rollout.servers "
+                "(docs/multi-node.md)"
+            )
         )
 
 

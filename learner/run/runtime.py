@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from accelerate import Accelerator
@@ -169,12 +169,26 @@ def check_shared_run_dir(acc: Accelerator, run_dir: Path, wait_s: float = 10.0) 
     if acc.is_main_process:
         marker.unlink()
     if blind:
-        raise SetupError(
-            f"run.run_dir {run_dir} is not shared by every process: process(es) {blind} "
-            "cannot see the file the main process wrote there. Across machines the run "
-            "directory must be on a disk every machine mounts at the same path "
-            "(docs/multi-node.md)"
+        raise_on_every_rank(
+            SetupError(
+                f"run.run_dir {run_dir} is not shared by every process: process(es) {blind} "
+                "cannot see the file the main process wrote there. Across machines the run "
+                "directory must be on a disk every machine mounts at the same path "
+                "(docs/multi-node.md)"
+            )
         )
+
+
+def raise_on_every_rank(error: SetupError) -> NoReturn:
+    """Raise ``error``, which every rank found alike, after leaving the process group in step
+    with the others: a rank whose peers already exited can abort (SIGABRT) in gloo's teardown
+    at exit, after its one-line error, instead of exiting 2."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    raise error
 
 
 def _holds(path: Path, text: str) -> bool:
