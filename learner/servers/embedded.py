@@ -9,6 +9,10 @@ kernel: ``PR_SET_PDEATHSIG``) and, ``ORPHAN_GRACE_S`` later, its whole process g
 SIGKILL: a SIGTERMed uvicorn first finishes the generation in flight, which kept an orphan busy
 on the CPU or GPU (the memory a resumed colocated learner needs) for as long as that generation
 ran, measured 9 s on the CPU demo with 1024-token samples.
+
+With ``rollout.embedded.per_rank`` every learner process starts one (``rank_env``: on that
+process's GPU alone, outside the launcher's process group), so each rank's share of the prompts
+is generated on the GPU it trains on.
 """
 
 from __future__ import annotations
@@ -81,11 +85,11 @@ def embedded_server(
     extra_args: list[str] | None = None,
     api_key: str | None = None,
     port: int | None = None,
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
 ) -> Iterator[str]:
     """Start a rollout server on ``port`` (default: a free one) of loopback; yield its URL;
     always stop it. ``api_key`` reaches it through its environment, where ``ps`` does not show
-    it; ``env``: more of its environment (the GPU it runs on)."""
+    it; ``env``: changes to its environment (None: unset), such as the GPU it runs on."""
     port = port or free_port()
     url = f"http://127.0.0.1:{port}"
     watch_fd, learner_fd = os.pipe()  # learner_fd is not inherited by any other child
@@ -109,7 +113,12 @@ def embedded_server(
     ]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("ab")
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name, value in (env or {}).items():
+        if value is None:
+            child_env.pop(name, None)
+        else:
+            child_env[name] = value
     child_env.pop(API_KEY_ENV, None)  # the learner's key for external servers is not this one's
     if api_key is not None:
         child_env[API_KEY_ENV] = api_key
@@ -221,25 +230,31 @@ def embedded_for(
         extra_args=[*limit_args(cfg), *sync_dir_args(cfg), *e.extra_args],
         api_key=api_key,
         port=port,
-        env=device_env(device),
+        env=None if device is None else rank_env(device),
     )
 
 
-def device_env(device: Any) -> dict[str, str]:
-    """The environment that gives a server the learner's GPU ``device`` alone (its
-    ``CUDA_VISIBLE_DEVICES`` names that GPU, which the server sees as its first: vLLM and the
-    transformers engine both take that one); nothing for a CPU or no device."""
-    if device is None:
-        return {}
+#: What ``torchrun`` tells a learner process about its place in the launch: a server is no
+#: part of it (vLLM would read a rank of the learner's group as its own).
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+
+
+def rank_env(device: Any) -> dict[str, str | None]:
+    """The environment changes for a learner process's own server: the launcher's variables
+    unset, and on a GPU ``device`` that GPU alone (``CUDA_VISIBLE_DEVICES`` names it, and the
+    server sees it as its first: vLLM and the transformers engine both take that one)."""
     import torch
 
+    env: dict[str, str | None] = dict.fromkeys(LAUNCHER_VARS)
     dev = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
     if dev.type != "cuda":
-        return {}
+        return env
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
     visible = [v for v in visible if v]
-    return {"CUDA_VISIBLE_DEVICES": visible[index] if visible else str(index)}
+    env["CUDA_VISIBLE_DEVICES"] = visible[index] if visible else str(index)
+    return env
 
 
 def free_ports(n: int) -> list[int]:
