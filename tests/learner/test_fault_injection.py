@@ -238,7 +238,7 @@ def test_a_frozen_server_times_out_the_learners_requests_and_the_run_goes_on(
 
 
 ENV_SERVER = """
-import sys, time
+import asyncio, sys
 from pathlib import Path
 import uvicorn
 from pydantic import BaseModel
@@ -264,7 +264,7 @@ class Echo(Environment):
     async def submit(self, params: Answer) -> ToolOutput:
         '''Grade the final answer (a moment's work: a kill can land in it).'''
         Path(sys.argv[2]).touch()
-        time.sleep(0.2)
+        await asyncio.sleep(0.2)
         reward = min(len(params.answer), 20) / 20
         return ToolOutput(blocks=[TextBlock(text="graded")], reward=reward, finished=True)
 
