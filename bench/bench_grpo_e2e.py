@@ -55,6 +55,7 @@ from e2e_common import (
     add_workload_args,
     prompt_rows,
     read_json,
+    run_identity,
     summarize_learner,
     table,
     toml_text,
@@ -451,11 +452,20 @@ def write_results(
     (``pending``: the modes not run yet, listed in the file while there are any)."""
     runs = {k: results.get(k) for k in ("trl", *MODES)}
     ours = workload(args.prompts_per_step, args.num_generations, args.max_tokens)
-    trl_workload = (results["trl"] or {}).get("workload")
+    trl = results["trl"] or {}
+    trl_workload = trl.get("workload")
+    same_run = trl.get("status") != "ok" or trl.get("run") == results["run"]
     if trl_workload is not None and trl_workload != ours:
         results["trl_note"] = f"TRL ran {trl_workload}, ours {ours}: not compared"
+    elif not same_run:
+        results["trl_note"] = (
+            f"TRL ran on {trl.get('run')}, ours on {results['run']}: another host or suite "
+            "run, not compared"
+        )
     if args.engine == "vllm":
-        results["verdicts"] = verdicts(runs, same_workload=trl_workload in (None, ours))
+        results["verdicts"] = verdicts(
+            runs, same_workload=trl_workload in (None, ours), same_run=same_run
+        )
     else:
         results["verdicts"] = []
         results["note"] = "CPU smoke run (--engine transformers): the numbers mean nothing"
@@ -489,6 +499,7 @@ def _run_modes(args: argparse.Namespace, modes: list[str]) -> int:
     logs = args.log_dir or args.out.parent / "e2e_logs"
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="grpo-e2e-"))
     results: dict[str, Any] = {
+        "run": run_identity(),  # the TRL result must carry the same to be compared
         "trl": read_json(args.trl_json) if args.trl_json else None,
         "workload": {
             **workload(args.prompts_per_step, args.num_generations, args.max_tokens),
@@ -521,6 +532,11 @@ def _run_modes(args: argparse.Namespace, modes: list[str]) -> int:
             print(results[key])
     print(f"results: {args.out}; logs: {logs}")
     failed = [m for m in modes if (results.get(m) or {}).get("status") != "ok"]
+    # a baseline named (--trl-json) that did not run, or ran elsewhere, fails the comparison
+    if results["trl"] is not None and (
+        results["trl"].get("status") != "ok" or "trl_note" in results
+    ):
+        failed.append("trl")
     return 1 if failed or "interrupted" in results else 0
 
 

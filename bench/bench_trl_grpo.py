@@ -43,6 +43,7 @@ from e2e_common import (
     add_workload_args,
     completion_text,
     prompt_rows,
+    run_identity,
     seconds_stats,
     table,
     workload,
@@ -293,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # recorded in the JSON, so the suite's summary shows it
         traceback.print_exc()
         result = {"status": "error", "error": f"{type(e).__name__}: {e}"}
+    result["run"] = run_identity()  # ours is compared with it only on the same host and run
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(table({"trl": result}))

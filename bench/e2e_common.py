@@ -8,7 +8,10 @@ apart from the process plumbing so a CPU test can check the arithmetic on hand-m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import socket
 import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -166,6 +169,20 @@ def summarize_learner(records: Sequence[dict[str, Any]], warmup: int) -> dict[st
     }
 
 
+def run_identity() -> dict[str, str | None]:
+    """Which host (name and boot) and which GPU-suite run (``SUITE_RUN_ID``) made a result:
+    ours and a baseline are compared only when theirs are equal (hosts of one GPU kind differ
+    by a third in step time, docs/benchmarks.md)."""
+    boot = None
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return {
+        "host": socket.gethostname(),
+        "boot_id": boot,
+        "suite_run": os.environ.get("SUITE_RUN_ID"),
+    }
+
+
 def read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
@@ -199,15 +216,18 @@ def workload(prompts_per_step: int, num_generations: int, max_tokens: int) -> di
 
 
 def verdicts(
-    results: dict[str, dict[str, Any] | None], *, same_workload: bool = True
+    results: dict[str, dict[str, Any] | None],
+    *,
+    same_workload: bool = True,
+    same_run: bool = True,
 ) -> list[dict[str, Any]]:
     """The issue's acceptance checks on ``{"trl": …, "colocated": …, "split": …, "overlap": …}``
-    (overlap optional); the TRL
-    comparison is only made when TRL ran the same workload (``same_workload``)."""
+    (overlap optional); the TRL comparison is only made when TRL ran the same workload
+    (``same_workload``) on the same host in the same suite run (``same_run``)."""
     trl, colo, split, overlap = (
         median_step(results.get(k)) for k in ("trl", "colocated", "split", "overlap")
     )
-    if not same_workload:
+    if not (same_workload and same_run):
         trl = None
     checks: list[dict[str, Any]] = []
 
@@ -306,8 +326,12 @@ def overlap_report(sync: dict[str, Any], overlap: dict[str, Any]) -> dict[str, A
             f"the overlapped one second (>= 1, got {b['max_staleness']})"
         )
     same = sync.get("workload") == overlap.get("workload")
-    sy, ov = (a["median_step_s"], b["median_step_s"]) if same else (None, None)
+    same_run = sync.get("run") == overlap.get("run")
+    sy, ov = (a["median_step_s"], b["median_step_s"]) if same and same_run else (None, None)
+    note = {} if same_run else {"note": "the two runs come from different hosts or suite runs: "
+                                "not compared"}  # fmt: skip
     return {
+        **note,
         "workload": sync.get("workload"),
         "same_workload": same,
         "synchronous": a,

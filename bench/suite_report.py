@@ -194,7 +194,7 @@ def _e2e_section(data: dict[str, Any]) -> dict[str, Any]:
             ok = run.get("status") == "ok"
             medians[k] = run["summary"]["step_s"]["median"] if ok else run.get("error")
     return {"verdicts": data.get("verdicts", []), "median_step_s": medians,
-            "run": (data.get("workload") or {}).get("run")}  # fmt: skip
+            "run": data.get("run")}  # fmt: skip
 
 
 def summary(steps: list[dict[str, Any]], out: Path, budget: int, start: int) -> dict[str, Any]:
