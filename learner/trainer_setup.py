@@ -157,14 +157,15 @@ def check_launch(accelerator: Accelerator, cfg: LearnerConfig) -> None:
             "model); a frozen full copy is not supported with ZeRO-3 — or set grpo.beta = 0"
         )
     check_model_options(accelerator, cfg.model)
-    if not cfg.rollout.servers and (machines := machine_count(accelerator)) > 1:
+    shared_embedded = not cfg.rollout.servers and not cfg.rollout.embedded.per_rank
+    if shared_embedded and (machines := machine_count(accelerator)) > 1:
         raise_on_every_rank(
             SetupError(
                 f"the learner runs on {machines} machines and rollout.servers is empty: an "
                 "embedded rollout server listens on machine 0's loopback address, which the "
                 "other machines' processes cannot reach. Start rollout servers (python -m "
-                "rollout_server --host ADDRESS) and list them in rollout.servers "
-                "(docs/multi-node.md)"
+                "rollout_server --host ADDRESS) and list them in rollout.servers, or give "
+                "each process its own with rollout.embedded.per_rank (docs/multi-node.md)"
             )
         )
 
