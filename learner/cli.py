@@ -105,7 +105,7 @@ def _guarded(run: Callable[[], int]) -> int:
     except Exception as e:
         from learner.data.prompts import DataError
         from learner.run.runtime import SetupError
-        from learner.servers.connection import SERVERS_LOST_EXIT, ServersLostError
+        from learner.servers.pool import SERVERS_LOST_EXIT, ServersLostError
         from learner.step.rollouts import EpisodesFailedError
         from rewards.errors import PluginError
         from rewards.scoring import RewardFunctionError, RewardSpecError

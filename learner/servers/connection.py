@@ -22,29 +22,18 @@ from accelerate.utils import broadcast_object_list, gather_object
 from learner.config.rollout import RolloutConfig
 from learner.run.checkpoint import TrainerState
 from learner.servers.fleet import Fleet, FleetPlan
-from learner.servers.pool import EventLoopThread, main_decides, restarted, sync_weights
+from learner.servers.pool import (
+    EventLoopThread,
+    ServersLostError,
+    main_decides,
+    restarted,
+    sync_weights,
+)
 from learner.sync import make_transport
 from learner.sync.base import WeightTransport
 from rollout_server.client import RolloutClient, RolloutError
 
 logger = logging.getLogger(__name__)
-
-#: The learner's exit code when its rollout servers stayed away (``EX_TEMPFAIL``: start them
-#: again and ``--resume``).
-SERVERS_LOST_EXIT = 75
-
-
-class ServersLostError(RuntimeError):
-    """A rollout server went away during the run and did not come back in time."""
-
-    def __init__(self, servers: str, timeout_s: float) -> None:
-        super().__init__(
-            f"the rollout server {servers} went away during the run and was not ready again "
-            f"within rollout.reconnect_timeout_s = {timeout_s:g} s: start it again, then run "
-            "the same command with --resume to continue from the last checkpoint (or raise "
-            "rollout.reconnect_timeout_s)"
-        )
-        self.servers = servers
 
 
 @dataclass
@@ -106,7 +95,9 @@ class ServerConnection:
             down[0] = self.loop.run(self.fleet.wait_any(self.rollout.reconnect_timeout_s))
         broadcast_object_list(down, from_process=0)
         if down[0] is not None:
-            raise ServersLostError(down[0], self.rollout.reconnect_timeout_s)
+            raise ServersLostError(
+                down[0], "rollout.reconnect_timeout_s", self.rollout.reconnect_timeout_s
+            )
         self.refresh(check_all=True)
 
     def refresh(self, *, check_all: bool = False) -> None:

@@ -38,6 +38,22 @@ from rollout_server.protocol import InfoResponse
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: The learner's exit code when its rollout servers stayed away (``EX_TEMPFAIL``: start them
+#: again and ``--resume``).
+SERVERS_LOST_EXIT = 75
+
+
+class ServersLostError(RuntimeError):
+    """A rollout server went away during the run and did not come back in time."""
+
+    def __init__(self, servers: str, setting: str, timeout_s: float) -> None:
+        super().__init__(
+            f"the rollout server {servers} went away during the run and was not ready again "
+            f"within {setting} = {timeout_s:g} s: start it again, then run the same command "
+            f"with --resume to continue from the last checkpoint (or raise {setting})"
+        )
+        self.servers = servers
+
 
 class EventLoopThread:
     """A private asyncio loop in a daemon thread: the sync training code submits HTTP work to it."""
@@ -265,8 +281,12 @@ def push_weights(
         except RolloutError as e:
             if (mismatch := other_model(e)) is not None:
                 raise SetupError(mismatch) from None
-            if not retry or not server_went_away(e) or attempt == SYNC_ATTEMPTS:
+            if not retry or not server_went_away(e):
                 raise
+            if attempt == SYNC_ATTEMPTS:
+                raise ServersLostError(
+                    e.server, "rollout.ready_timeout_s", syncer.ready_timeout_s
+                ) from e
             logger.warning(
                 "weight sync failed (%s); waiting for the rollout servers, then syncing again "
                 "(attempt %d of %d)",
@@ -275,7 +295,12 @@ def push_weights(
                 SYNC_ATTEMPTS,
             )
             loop.run(drop_unready(syncer.client))
-            loop.run(syncer.client.wait_ready(syncer.ready_timeout_s))
+            try:
+                loop.run(syncer.client.wait_ready(syncer.ready_timeout_s))
+            except RolloutUnavailableError as gone:
+                raise ServersLostError(
+                    gone.server, "rollout.ready_timeout_s", syncer.ready_timeout_s
+                ) from None
     raise AssertionError("unreachable")
 
 

@@ -216,3 +216,26 @@ def test_a_server_that_fails_its_part_of_a_sync_leaves_and_the_others_are_synced
             loop.run(client.aclose())
     finally:
         loop.close()
+
+
+def test_a_sync_whose_only_server_stays_away_is_one_error_naming_the_setting(tiny_model_dir):
+    """No server left to sync: the error the learner prints as one line with a resume hint
+    (exit 75), naming the wait's setting, not a transport's traceback."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from learner.config.sync import HttpSyncConfig
+    from learner.servers.pool import EventLoopThread, ServersLostError, push_weights
+    from learner.sync.http import HttpTransport
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    loop = EventLoopThread()
+    try:
+        client = RolloutClient([dead], max_retries=0)
+        syncer = HttpTransport(HttpSyncConfig(), client, ready_timeout_s=1)
+        with pytest.raises(ServersLostError, match=r"rollout.ready_timeout_s = 1 s.*--resume"):
+            push_weights(Accelerator(cpu=True), loop, syncer, model, least=1)
+        loop.run(client.aclose())
+    finally:
+        loop.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from grpo_common.net import free_port
 from learner.run.metrics import read_metrics
-from learner.servers.connection import SERVERS_LOST_EXIT
+from learner.servers.pool import SERVERS_LOST_EXIT
 from tests.learner.demo_runs import (
     assert_setup_error,
     kill_after_step,
