@@ -34,17 +34,14 @@ def learner_args(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from learner.cli import train_parser
-    from learner.config import ConfigError, load_config
+    from learner.cli import args_config, train_parser
+    from learner.config import ConfigError
 
     rest = learner_args(argv)
     sft = bool(rest) and rest[0] == "sft"
     args = train_parser(sft).parse_args(rest[1:] if sft else rest)
-    overrides = list(args.overrides)
-    if args.run_dir:  # as the learner applies --run-dir
-        overrides.append(f"run.run_dir={args.run_dir!r}".replace("'", '"'))
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = args_config(args)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2

@@ -47,6 +47,17 @@ def train_parser(sft: bool = False) -> argparse.ArgumentParser:
     return p
 
 
+def args_config(args: argparse.Namespace) -> LearnerConfig:
+    """The config a parsed command line names: its file, the ``--set`` overrides and
+    ``--run-dir``. Raises ``ConfigError`` (one message naming the setting)."""
+    from learner.config import load_config
+
+    overrides = list(args.overrides)
+    if args.run_dir:
+        overrides.append(f"run.run_dir={args.run_dir!r}".replace("'", '"'))
+    return load_config(args.config, overrides)
+
+
 def setup_logging() -> None:
     """INFO to the console, without httpx's line per request: the learner sends several requests
     to each server every step, which would bury its own progress lines."""
@@ -78,13 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         return _eval(argv[1:])
     sft = bool(argv) and argv[0] == "sft"
     args = train_parser(sft).parse_args(argv[1:] if sft else argv)
-    from learner.config import ConfigError, load_config
+    from learner.config import ConfigError
 
-    overrides = list(args.overrides)
-    if args.run_dir:
-        overrides.append(f"run.run_dir={args.run_dir!r}".replace("'", '"'))
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = args_config(args)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2

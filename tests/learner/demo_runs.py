@@ -32,6 +32,18 @@ def learner_env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def spawn_learner(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """The demo learner with ``--set`` overrides, running: stderr piped (for its log), stdout
+    dropped."""
+    return subprocess.Popen(
+        learner_cmd(run_dir, *(a for o in overrides for a in ("--set", o))),
+        env=learner_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def run_ok(
     run_dir: Path, *overrides: str, timeout: int = 300, resume: bool = False
 ) -> subprocess.CompletedProcess:

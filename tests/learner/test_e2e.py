@@ -29,6 +29,7 @@ from tests.learner.demo_runs import (
     learner_cmd,
     learner_env,
     run_ok,
+    spawn_learner,
     wait_gone,
 )
 from tests.learner.launch import cpu_launch
@@ -504,13 +505,7 @@ def test_a_restarted_server_gets_the_weights_again_and_the_run_goes_on(tmp_path,
         f'model.name_or_path="{tiny_model_dir}"',
         f'rollout.servers=["http://127.0.0.1:{port}"]',
     ]
-    learner = subprocess.Popen(
-        learner_cmd(run_dir, *(a for s in sets for a in ("--set", s))),
-        env=learner_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    learner = spawn_learner(run_dir, *sets)
     try:
         kill_after_step(run_dir, learner, server, 2)
         server = start()

@@ -21,7 +21,7 @@ from learner.run.metrics import read_metrics
 from rollout_server.client import RolloutClient, RolloutUnavailableError
 from rollout_server.protocol import GenerateRequest
 from rollout_server.settings import ServerSettings
-from tests.learner.demo_runs import learner_cmd, learner_env, serve_cmd, wait_for_step
+from tests.learner.demo_runs import learner_env, serve_cmd, spawn_learner, wait_for_step
 
 QUIET = ("run.progress_bar=false", "run.save_final=false", "run.tensorboard=false")
 
@@ -53,13 +53,7 @@ def test_a_killed_server_leaves_and_a_listed_one_joins_at_the_current_version(
     run_dir = tmp_path / "run"
     sets = [*QUIET, f'model.name_or_path="{tiny_model_dir}"', f'rollout.servers_file="{listing}"']
     sets += ["run.steps=8", "sampling.max_tokens=16"]
-    learner = subprocess.Popen(
-        learner_cmd(run_dir, *(a for s in sets for a in ("--set", s))),
-        env=learner_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    learner = spawn_learner(run_dir, *sets)
     new, new_url = None, ""
     try:
         wait_for_step(run_dir, learner, 2)
@@ -113,13 +107,7 @@ def test_a_server_taken_off_the_list_leaves_and_a_broken_list_keeps_the_fleet(
     run_dir = tmp_path / "run"
     sets = [*QUIET, f'model.name_or_path="{tiny_model_dir}"', f'rollout.servers_file="{listing}"']
     sets += ["run.steps=6", "sampling.max_tokens=8"]
-    learner = subprocess.Popen(
-        learner_cmd(run_dir, *(s for o in sets for s in ("--set", o))),
-        env=learner_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    learner = spawn_learner(run_dir, *sets)
     try:
         wait_for_step(run_dir, learner, 1)
         listing.write_text(f"{url_b}\n")

@@ -32,6 +32,7 @@ from tests.learner.demo_runs import (
     learner_cmd,
     learner_env,
     serve_cmd,
+    spawn_learner,
     wait_for_step,
 )
 
@@ -43,13 +44,7 @@ HOLD_TOKENS = 512  # the test's own generation that holds the servers' weight lo
 def _learner(run_dir: Path, model: Path, port: int, *overrides: str) -> subprocess.Popen:
     sets = [*QUIET, *SHORT, f'model.name_or_path="{model}"']
     sets += [f'rollout.servers=["http://127.0.0.1:{port}"]', *overrides]
-    return subprocess.Popen(
-        learner_cmd(run_dir, *(a for s in sets for a in ("--set", s))),
-        env=learner_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return spawn_learner(run_dir, *sets)
 
 
 def _serve(model: Path, port: int, *args: str) -> subprocess.Popen:

@@ -15,9 +15,9 @@ from learner.servers.pool import SERVERS_LOST_EXIT
 from tests.learner.demo_runs import (
     assert_setup_error,
     kill_after_step,
-    learner_cmd,
     learner_env,
     serve_cmd,
+    spawn_learner,
 )
 
 QUIET = ("run.progress_bar=false", "run.save_final=false", "run.tensorboard=false")
@@ -26,13 +26,7 @@ QUIET = ("run.progress_bar=false", "run.save_final=false", "run.tensorboard=fals
 def _learner(run_dir: Path, model: Path, port: int, *overrides: str) -> subprocess.Popen:
     sets = [*QUIET, f'model.name_or_path="{model}"']
     sets += [f'rollout.servers=["http://127.0.0.1:{port}"]', *overrides]
-    return subprocess.Popen(
-        learner_cmd(run_dir, *(a for s in sets for a in ("--set", s))),
-        env=learner_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return spawn_learner(run_dir, *sets)
 
 
 def test_a_server_killed_mid_generation_is_waited_for_and_the_run_goes_on(tmp_path, tiny_model_dir):
