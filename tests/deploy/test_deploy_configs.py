@@ -61,10 +61,17 @@ def interpolate(value: object, env: dict[str, str]) -> object:
     return _VAR.sub(one, value)
 
 
-def load_compose(env: dict[str, str]) -> dict:
+def load_compose(env: dict[str, str], profiles: frozenset[str] = frozenset()) -> dict:
+    """The file as Compose resolves it with ``profiles`` active: a service with ``profiles``
+    exists only when one of them is active (YAML merge keys resolved by PyYAML, as Compose)."""
     raw = yaml.safe_load(COMPOSE.read_text())
     for key in [k for k in raw if k.startswith("x-")]:
         raw.pop(key)  # anchor holders; Compose ignores x- keys
+    raw["services"] = {
+        name: svc
+        for name, svc in raw["services"].items()
+        if not svc.get("profiles") or set(svc["profiles"]) & profiles
+    }
     return interpolate(raw, env)
 
 
@@ -341,6 +348,63 @@ def _compose_cli() -> list[str] | None:
     return None
 
 
+def _launch(command: list[str]):
+    from accelerate.commands.launch import launch_command_parser
+
+    assert command[:2] == ["accelerate", "launch"]
+    return launch_command_parser().parse_args(command[2:])
+
+
+def test_learner_accelerate_config_fits_its_gpus(compose: dict) -> None:
+    """One learner GPU: single_gpu (ZeRO-3 would partition nothing); gpu4's two: ZeRO-3 with a
+    process per GPU. The default follows the layout, ACCELERATE_CONFIG still overrides it."""
+    one = _launch(compose["services"]["learner"]["command"])
+    assert Path(one.config_file).name == "single_gpu.yaml" and one.num_processes == 1
+    assert gpu_ids(compose["services"]["learner"]) == ["0"]
+    four = load_compose(ENV, frozenset({"gpu4"}))["services"]
+    two = _launch(four["learner-gpu4"]["command"])
+    assert Path(two.config_file).name == "zero3.yaml" and two.num_processes == 2
+    (ids,) = gpu_ids(four["learner-gpu4"])
+    assert len(ids.split(",")) == two.num_processes
+    forced = load_compose({**ENV, "ACCELERATE_CONFIG": "zero2"})["services"]["learner"]["command"]
+    assert Path(_launch(forced).config_file).name == "zero2.yaml"
+
+
+def test_gpu4_profile_learner_and_tensor_parallel_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--profile gpu4``: the learner on GPUs 0,1 and a TP-2 server on 2,3 by default, every GPU
+    from LEARNER_GPUS / SERVER_GPUS; its learner waits for its own server and config check."""
+    from rollout_server.cli import build_parser, settings_from_args
+
+    default = load_compose(ENV)["services"]
+    assert not {"rollout-gpu4", "learner-gpu4", "learner-gpu4-check"} & set(default)
+    four = load_compose(ENV, frozenset({"gpu4"}))["services"]
+    rollout, learner, check = four["rollout-gpu4"], four["learner-gpu4"], four["learner-gpu4-check"]
+    assert gpu_ids(rollout) == ["2,3"] and gpu_ids(learner) == ["0,1"]
+    assert check["command"] == learner["command"] and check["restart"] == "no"
+    assert learner["depends_on"] == {
+        "rollout-gpu4": {"condition": "service_healthy"},
+        "learner-gpu4-check": {"condition": "service_completed_successfully"},
+    }
+    for svc in (rollout, learner):
+        assert svc["network_mode"] == "host" and svc["ipc"] == "host"
+        assert svc["environment"]["NCCL_NVLS_ENABLE"] == "0" and "data:/data" in svc["volumes"]
+    assert rollout["healthcheck"] == default["rollout"]["healthcheck"]
+    entrypoint = _dockerfile_json("rollout.Dockerfile", "ENTRYPOINT")
+    monkeypatch.delenv("ROLLOUT_API_KEY", raising=False)
+    settings = settings_from_args(build_parser().parse_args(entrypoint[1:] + rollout["command"]))
+    assert settings.tensor_parallel_size == 2 and settings.model == ENV["MODEL"]
+    assert _check_config(learner["command"]).returncode == 0
+
+    env = {**ENV, "LEARNER_GPUS": "1", "SERVER_GPUS": "2,3,4,5", "SERVER_TP": "4"}
+    moved = load_compose(env, frozenset({"gpu4"}))["services"]
+    assert gpu_ids(moved["learner-gpu4"]) == ["1"] and gpu_ids(moved["rollout-gpu4"]) == ["2,3,4,5"]
+    assert "--tensor-parallel-size=4" in moved["rollout-gpu4"]["command"]
+    base = load_compose(env)["services"]
+    assert gpu_ids(base["learner"]) == ["1"] and gpu_ids(base["rollout"]) == ["2,3,4,5"]
+
+
 def test_docker_compose_config_validates() -> None:
     """``docker compose config`` runs client-side (no engine needed) when the plugin exists."""
     cmd = _compose_cli()
@@ -351,6 +415,16 @@ def test_docker_compose_config_validates() -> None:
     env = {**os.environ, **ENV}
     ok = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "-q"], env=env, capture_output=True)
     assert ok.returncode == 0, ok.stderr
+    gpu4 = subprocess.run(
+        [*cmd, "-f", str(COMPOSE), "--profile", "gpu4", "config"],
+        env={**env, "LEARNER_GPUS": "0,1", "SERVER_GPUS": "2,3"},
+        capture_output=True,
+        text=True,
+    )
+    assert gpu4.returncode == 0, gpu4.stderr
+    resolved = yaml.safe_load(gpu4.stdout)["services"]
+    assert {"rollout-gpu4", "learner-gpu4", "learner-gpu4-check"} <= set(resolved)
+    assert "--num_processes=2" in resolved["learner-gpu4"]["command"]
     env.pop("MODEL")
     missing = subprocess.run(
         [*cmd, "-f", str(COMPOSE), "config", "-q"], env=env, capture_output=True, text=True
