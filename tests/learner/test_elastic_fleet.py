@@ -152,7 +152,12 @@ def test_the_client_moves_an_unreachable_servers_share_to_the_others(start_serve
         with pytest.raises(RolloutUnavailableError):  # the last server is never dropped
             asyncio.run(both_dead(dead))
     assert servers == [server.url] and dropped == [dead]
-    assert [r.samples for r in out.results] == [r.samples for r in expected]
+    # the same draws; log-probs to float noise (the server batched the shards its own way)
+    got = [s for r in out.results for s in r.samples]
+    want = [s for r in expected for s in r.samples]
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    for a, b in zip(got, want, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     assert out.server == f"{server.url},{server.url}"
 
 
