@@ -224,9 +224,7 @@ def connect(
     infos = loop.run(client.info())
     external = urls if cfg.rollout.external else []
     check_server_limits(cfg.sampling, infos, external)
-    if run.evaluator is not None and (
-        problems := run.evaluator.check_limits(infos, external)
-    ):
+    if run.evaluator is not None and (problems := run.evaluator.check_limits(infos, external)):
         raise SetupError("; ".join(problems) + ": lower it, or raise the server's limit")
     syncer = make_transport(cfg.rollout, client, device=accelerator.device)
     if accelerator.is_main_process:  # before the first generation: see connect()
