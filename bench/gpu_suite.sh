@@ -11,9 +11,10 @@
 # with colocated vLLM, then ours colocated; ours only with E2E_TRL=0), e2e_split (ours over
 # 2 GPUs: split synchronous, then split with rollout.max_staleness 1; E2E_ARGS="--modes split
 # --no-prepare-sync" times the split step without a prepared sync). Each e2e step holds one
-# comparison, both sides in one call and one JSON, ~4-5 min; neither is in the default list:
-# SUITE_STEPS="setup model e2e_colocated", then a call with "setup model e2e_split" on the
-# 2-GPU machine. memory (issue 7: peak learner
+# comparison, both sides in one call and one JSON, ~4-5 min: the step's limit is shared out so
+# that each side finishes inside it (TRL at most 45%; each of our modes its share less 60 s
+# for the server's start). Neither is in the default list: SUITE_STEPS="setup model
+# e2e_colocated", then a call with "setup model e2e_split" on the 2-GPU machine. memory (issue 7: peak learner
 # memory and step time with each memory option on vs off, bench/bench_memory_options.py, one
 # GPU, no rollout server, ~2.5 min), overlap (issue 7: bench_grpo_e2e.py in mode split twice,
 # rollout.max_staleness 0 then 1, 12 steps each; needs the 2-GPU machine, ~4 min). Neither is
@@ -124,35 +125,39 @@ step_bench_loss() {
   python3 bench/bench_loss_gpu.py --out-dir "$WORK/bench_loss"
 }
 
-e2e_ours() {  # bench_grpo_e2e.py for one step: $1 step name, then its own flags
-  local name=$1; shift
+e2e_ours() {  # bench_grpo_e2e.py: $1 step name, $2 seconds left for its $3 modes, then flags
+  local name=$1 left=$2 modes=$3; shift 3
+  local mode_limit=$(( left / modes - 60 ))  # each mode: its share, less the server's start
+  [ "$mode_limit" -gt "${T_E2E_MODE:-190}" ] && mode_limit=${T_E2E_MODE:-190}
   python3 bench/bench_grpo_e2e.py --model "$GRPO_GPU_MODEL" --out "$OUT/bench_$name.json" \
     --log-dir "$LOGS/$name" --work-dir "$WORK/$name/runs" \
     --steps-colocated "${E2E_COLOCATED_STEPS:-20}" --steps-split "${E2E_SPLIT_STEPS:-20}" \
-    --timeout "${T_E2E_MODE:-190}" --server-timeout 150 "$@" ${E2E_ARGS:-}
+    --timeout "$mode_limit" --server-timeout 150 "$@" ${E2E_ARGS:-}
 }
 export -f e2e_ours
 
 step_e2e_colocated() {
   # TRL 1.16 first (vLLM in its process, GPU 0), then ours colocated (server and learner on
   # GPU 0, sleep mode), in one call: a TRL run that fails or is missing fails the step.
-  local d=$WORK/e2e_colocated rc
+  local d=$WORK/e2e_colocated rc t0=$SECONDS trl_limit=$(( STEP_LIMIT * 45 / 100 ))
   rm -rf "$d" && mkdir -p "$d" "$LOGS/e2e_colocated"
-  if [ "${E2E_TRL:-1}" = 0 ]; then e2e_ours e2e_colocated --modes colocated; return $?; fi
-  echo "-- trl (limit ${T_E2E_TRL:-200}s, ${E2E_TRL_STEPS:-20} steps) -> $LOGS/e2e_colocated/trl.log"
-  timeout -k 10 "${T_E2E_TRL:-200}" python3 bench/bench_trl_grpo.py --model "$GRPO_GPU_MODEL" \
+  if [ "${E2E_TRL:-1}" = 0 ]; then e2e_ours e2e_colocated "$STEP_LIMIT" 1 --modes colocated; return $?; fi
+  [ "$trl_limit" -gt "${T_E2E_TRL:-200}" ] && trl_limit=${T_E2E_TRL:-200}
+  echo "-- trl (limit ${trl_limit}s, ${E2E_TRL_STEPS:-20} steps) -> $LOGS/e2e_colocated/trl.log"
+  timeout -k 10 "$trl_limit" python3 bench/bench_trl_grpo.py --model "$GRPO_GPU_MODEL" \
     --out "$d/trl.json" --steps "${E2E_TRL_STEPS:-20}" ${E2E_TRL_ARGS:-} > "$LOGS/e2e_colocated/trl.log" 2>&1
   rc=$?
   echo "-- trl: rc $rc"; tail -n 8 "$LOGS/e2e_colocated/trl.log"
   [ -f "$d/trl.json" ] || echo "{\"status\": \"error\", \"error\": \"TRL run: rc $rc (timeout: 124/137), see logs/e2e_colocated/trl.log\"}" > "$d/trl.json"
-  e2e_ours e2e_colocated --modes colocated --trl-json "$d/trl.json"
+  e2e_ours e2e_colocated $(( STEP_LIMIT - (SECONDS - t0) - 20 )) 1 --modes colocated \
+    --trl-json "$d/trl.json"
 }
 
 step_e2e_split() {
   # Ours over 2 GPUs (server GPU 1, ZeRO-3 learner GPU 0, NCCL sync): synchronous, then
   # overlapped (rollout.max_staleness 1), in one call and one JSON with the verdict.
   rm -rf "$WORK/e2e_split" && mkdir -p "$LOGS/e2e_split"
-  e2e_ours e2e_split --modes split,overlap
+  e2e_ours e2e_split $(( STEP_LIMIT - 20 )) 2 --modes split,overlap
 }
 
 step_memory() {
