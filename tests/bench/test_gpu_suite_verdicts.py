@@ -136,11 +136,11 @@ def test_benchmark_without_its_dependencies_exits_2_naming_them(
 
 
 def test_suite_marks_each_step_failed_and_exits_1(tmp_path: Path) -> None:
-    """The real bench/gpu_suite.sh on this machine (no GPU, no vLLM, no TRL): both benchmark
-    steps fail, each with its reason, and the suite's own exit code says so."""
+    """The real bench/gpu_suite.sh on this machine (no GPU, no vLLM, no TRL): every benchmark
+    step fails, each with its reason, and the suite's own exit code says so."""
     out, work = tmp_path / "out", tmp_path / "work"
     env = {**_venv_env(), "OUT": str(out), "WORK": str(work),
-           "SUITE_STEPS": "bench_rollout bench_loss", "SUITE_BUDGET_S": "400"}  # fmt: skip
+           "SUITE_STEPS": "bench_rollout bench_loss e2e_colocated", "SUITE_BUDGET_S": "400"}  # fmt: skip
     proc = subprocess.run(
         ["bash", str(BENCH / "gpu_suite.sh")], env=env, capture_output=True, text=True, timeout=600
     )
@@ -154,6 +154,9 @@ def test_suite_marks_each_step_failed_and_exits_1(tmp_path: Path) -> None:
     assert steps["bench_loss"]["why"] == "exit code 2; no result file loss_gpu.json"
     assert "missing dependencies: vllm" in (work / "logs" / "bench_rollout.log").read_text()
     assert "liger-kernel" in (work / "logs" / "bench_loss.log").read_text()
+    assert steps["e2e_colocated"]["status"] == "failed"
+    assert "no result file bench_e2e_colocated.json" in steps["e2e_colocated"]["why"]
+    assert "TRL 1.16 is not importable" in (work / "logs" / "e2e_colocated" / "trl.log").read_text()
 
 
 def _ok_run(median: float) -> dict:
