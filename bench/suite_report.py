@@ -197,7 +197,42 @@ def _e2e_section(data: dict[str, Any]) -> dict[str, Any]:
             "run": data.get("run")}  # fmt: skip
 
 
+def _rollout_section(data: dict[str, Any]) -> dict[str, Any]:
+    return {"verdicts": data.get("verdicts", []),
+            "errors": {k: v["error"] for k, v in data.items()
+                       if isinstance(v, dict) and "error" in v}}  # fmt: skip
+
+
+def _memory_section(data: dict[str, Any]) -> dict[str, Any]:
+    options = {
+        r["name"]: {"status": r["status"], "peak_gb": round(r["peak_bytes"] / 1e9, 3),
+                    "step_s": round(r["step_s"]["median"], 3),
+                    "recomputes": r.get("recomputes_activations")}
+        if r["status"] == "ok" else {"status": r["status"], "error": str(r.get("error"))[:300]}
+        for r in data.get("configs", [])}  # fmt: skip
+    return {"options": options, "checks": {c["check"]: c["ok"] for c in data.get("checks", [])}}
+
+
+def _overlap_section(data: dict[str, Any]) -> dict[str, Any]:
+    return {"verdicts": data.get("verdicts", []),
+            "median_step_s": {k: data[k]["median_step_s"] or data[k]["error"]
+                              for k in ("synchronous", "overlap")},
+            "ran_ahead": data.get("overlap_ran_ahead")}  # fmt: skip
+
+
+# summary.json key -> the result file in $OUT and what is taken from it
+SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = {
+    "bench_rollout": ("bench_rollout_gpu.json", _rollout_section),
+    "e2e_colocated": ("bench_e2e_colocated.json", _e2e_section),
+    "e2e_split": ("bench_e2e_split.json", _e2e_section),
+    "memory": ("bench_memory_options.json", _memory_section),
+    "overlap": ("bench_overlap.json", _overlap_section),
+}
+
+
 def summary(steps: list[dict[str, Any]], out: Path, budget: int, start: int) -> dict[str, Any]:
+    """The steps' statuses (``ok``: every step ok), pytest's totals and each result file's
+    verdicts; a file that cannot be read is reported in its section, never a crash."""
     s: dict[str, Any] = {"steps": steps, "total_s": int(time.time()) - start, "budget_s": budget}
     s["ok"] = bool(steps) and all(x["status"] == "ok" for x in steps)
     junit = out / "gpu_tests.xml"
@@ -207,29 +242,12 @@ def summary(steps: list[dict[str, Any]], out: Path, budget: int, start: int) -> 
             s["tests"], s["test_cases"] = t["totals"], t["cases"]
         except ET.ParseError as e:
             s["tests"] = {"error": f"unreadable gpu_tests.xml: {e}"}
-    if (bench := out / "bench_rollout_gpu.json").is_file():
-        data = _json(bench)
-        s["bench_rollout_verdicts"] = data.get("verdicts", [])
-        s["bench_rollout_errors"] = {k: v["error"] for k, v in data.items()
-                                     if isinstance(v, dict) and "error" in v}  # fmt: skip
-    for name in ("e2e_colocated", "e2e_split"):
-        if (path := out / f"bench_{name}.json").is_file():
-            s[name] = _e2e_section(_json(path))
-    if (memory := out / "bench_memory_options.json").is_file():
-        data = _json(memory)
-        s["memory_options"] = {
-            r["name"]: {"status": r["status"], "peak_gb": round(r["peak_bytes"] / 1e9, 3),
-                        "step_s": round(r["step_s"]["median"], 3),
-                        "recomputes": r.get("recomputes_activations")}
-            if r["status"] == "ok" else {"status": r["status"], "error": str(r.get("error"))[:300]}
-            for r in data.get("configs", [])}  # fmt: skip
-        s["memory_checks"] = {c["check"]: c["ok"] for c in data.get("checks", [])}
-    if (overlap := out / "bench_overlap.json").is_file():
-        data = _json(overlap)
-        s["overlap_verdicts"] = data.get("verdicts", [])
-        s["overlap_median_step_s"] = {k: data[k]["median_step_s"] or data[k]["error"]
-                                      for k in ("synchronous", "overlap")}  # fmt: skip
-        s["overlap_ran_ahead"] = data.get("overlap_ran_ahead")
+    for key, (name, section) in SECTIONS.items():
+        if (out / name).is_file():
+            try:
+                s[key] = section(_json(out / name))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                s[key] = {"error": f"unreadable {name}: {type(e).__name__}: {e}"}
     return s
 
 

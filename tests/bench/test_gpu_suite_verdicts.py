@@ -65,6 +65,10 @@ def test_interrupted_pytest_counts_what_pytest_counted_and_fails(tmp_path: Path)
 def test_summary_uses_pytest_totals_and_fails_the_run(tmp_path: Path) -> None:
     rc, _ = _interrupted_junit(tmp_path)
     status, why = suite_report.step_verdict("tests", rc, tmp_path, tmp_path)
+    run = {"host": "h", "boot_id": "b", "suite_run": "r"}
+    e2e_result = {"run": run, "verdicts": [], "colocated": {"status": "error", "error": "boom"}}
+    (tmp_path / "bench_e2e_colocated.json").write_text(json.dumps(e2e_result))
+    (tmp_path / "bench_overlap.json").write_text("[]")  # not a result: reported, no crash
     tsv = tmp_path / "steps.tsv"
     tsv.write_text(f"setup\tok\t3\t0\t\ntests\t{status}\t9\t{rc}\t{why}\n")
     code = suite_report.main(
@@ -73,6 +77,9 @@ def test_summary_uses_pytest_totals_and_fails_the_run(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert code == 1 and summary["ok"] is False
     assert summary["tests"]["passed"] == 2 and summary["tests"]["interrupted"] == 1
+    assert summary["e2e_colocated"]["run"] == run
+    assert summary["e2e_colocated"]["median_step_s"] == {"colocated": "boom"}
+    assert "unreadable bench_overlap.json" in summary["overlap"]["error"]
     assert summary["steps"][1] == {
         "step": "tests", "status": "failed", "seconds": 9, "rc": "2", "why": why
     }  # fmt: skip
