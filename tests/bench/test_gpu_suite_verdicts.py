@@ -206,3 +206,18 @@ def test_e2e_same_run_is_compared_and_ok(tmp_path: Path, monkeypatch: pytest.Mon
     e2e.write_results(args, results, pending=[])
     assert json.loads(out.read_text())["verdicts"][0]["ok"] is True
     assert suite_report.step_verdict("e2e_colocated", 0, tmp_path, tmp_path) == ("ok", "")
+
+
+def test_overlap_runs_from_two_hosts_are_not_compared(tmp_path: Path) -> None:
+    def split(staleness: int, median: float, host: str) -> dict:
+        run = {"status": "ok", "config": {"rollout": {"max_staleness": staleness}},
+               "summary": {"step_s": {"median": median, "n": 8}, "staleness_mean": staleness}}  # fmt: skip
+        return {"workload": {"max_tokens": 256}, "run": {"host": host}, "split": run}
+
+    report = common.overlap_report(split(0, 2.6, "h100-a"), split(1, 1.6, "h100-b"))
+    assert report["verdicts"][0]["ok"] is None and "not compared" in report["note"]
+    (tmp_path / "bench_overlap.json").write_text(json.dumps(report))
+    status, why = suite_report.step_verdict("overlap", 0, tmp_path, tmp_path)
+    assert status == "failed" and "different hosts" in why
+    same = common.overlap_report(split(0, 2.6, "h100-a"), split(1, 1.6, "h100-a"))
+    assert same["verdicts"][0]["ok"] is True and "note" not in same
