@@ -91,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="vLLM: load verified NCCL/IPC updates by direct copies (default on)",
     )
+    engine.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        help="vLLM: serve LoRA adapter updates (transformers: always)",
+    )
+    engine.add_argument(
+        "--max-lora-rank", type=int, help="vLLM: the largest adapter rank (default 64)"
+    )
     engine.add_argument("--trust-remote-code", action="store_true")
     engine.add_argument(
         "--gc-freeze",

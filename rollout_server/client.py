@@ -55,6 +55,8 @@ from rollout_server.protocol import (
 if TYPE_CHECKING:
     import torch
 
+    from rollout_server.protocol import LoraAdapterSpec
+
 __all__ = [
     "RETRY_STATUSES",
     "RolloutAuthError",
@@ -342,10 +344,11 @@ class RolloutClient:
         )
 
     async def load_weights_file(
-        self, path: str, version: int | None = None
+        self, path: str, version: int | None = None, *, adapter: LoraAdapterSpec | None = None
     ) -> list[WeightUpdateResponse]:
-        """Every server loads a safetensors file (or directory) from a shared disk."""
-        body = WeightFileRequest(path=path, version=version)
+        """Every server loads a safetensors file (or directory) from a shared disk; with
+        ``adapter``, a LoRA adapter served on the base weights."""
+        body = WeightFileRequest(path=path, version=version, adapter=adapter)
 
         async def one(s: str) -> WeightUpdateResponse:
             try:
@@ -365,13 +368,15 @@ class RolloutClient:
         *,
         version: int | None = None,
         bucket_bytes: int = 256 * 2**20,
+        adapter: LoraAdapterSpec | None = None,
     ) -> list[WeightUpdateResponse]:
-        """Send weights to every server over HTTP in safetensors buckets, then commit atomically.
+        """Send weights to every server over HTTP in safetensors buckets, then commit atomically
+        (with ``adapter``: a LoRA adapter's tensors, served on the base weights).
 
         Tensors are consumed lazily (a ZeRO-3 gather can feed this bucket by bucket); each bucket is
         serialised once and uploaded to all servers concurrently. Any failure aborts the update on
         every server, which keeps serving its old weights."""
-        staged, num_buckets = await self._upload(named_tensors, version, bucket_bytes)
+        staged, num_buckets = await self._upload(named_tensors, version, bucket_bytes, adapter)
         if num_buckets == 0:
             await self._abort(staged)
             raise ValueError("update_weights got no tensors")
@@ -400,6 +405,7 @@ class RolloutClient:
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         version: int | None,
         bucket_bytes: int,
+        adapter: LoraAdapterSpec | None = None,
     ) -> tuple[dict[str, str], int]:
         """Open the update on every server and upload every bucket to all of them; returns
         each server's update id and the bucket count. Any failure aborts it everywhere."""
@@ -409,7 +415,7 @@ class RolloutClient:
         num_buckets = 0
         servers = list(self.servers)  # the rotation may change while the update is staged
         try:
-            begin = WeightUpdateBegin(version=version)
+            begin = WeightUpdateBegin(version=version, adapter=adapter)
             ids = await asyncio.gather(
                 *(
                     self._calls.json(

@@ -105,6 +105,14 @@ class ServerSettings(BaseModel):
         "first update of a layout has verified the copy plan against load_weights (off: "
         "always load_weights)",
     )
+    enable_lora: bool = Field(
+        False,
+        description="vLLM: start with LoRA support, so that adapter updates can be served "
+        "(transformers: always, wrapped in PEFT on the first adapter update)",
+    )
+    max_lora_rank: int = Field(
+        64, ge=1, description="vLLM with enable_lora: the largest adapter rank it can serve"
+    )
     vllm_engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="more vLLM AsyncEngineArgs, e.g. {'enforce_eager': True, "

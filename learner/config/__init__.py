@@ -413,6 +413,26 @@ class LearnerConfig(Section):
         """False for an SFT-only config (no [data] or [environment] to run GRPO on)."""
         return self.data is not None or self.environment is not None
 
+    def _check_lora_sync(self) -> None:
+        """rollout.sync.lora = "adapter" needs adapters to send, servers holding the base
+        weights they go on, and a base that is the learner's."""
+        rollout, lora = self.rollout, self.model.lora
+        if rollout.sync.lora != "adapter":
+            return
+        if lora is None:
+            raise ValueError('rollout.sync.lora = "adapter" needs model.lora (adapters to send)')
+        if lora.quantization != "none":
+            raise ValueError(
+                'rollout.sync.lora = "adapter" with QLoRA: the servers would serve the adapters '
+                "on the full-precision checkpoint, not on the 4-bit base the learner trains "
+                'them on (another policy); use lora = "merged"'
+            )
+        if rollout.sleep_while_training == 2:
+            raise ValueError(
+                'rollout.sync.lora = "adapter" with sleep_while_training = 2: level 2 discards '
+                "the servers' base weights, which an adapter sync never sends; use level 1"
+            )
+
     @model_validator(mode="after")
     def _one_source_of_rewards(self) -> LearnerConfig:
         if self.sft is not None and not self.has_grpo and not self.rewards:
@@ -431,6 +451,7 @@ class LearnerConfig(Section):
                 "[eval] takes `data` (held-out prompts for the [[rewards]]) without an "
                 "[environment], and `split` (the environment's held-out tasks) with one"
             )
+        self._check_lora_sync()
         keys = [r.label or r.name for r in self.rewards]
         if twice := sorted({k for k in keys if keys.count(k) > 1}):
             raise ValueError(

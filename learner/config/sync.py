@@ -10,13 +10,33 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler
+from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, model_validator
 
 from learner.config.base import FieldError, Section
+
+LORA_SYNC = (
+    'with model.lora: "merged" sends the whole model with the adapters merged in; "adapter" '
+    "sends only the adapters' tensors (MBs instead of GBs), which the servers serve on their "
+    'base weights (http and file; the vllm engine needs --enable-lora). "merged" until the '
+    "vLLM path has run on a GPU"
+)
 
 
 class _SyncSection(Section):
     """[rollout.sync]: the weight transport (``type``) and its own settings."""
+
+    lora: Literal["merged", "adapter"] = Field("merged", description=LORA_SYNC)
+
+    @model_validator(mode="after")
+    def _adapter_transport(self) -> _SyncSection:
+        kind = getattr(self, "type", "")
+        if self.lora == "adapter" and kind in ("nccl", "ipc"):
+            raise FieldError(
+                "lora",
+                f'"adapter" goes over type = "http" or "file"; type = "{kind}" sends merged '
+                'weights only (lora = "merged")',
+            )
+        return self
 
     @property
     def prepares(self) -> bool:

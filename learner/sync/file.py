@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from learner.sync.base import WeightTransport
-from learner.sync.tensors import in_dtype, sync_tensors
+from learner.sync.tensors import in_dtype, sync_payload
 
 if TYPE_CHECKING:
     from torch import nn
@@ -41,10 +41,11 @@ class FileTransport(WeightTransport):
 
         sync_dir = Path(self.cfg.dir)
         sync_dir.mkdir(parents=True, exist_ok=True)
-        final = sync_dir / "weights.safetensors"
+        named, adapter = sync_payload(model, self.cfg.lora)
+        final = sync_dir / ("adapter.safetensors" if adapter else "weights.safetensors")
         tmp = sync_dir / FILE_SYNC_TMP
-        cast = in_dtype(sync_tensors(model), await self.server_dtype())
+        cast = in_dtype(named, await self.server_dtype())
         tensors = {n: t.contiguous().cpu() for n, t in cast}
         save_file(tensors, str(tmp))
         tmp.replace(final)  # the server never sees a half-written file
-        return await self.client.load_weights_file(str(final.resolve()), version)
+        return await self.client.load_weights_file(str(final.resolve()), version, adapter=adapter)

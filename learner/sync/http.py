@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from learner.sync.base import WeightTransport
-from learner.sync.tensors import in_dtype, sync_tensors
+from learner.sync.tensors import in_dtype, sync_payload
 
 if TYPE_CHECKING:
     from torch import nn
@@ -26,8 +26,10 @@ class HttpTransport(WeightTransport):
     async def push(
         self, model: nn.Module, version: int | None = None
     ) -> list[WeightUpdateResponse]:
+        tensors, adapter = sync_payload(model, self.cfg.lora)
         return await self.client.update_weights(
-            in_dtype(sync_tensors(model), await self.server_dtype()),
+            in_dtype(tensors, await self.server_dtype()),
             version=version,
             bucket_bytes=self.cfg.bucket_mb << 20,
+            adapter=adapter,
         )

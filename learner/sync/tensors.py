@@ -9,12 +9,16 @@ never gathered at once on any rank.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from learner.sync.zero3 import is_partitioned, iter_gathered_params, param_specs
+
+if TYPE_CHECKING:
+    from rollout_server.protocol import LoraAdapterSpec
 
 
 def learner_cuda_device(device: Any, sync: str, needs: str) -> Any:
@@ -35,14 +39,19 @@ def is_peft(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
+def _unpartitioned_base(model: nn.Module) -> nn.Module:
+    base = model.get_base_model()  # type: ignore[operator]
+    if any(is_partitioned(p) for p in base.parameters()):
+        raise ValueError("LoRA weight sync under ZeRO-3 is not supported: use ZeRO-2 with LoRA")
+    return base
+
+
 def _lora_entries(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, Any]]:
     """(base checkpoint name, base parameter, its LoRA layer or None) for every weight the
     servers need: the adapters themselves are skipped, they are merged into their base weight."""
     from peft.tuners.lora import LoraLayer
 
-    base = model.get_base_model()  # type: ignore[operator]
-    if any(is_partitioned(p) for p in base.parameters()):
-        raise ValueError("LoRA weight sync under ZeRO-3 is not supported: use ZeRO-2 with LoRA")
+    base = _unpartitioned_base(model)
     layers = {n: m for n, m in base.named_modules() if isinstance(m, LoraLayer)}
     for name, p in base.named_parameters():
         if "lora_" in name:
@@ -83,6 +92,44 @@ def merged_lora_weights(model: nn.Module) -> Iterator[tuple[str, Any]]:
 def sync_tensors(model: nn.Module) -> Iterator[tuple[str, Any]]:
     """(checkpoint name, full tensor) for every weight the servers need, in a stable order."""
     return merged_lora_weights(model) if is_peft(model) else iter_gathered_params(model)
+
+
+def adapter_tensors(model: nn.Module) -> Iterator[tuple[str, Any]]:
+    """The active adapter's lora_A/lora_B tensors under PEFT's names (what
+    ``get_peft_model_state_dict`` saves: ``base_model.model.<module>.lora_A.weight``)."""
+    from peft import get_peft_model_state_dict
+
+    _unpartitioned_base(model)
+    state = get_peft_model_state_dict(model, adapter_name=model.active_adapter)
+    return ((n, t.detach()) for n, t in state.items())
+
+
+def adapter_spec(model: nn.Module) -> LoraAdapterSpec:
+    """What the servers need to serve the active adapter: rank, alpha, the adapted modules
+    (PEFT's resolved names) and the whole PEFT config as JSON."""
+    from rollout_server.protocol import LoraAdapterSpec
+
+    config = model.peft_config[model.active_adapter]  # type: ignore[index]
+    as_json = json.loads(
+        json.dumps(config.to_dict(), default=lambda v: sorted(v) if isinstance(v, set) else str(v))
+    )
+    targets = config.target_modules
+    return LoraAdapterSpec(
+        r=config.r,
+        lora_alpha=config.lora_alpha,
+        target_modules=[targets] if isinstance(targets, str) else sorted(targets),
+        peft_config=as_json,
+    )
+
+
+def sync_payload(model: nn.Module, lora: str) -> tuple[Iterator[tuple[str, Any]], Any]:
+    """(tensors, adapter spec or None) of one sync over http or file: with ``lora =
+    "adapter"`` the adapter alone, else ``sync_tensors``."""
+    if lora != "adapter":
+        return sync_tensors(model), None
+    if not is_peft(model):
+        raise ValueError('rollout.sync.lora = "adapter" needs a LoRA model (model.lora)')
+    return adapter_tensors(model), adapter_spec(model)
 
 
 def sync_specs(model: nn.Module, dtype: str | None) -> list[Any]:

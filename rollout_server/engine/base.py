@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from rollout_server.protocol import (
         FinishReason,
         IpcUpdateRequest,
+        LoraAdapterSpec,
         NcclInitRequest,
         NcclUpdateRequest,
         SamplingParams,
@@ -178,6 +179,19 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy already-validated tensors into the model. Called with generation paused."""
+
+    async def load_adapter(
+        self, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor], version: int
+    ) -> None:
+        """Serve an already-validated LoRA adapter (PEFT names) on the base weights, as weight
+        version ``version``; called with generation paused. All or nothing: if it fails, the
+        previous adapter (or none) keeps serving. A later ``load_weights`` serves the base
+        weights alone again."""
+        raise UnsupportedError(f"the {self.name} engine cannot serve LoRA adapters")
+
+    def served_lora_rank(self) -> int | None:
+        """The rank of the LoRA adapter served on the base weights, None without one."""
+        return None
 
     async def reset_prefix_cache(self) -> None:  # noqa: B027
         """Drop cached KV for prompts (stale after a weight update). No-op by default."""

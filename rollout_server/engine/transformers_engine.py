@@ -39,9 +39,10 @@ from rollout_server.engine.base import (
     TensorMeta,
 )
 from rollout_server.engine.decode import Row, decode_rows
+from rollout_server.engine.peft_adapter import ServedAdapter
 
 if TYPE_CHECKING:
-    from rollout_server.protocol import SamplingParams
+    from rollout_server.protocol import LoraAdapterSpec, SamplingParams
     from rollout_server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ class TransformersEngine(HFTokenizerMixin, Engine):
         self._sleep_level = 0
         self.model: Any = None
         self.tokenizer: Any = None
+        self._adapter: ServedAdapter | None = None
+        self._freed_shapes: dict[str, tuple[int, ...]] = {}  # level 2: each parameter's shape
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -137,6 +140,7 @@ class TransformersEngine(HFTokenizerMixin, Engine):
         )
         self.model = model.to(self.device).eval().requires_grad_(False)
         _own_weights(model)
+        self._adapter = ServedAdapter(self.model)
         config = model.config.get_text_config()
         self.vocab_size = int(config.vocab_size)
         self.max_model_len = s.max_model_len or int(config.max_position_embeddings)
@@ -267,18 +271,39 @@ class TransformersEngine(HFTokenizerMixin, Engine):
         await self._run(self._copy_weights, list(tensors))
 
     def _copy_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        adapter = self._served_adapter()
         with torch.no_grad():
             for name, tensor in tensors:
                 if name in self._param_names:
-                    target = self.model.get_parameter(name).data
+                    target = self.model.get_parameter(adapter.param_path(name)).data
                 else:
                     target = self.model.get_buffer(name)
                 target.copy_(tensor)
+        adapter.drop()  # full weights: the policy they are is served alone
+
+    async def load_adapter(
+        self, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor], version: int
+    ) -> None:
+        await self._run(self._served_adapter().load, spec, tensors, version)
+
+    def served_lora_rank(self) -> int | None:
+        return self._adapter.rank if self._adapter is not None else None
+
+    def _served_adapter(self) -> ServedAdapter:
+        if self._adapter is None:
+            raise EngineError("the transformers engine has not started")
+        return self._adapter
 
     async def weights_checksum(self) -> float:
-        from rollout_server.weight_digest import params_checksum
+        """Of the weights served with: an adapter's delta merged into its base weights (what
+        the learner's merged model holds)."""
+        from rollout_server.weight_digest import named_checksum
 
-        return await self._run(params_checksum, self.model)
+        def digest() -> float:
+            with torch.no_grad():
+                return named_checksum(self._served_adapter().effective_weights())
+
+        return await self._run(digest)
 
     # --- sleep -----------------------------------------------------------------------------
 
@@ -287,6 +312,8 @@ class TransformersEngine(HFTokenizerMixin, Engine):
 
     def _sleep(self, level: int) -> None:
         if level == 2:
+            if self._sleep_level < 2:
+                self._freed_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
             for p in self.model.parameters():  # tied weights are one Parameter: freed once
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         elif self.device.type != "cpu":
@@ -305,8 +332,9 @@ class TransformersEngine(HFTokenizerMixin, Engine):
         if "weights" in tags and "weights" in self._asleep:
             if self._sleep_level == 2:
                 for name, p in self.model.named_parameters():
-                    shape = self._metadata[name].shape
+                    shape = self._freed_shapes[name]
                     p.data = torch.zeros(shape, dtype=p.dtype, device=self.device)
+                self._served_adapter().restore()  # the adapter is small: kept, not discarded
             else:
                 self.model.to(self.device)
         self._asleep -= set(tags)

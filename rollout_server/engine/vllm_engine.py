@@ -58,6 +58,7 @@ from rollout_server.engine.vllm_helpers import (
     supports_flat_logprobs,
     to_sample,
 )
+from rollout_server.engine.vllm_lora import VllmAdapters, lora_engine_kwargs
 from rollout_server.engine.vllm_updates import AnnouncedUpdates
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
 
     from rollout_server.protocol import (
         IpcUpdateRequest,
+        LoraAdapterSpec,
         NcclInitRequest,
         NcclUpdateRequest,
         SamplingParams,
@@ -98,11 +100,13 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         self._info: EngineInfo | None = None
         self._metadata: dict[str, TensorMeta] = {}
         self._asleep: set[str] = set()
+        self._sleep_level = 0  # level 2 discarded the served adapter's memory too
         self._in_flight = 0
         # NCCL and CUDA IPC updates through the workers (vLLM is reached when they run)
         self._updates = AnnouncedUpdates(
             self._rpc, self._paused, self.reset_prefix_cache, settings.direct_weight_copy
         )
+        self._adapters = VllmAdapters(settings)  # the LoRA adapter served, if any
         # HF fast tokenizers are not safe to call from several threads at once ("Already
         # borrowed"), and the service tokenizes in worker threads.
         self._tokenizer_lock = threading.Lock()
@@ -127,7 +131,8 @@ class VLLMEngine(HFTokenizerMixin, Engine):
                 "or run with --engine transformers"
             ) from exc
         s = self.settings
-        args = AsyncEngineArgs(**supported_kwargs(AsyncEngineArgs, engine_kwargs(s)))
+        kwargs = {**lora_engine_kwargs(s), **engine_kwargs(s)}
+        args = AsyncEngineArgs(**supported_kwargs(AsyncEngineArgs, kwargs))
         # Built in the event loop, as vLLM's own server does (it binds its output tasks to the
         # running loop); the ~40 s of loading happen before the service reports ready.
         # A rollout server serves batches: vLLM's batch defaults (its offline LLM's usage
@@ -181,6 +186,7 @@ class VLLMEngine(HFTokenizerMixin, Engine):
                 await self._rpc("grpo_close_weight_group")
             self._llm.shutdown()
             self._llm = None
+        self._adapters.close()
 
     def info(self) -> EngineInfo:
         if self._info is None:
@@ -237,7 +243,10 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         final = None
         request_id = uuid.uuid4().hex
         try:
-            async for out in self._llm.generate({"prompt_token_ids": prompt_ids}, sp, request_id):
+            lora = self._adapters.request  # read once: a switch waits for this request (the gate)
+            async for out in self._llm.generate(
+                {"prompt_token_ids": prompt_ids}, sp, request_id, lora_request=lora
+            ):
                 final = out
         except asyncio.CancelledError:  # the client went away or the server stops: free the slots
             await self._llm.abort(request_id)
@@ -285,8 +294,25 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        await self._adapters.drop(self._llm)  # full weights: the policy they are, served alone
+
+    async def load_adapter(
+        self, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor], version: int
+    ) -> None:
+        """Through vLLM's LoRA support: loaded into the engine, then generation switches to it
+        (``vllm_lora``)."""
+        async with self._paused():
+            await self._adapters.load(self._llm, spec, tensors, version)
+
+    def served_lora_rank(self) -> int | None:
+        return self._adapters.rank
 
     async def weights_checksum(self) -> float:
+        if self._adapters.request is not None:
+            raise UnsupportedError(
+                "weights_checksum with a LoRA adapter served: vLLM keeps the adapter apart from "
+                "the base weights, so their merged digest is not computed on this engine"
+            )
         if self.settings.tensor_parallel_size > 1:
             raise UnsupportedError(
                 "weights_checksum with tensor parallelism: shards replicate some tensors, so "
@@ -340,12 +366,17 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         params = inspect.signature(self._llm.sleep).parameters
         await (self._llm.sleep(level, mode="wait") if "mode" in params else self._llm.sleep(level))
         self._asleep = {"weights", "kv_cache"}
+        self._sleep_level = level
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         if not self._asleep:
             return
         await self._llm.wake_up(tags)
+        if self._sleep_level == 2 and "weights" in (tags or ["weights"]):
+            await self._adapters.reload(self._llm)
         self._asleep -= set(tags or ["weights", "kv_cache"])
+        if not self._asleep:
+            self._sleep_level = 0
         if "kv_cache" not in self._asleep:
             await self._llm.reset_prefix_cache()  # the cached blocks' memory was dropped
 

@@ -36,6 +36,9 @@ class InfoResponse(WireModel):
     max_batch_tokens: int | None = Field(None, description="prompt tokens prefilled in one step")
     limits: Limits
     weight_transports: list[str]
+    lora_rank: int | None = Field(
+        None, description="the rank of the LoRA adapter served on the base weights (none: null)"
+    )
 
 
 class HealthResponse(WireModel):

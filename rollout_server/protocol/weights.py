@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, field_validator
 
@@ -20,12 +20,36 @@ class TensorSpec(WireModel):
     shape: list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
 
 
+class LoraAdapterSpec(WireModel):
+    """Marks an update as a LoRA adapter: its tensors are the ``lora_A``/``lora_B`` weights under
+    PEFT's names (``base_model.model.<module>.lora_A.weight``, as ``get_peft_model_state_dict``
+    gives them), served on top of the base weights the server holds instead of replacing them.
+    A later full update serves the base weights alone again."""
+
+    r: int = Field(ge=1, le=65536, description="the adapters' rank")
+    lora_alpha: float = Field(
+        gt=0, allow_inf_nan=False, description="the update is scaled by lora_alpha / r"
+    )
+    target_modules: list[str] = Field(
+        min_length=1,
+        description="the adapted modules: full module names or their last components",
+    )
+    peft_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the PEFT LoraConfig as JSON (adapter_config.json), written with the adapter; "
+        "r, lora_alpha and target_modules above take precedence",
+    )
+
+
 class WeightFileRequest(WireModel):
     """``POST /weights/load_file``: a safetensors file, or a directory of them, on a disk the
     server can read (shared volume)."""
 
     path: str
     version: Version | None = Field(None, description="version to set; default current + 1")
+    adapter: LoraAdapterSpec | None = Field(
+        None, description="the file holds a LoRA adapter, not base weights"
+    )
 
     @field_validator("path")
     @classmethod
@@ -41,6 +65,9 @@ class WeightUpdateBegin(WireModel):
     the commit names it, and the server refuses the commit if any bucket is missing."""
 
     version: Version | None = None
+    adapter: LoraAdapterSpec | None = Field(
+        None, description="the buckets hold a LoRA adapter, not base weights"
+    )
 
 
 class WeightUpdateId(WireModel):

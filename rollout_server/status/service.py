@@ -37,4 +37,5 @@ class StatusService:
             limits=core.limits,
             # no /weights/* routes at all under --disable-admin-endpoints
             weight_transports=[] if core.settings.disable_admin_endpoints else e.weight_transports,
+            lora_rank=core.engine.served_lora_rank(),
         )

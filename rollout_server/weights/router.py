@@ -134,10 +134,11 @@ async def update(
     "/begin", response_model=WeightUpdateId, responses=_ERRORS, openapi_extra=_STAGED_LINKS
 )
 async def begin(request: WeightUpdateBegin, service: WeightsDep) -> WeightUpdateId:
-    """Open a multi-bucket update (supersedes any open one); nothing is applied until commit."""
+    """Open a multi-bucket update (supersedes any open one); nothing is applied until commit.
+    With ``adapter``, the buckets hold a LoRA adapter served on the base weights."""
     with _counted(service, "http"):
         service.check_update_version(request.version)
-        return WeightUpdateId(update_id=service.stager.begin(request.version))
+        return WeightUpdateId(update_id=service.stager.begin(request.version, request.adapter))
 
 
 @router.post("/bucket", responses=_ERRORS | _NO_UPDATE, openapi_extra=_BLOB | _BUCKET_LINKS)
@@ -164,6 +165,10 @@ async def commit(request: WeightUpdateCommit, service: WeightsDep) -> WeightUpda
     again from ``/weights/begin``."""
     with _counted(service, "http"):
         staged = service.stager.take_complete(request.update_id, request.num_buckets)
+        if staged.adapter is not None:
+            return await service.apply_adapter(
+                staged.adapter, staged.tensors(), staged.version, transport="http"
+            )
         return await service.apply_weights(
             staged.tensors(), staged.version, transport="http", values_checked=True
         )
@@ -178,11 +183,15 @@ async def abort(request: WeightUpdateId, service: WeightsDep) -> dict[str, str]:
 @router.post("/load_file", response_model=WeightUpdateResponse, responses=_ERRORS)
 async def load_file(request: WeightFileRequest, service: WeightsDep) -> WeightUpdateResponse:
     """Load a .safetensors file, or every one in a directory, from the model's directory or
-    ``--weights-dir`` on the server's disk."""
+    ``--weights-dir`` on the server's disk; with ``adapter``, a LoRA adapter."""
     with _counted(service, "file"):
         service.check_update_version(request.version)
         dirs = WeightDirs.of(service.core.settings)
         tensors = await asyncio.to_thread(read_safetensors_path, request.path, dirs)
+        if request.adapter is not None:
+            return await service.apply_adapter(
+                request.adapter, tensors, request.version, transport="file"
+            )
         return await service.apply_weights(tensors, request.version, transport="file")
 
 

@@ -27,6 +27,7 @@ from rollout_server.protocol import (
 from rollout_server.weights.prepared import PreparedUpdates
 from rollout_server.weights.staging import WeightStager
 from rollout_server.weights.validation import (
+    validate_adapter,
     validate_ipc_announce,
     validate_nccl_announce,
     validate_tensors,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from rollout_server.engine.base import ReceivedUpdate
     from rollout_server.protocol import (
         IpcUpdateRequest,
+        LoraAdapterSpec,
         NcclInitRequest,
         NcclUpdateRequest,
     )
@@ -135,6 +137,33 @@ class WeightsService:
             await core.engine.reset_prefix_cache()
             seconds = time.perf_counter() - start
             core.set_version(new_version, tensors)
+        return self._record_update(transport, len(tensors), num_bytes, seconds, None)
+
+    async def apply_adapter(
+        self,
+        spec: LoraAdapterSpec,
+        tensors: dict[str, torch.Tensor],
+        version: int | None,
+        transport: str,
+    ) -> WeightUpdateResponse:
+        """A LoRA adapter served on the base weights: validated whole against the base model
+        (names, shapes, dtypes, finite values) before the pause, then loaded as a new adapter
+        under the pause gate's write side, as any update: the generations in flight finish on
+        the previous adapter, and the version moves only once the engine switched to this one."""
+        core = self.core
+        core.require_weights_awake()
+        num_bytes = await asyncio.to_thread(
+            validate_adapter, tensors, spec, core.engine.weight_metadata()
+        )
+        async with core.gate.write():
+            core.require_weights_awake()
+            self.prepared.refuse("another weight update")
+            new_version = self._next_version(version)
+            start = time.perf_counter()
+            await core.engine.load_adapter(spec, tensors, new_version)
+            await core.engine.reset_prefix_cache()
+            seconds = time.perf_counter() - start
+            core.set_version(new_version, ())  # the base weights are as they were
         return self._record_update(transport, len(tensors), num_bytes, seconds, None)
 
     async def weights_checksum(self) -> WeightChecksum:

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING
 
 from rollout_server.engine.base import TensorMeta, WeightsError
 from rollout_server.errors import Conflict, NotFound
-from rollout_server.weights.validation import validate_tensors
+from rollout_server.weights.validation import validate_adapter_tensors, validate_tensors
 
 if TYPE_CHECKING:
     import torch
+
+    from rollout_server.protocol import LoraAdapterSpec
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 class StagedUpdate:
     update_id: str
     version: int | None
+    adapter: LoraAdapterSpec | None = None  # the buckets hold a LoRA adapter
     buckets: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     owner: dict[str, int] = field(default_factory=dict)  # tensor name -> bucket index
 
@@ -48,10 +51,10 @@ class WeightStager:
     def __init__(self) -> None:
         self._open: StagedUpdate | None = None
 
-    def begin(self, version: int | None) -> str:
+    def begin(self, version: int | None, adapter: LoraAdapterSpec | None = None) -> str:
         if self._open is not None:
             log.warning("weight update %s superseded by a new one", self._open.update_id)
-        self._open = StagedUpdate(uuid.uuid4().hex, version)
+        self._open = StagedUpdate(uuid.uuid4().hex, version, adapter)
         return self._open.update_id
 
     def get(self, update_id: str) -> StagedUpdate:
@@ -70,7 +73,10 @@ class WeightStager:
         metadata: Mapping[str, TensorMeta],
     ) -> None:
         update = self.get(update_id)
-        validate_tensors(tensors, metadata)
+        if update.adapter is not None:
+            validate_adapter_tensors(tensors, update.adapter, metadata)
+        else:
+            validate_tensors(tensors, metadata)
         for name in tensors:
             if update.owner.get(name, index) != index:
                 raise WeightsError(

@@ -19,7 +19,7 @@ from rollout_server.finite import non_finite_tensor, summarize_problems
 if TYPE_CHECKING:
     import torch
 
-    from rollout_server.protocol import IpcUpdateRequest, NcclUpdateRequest
+    from rollout_server.protocol import IpcUpdateRequest, LoraAdapterSpec, NcclUpdateRequest
     from rollout_server.weights.paths import WeightDirs
 
 
@@ -168,3 +168,102 @@ def validate_ipc_announce(
             )
     _raise_problems(problems)
     return total
+
+
+PEFT_PREFIX = "base_model.model."
+# PEFT options the servers cannot serve (vLLM's LoRA has none of them): value when off
+_UNSERVABLE = {"use_dora": False, "use_rslora": False, "bias": "none", "modules_to_save": None,
+               "rank_pattern": {}, "alpha_pattern": {}, "lora_bias": False, "fan_in_fan_out": False}  # fmt: skip
+
+
+def adapter_module(name: str) -> tuple[str, str] | None:
+    """(base module, "lora_A" or "lora_B") of a PEFT adapter tensor name, or None."""
+    if not name.startswith(PEFT_PREFIX):
+        return None
+    for part in ("lora_A", "lora_B"):
+        if name.endswith(f".{part}.weight"):
+            return name[len(PEFT_PREFIX) : -len(f".{part}.weight")], part
+    return None
+
+
+def is_targeted(module: str, targets: list[str]) -> bool:
+    """PEFT's match: a target is the full module name or its trailing components."""
+    return any(module == t or module.endswith(f".{t}") for t in targets)
+
+
+def _adapter_problem(
+    name: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    spec: LoraAdapterSpec,
+    md: Mapping[str, TensorMeta],
+) -> str:
+    where = adapter_module(name)
+    if where is None:
+        return (
+            f"tensor {name!r} is not a LoRA adapter tensor: an adapter update carries "
+            f"'{PEFT_PREFIX}<module>.lora_A.weight' and '.lora_B.weight' only"
+        )
+    module, part = where
+    base = md.get(f"{module}.weight")
+    if base is None or len(base.shape) != 2:
+        return f"tensor {name!r} adapts {module!r}, which is no linear module of the model"
+    if not is_targeted(module, spec.target_modules):
+        return f"tensor {name!r} adapts {module!r}, which target_modules does not name"
+    out_f, in_f = base.shape
+    want = (spec.r, in_f) if part == "lora_A" else (out_f, spec.r)
+    if shape != want:
+        return f"tensor {name!r} has shape {list(shape)}; rank {spec.r} on {module!r} needs {list(want)}"
+    if dtype != base.dtype:
+        return f"tensor {name!r} has dtype {dtype}, the model's is {base.dtype} (cast it before sending)"
+    return ""
+
+
+def validate_adapter_tensors(
+    tensors: Mapping[str, torch.Tensor], spec: LoraAdapterSpec, metadata: Mapping[str, TensorMeta]
+) -> None:
+    """Each tensor (a bucket's) is a lora_A/lora_B of a targeted linear module, of the rank's
+    shape and the model's dtype; ``WeightsError`` naming every bad one."""
+    _raise_problems(
+        [
+            p
+            for name, t in tensors.items()
+            if (p := _adapter_problem(name, _dtype_name(t.dtype), tuple(t.shape), spec, metadata))
+        ]
+    )
+
+
+def validate_adapter(
+    tensors: Mapping[str, torch.Tensor],
+    spec: LoraAdapterSpec,
+    metadata: Mapping[str, TensorMeta],
+    *,
+    check_values: bool = True,
+) -> int:
+    """A whole adapter update: options the servers can serve, every tensor valid, both halves
+    of every targeted linear module there; returns its bytes."""
+    cfg = spec.peft_config
+    off = [k for k, v in _UNSERVABLE.items() if cfg.get(k, v) not in (v, None, {}, False)]
+    if off:
+        raise WeightsError(f"the adapter's PEFT config sets {off}, which the server cannot serve")
+    if not tensors:
+        raise WeightsError("the update carries no tensors")
+    validate_adapter_tensors(tensors, spec, metadata)
+    wanted = {
+        name[: -len(".weight")]
+        for name, meta in metadata.items()
+        if name.endswith(".weight")
+        and len(meta.shape) == 2
+        and meta.tied_to is None
+        and is_targeted(name[: -len(".weight")], spec.target_modules)
+    }
+    missing = [
+        f"{PEFT_PREFIX}{m}.{part}.weight"
+        for m in sorted(wanted)
+        for part in ("lora_A", "lora_B")
+        if f"{PEFT_PREFIX}{m}.{part}.weight" not in tensors
+    ]
+    _raise_problems([f"the adapter lacks tensor {n!r}" for n in missing])
+    if check_values:
+        _raise_problems([p for name, t in tensors.items() if (p := non_finite_tensor(name, t))])
+    return sum(t.numel() * t.element_size() for t in tensors.values())

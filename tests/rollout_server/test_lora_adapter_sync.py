@@ -1,0 +1,191 @@
+"""LoRA adapters synced as adapters: the server serves the learner's adapter (PEFT on the
+transformers engine) on its base weights, exactly the policy of the learner's merged model;
+each update is a new adapter version switched atomically; a bad adapter is refused whole while
+the previous one serves on; sleep/wake keep it; a full update serves the base alone again."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save, save_file
+
+from learner.sync.tensors import adapter_spec, adapter_tensors, merged_lora_weights
+from rollout_server.client import RolloutClient
+from rollout_server.protocol import GenerateRequest, WeightUpdateBegin
+from rollout_server.settings import ServerSettings
+from rollout_server.weight_digest import named_checksum
+
+# Seeded sampling, not greedy alone: a tiny random model greedily repeats the last prompt
+# token whatever its weights; the log-probs of sampled tokens tell the weights apart.
+PROBE = GenerateRequest(prompts=["probe", "lora"], max_tokens=10, seed=0, ignore_eos=True)
+GREEDY = GenerateRequest(prompts=["probe"], max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def _peft_model(model_dir, seed: int, r: int = 4):
+    """The learner's policy: the tiny model with random (non-zero) LoRA adapters."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False)
+    return get_peft_model(base, config).eval()
+
+
+def _merged(model_dir, peft_model):
+    """A plain model holding the learner's merged weights (what ``final`` saves)."""
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    merged.load_state_dict(dict(merged_lora_weights(peft_model)), strict=False)
+    return merged
+
+
+def _logprobs_of(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return logits.double().log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+async def _served_by(client: RolloutClient, model) -> bool:
+    """Whether every probe sample's log-probs are ``model``'s (fp32 forward, within 1e-4)."""
+    response = await client.generate(PROBE)
+    for result in response.results:
+        for sample in result.samples:
+            want = _logprobs_of(model, result.prompt_token_ids, sample.token_ids)
+            got = torch.tensor(sample.logprobs, dtype=torch.float64)
+            if not torch.allclose(got, want, atol=1e-4):
+                return False
+    return True
+
+
+@pytest.fixture
+def server(start_server, tiny_model_dir, tmp_path):
+    settings = ServerSettings(model=str(tiny_model_dir), weights_dir=str(tmp_path))
+    with start_server(settings) as s:
+        yield s
+
+
+@pytest.fixture
+async def client(server):
+    async with RolloutClient(server.url, max_retries=0) as c:
+        yield c
+
+
+async def _checksum(client: RolloutClient) -> float:
+    (answer,) = await client.weights_checksum()
+    return answer.checksum
+
+
+async def test_an_adapter_update_serves_the_learners_merged_policy(client, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    policy = _peft_model(tiny_model_dir, seed=1)
+    merged = _merged(tiny_model_dir, policy)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert await _served_by(client, base)
+    (info,) = await client.info()
+    assert info.lora_rank is None
+
+    (answer,) = await client.update_weights(adapter_tensors(policy), adapter=adapter_spec(policy))
+    assert answer.weight_version == 1
+    full_bytes = sum(t.numel() * t.element_size() for t in base.state_dict().values())
+    assert answer.num_bytes < full_bytes / 5  # the adapter alone travelled
+    (info,) = await client.info()
+    assert info.lora_rank == 4
+    assert await _served_by(client, merged) and not await _served_by(client, base)
+    greedy = (await client.generate(GREEDY)).results[0].samples[0].token_ids
+    prompt = (await client.generate(GREEDY)).results[0].prompt_token_ids
+    with torch.no_grad():
+        want = merged.generate(
+            torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10
+        )[0, len(prompt) :].tolist()
+    assert greedy == want
+    # the checksum is of the effective weights: the learner's merged model's
+    assert await _checksum(client) == pytest.approx(
+        named_checksum(merged_lora_weights(policy)), rel=1e-9
+    )
+
+
+async def test_a_second_adapter_version_switches_at_once(client, tiny_model_dir, tmp_path):
+    first, second = _peft_model(tiny_model_dir, seed=1), _peft_model(tiny_model_dir, seed=2)
+    await client.update_weights(adapter_tensors(first), adapter=adapter_spec(first))
+    (answer,) = await client.update_weights(
+        adapter_tensors(second), adapter=adapter_spec(second), bucket_bytes=4096
+    )
+    assert answer.weight_version == 2  # moved once, for all of its buckets
+    assert await _served_by(client, _merged(tiny_model_dir, second))
+    assert not await _served_by(client, _merged(tiny_model_dir, first))
+    # over a file, too
+    third = _peft_model(tiny_model_dir, seed=3, r=8)
+    path = tmp_path / "adapter.safetensors"
+    save_file({n: t.contiguous() for n, t in adapter_tensors(third)}, str(path))
+    (answer,) = await client.load_weights_file(str(path), adapter=adapter_spec(third))
+    assert answer.weight_version == 3
+    (info,) = await client.info()
+    assert info.lora_rank == 8
+    assert await _served_by(client, _merged(tiny_model_dir, third))
+
+
+@pytest.mark.parametrize("fault", ["shape", "module", "missing"])
+async def test_a_bad_adapter_is_refused_and_the_previous_one_serves_on(
+    client, server, tiny_model_dir, fault
+):
+    good = _peft_model(tiny_model_dir, seed=1)
+    await client.update_weights(adapter_tensors(good), adapter=adapter_spec(good))
+    before = await _checksum(client)
+    bad = dict(adapter_tensors(_peft_model(tiny_model_dir, seed=2)))
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    if fault == "shape":
+        bad[name] = torch.zeros(3, bad[name].shape[1])
+    elif fault == "module":
+        name = "base_model.model.model.layers.0.self_attn.q_norm.lora_A.weight"
+        bad[name] = torch.zeros(4, 16)
+    else:
+        del bad[name]
+    spec = adapter_spec(good)
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        begin = WeightUpdateBegin(adapter=spec).model_dump(mode="json")
+        update_id = (await http.post("/weights/begin", json=begin)).json()["update_id"]
+        answer = await http.post(
+            "/weights/bucket", params={"update_id": update_id, "index": 0}, content=save(bad)
+        )
+        if answer.status_code == 200:  # a missing tensor shows at commit
+            answer = await http.post(
+                "/weights/commit", json={"update_id": update_id, "num_buckets": 1}
+            )
+    assert answer.status_code == 400, answer.text
+    assert name in answer.json()["detail"]
+    (info,) = await client.info()
+    assert info.weight_version == 1 and info.lora_rank == 4
+    assert await _checksum(client) == before
+    assert await _served_by(client, _merged(tiny_model_dir, good))
+
+
+async def test_sleep_and_wake_keep_the_adapter(client, tiny_model_dir):
+    policy = _peft_model(tiny_model_dir, seed=1)
+    await client.update_weights(adapter_tensors(policy), adapter=adapter_spec(policy))
+    served = await _checksum(client)
+    await client.sleep(1)
+    await client.wake_up()
+    assert await _checksum(client) == served
+    assert await _served_by(client, _merged(tiny_model_dir, policy))
+    (info,) = await client.info()
+    assert info.lora_rank == 4
+
+
+async def test_a_full_update_serves_the_base_weights_alone_again(client, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    policy = _peft_model(tiny_model_dir, seed=1)
+    await client.update_weights(adapter_tensors(policy), adapter=adapter_spec(policy))
+    merged = dict(merged_lora_weights(policy))
+    (answer,) = await client.update_weights(merged.items())  # merged-weight sync
+    assert answer.weight_version == 2
+    (info,) = await client.info()
+    assert info.lora_rank is None
+    assert await _checksum(client) == pytest.approx(named_checksum(merged.items()), rel=1e-9)
+    assert await _served_by(client, _merged(tiny_model_dir, policy))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    assert not await _served_by(client, base)
