@@ -103,13 +103,25 @@ step_model() {
 }
 
 step_tests() {
-  # GPU_TESTS: which tests (default all of tests/), e.g. "tests/gpu/test_ipc_sync.py"
+  # GPU_TESTS: which tests (default all of tests/), e.g. "tests/gpu/test_ipc_sync.py".
+  # One pytest process per test file: a file's in-process CUDA work (the caching allocator, an
+  # in-process vLLM engine) must not hold the memory the next file's server asks for.
   # SIGINT a little before the step's own limit: pytest then still prints why tests failed
   # (a SIGTERM from the step's timeout would cut it before its report).
-  rm -f "$OUT/gpu_tests.xml"  # the verdict reads this run's report only
-  timeout -s INT -k 15 $(( ${STEP_LIMIT:-420} - 25 )) \
-  python3 -m pytest -m gpu ${GPU_TESTS:-tests} -q -rfEs -p no:cacheprovider \
-    --junitxml="$OUT/gpu_tests.xml" -o junit_family=xunit2
+  rm -f "$OUT"/gpu_tests*.xml  # the verdict reads this run's report only
+  local end=$(( $(date +%s) + ${STEP_LIMIT:-420} - 25 )) files parts=() rc=0 k=0 f
+  files=$(python3 -m pytest -m gpu ${GPU_TESTS:-tests} -q --collect-only -p no:cacheprovider \
+    | sed -n 's/::.*//p' | sort -u)
+  [ -n "$files" ] || { echo "no gpu tests collected from ${GPU_TESTS:-tests}"; return 1; }
+  for f in $files; do
+    local left=$(( end - $(date +%s) ))
+    [ "$left" -gt 20 ] || { echo "no time left for $f"; rc=2; parts+=("$OUT/gpu_tests.$k.xml"); break; }
+    timeout -s INT -k 15 "$left" python3 -m pytest -m gpu "$f" -q -rfEs -p no:cacheprovider \
+      --junitxml="$OUT/gpu_tests.$k.xml" -o junit_family=xunit2 || rc=$?
+    parts+=("$OUT/gpu_tests.$k.xml"); k=$(( k + 1 ))
+  done
+  python3 bench/suite_report.py merge "$OUT/gpu_tests.xml" "${parts[@]}" && rm -f "${parts[@]}"
+  return $rc
 }
 
 step_bench_rollout() {

@@ -8,6 +8,7 @@ file shows no failed part, missing baseline or failed test. Test counts are pyte
 
     python3 bench/suite_report.py verdict STEP RC --out OUT --work WORK   # prints STATUS<TAB>WHY
     python3 bench/suite_report.py summary STATUS_TSV --out OUT --budget S --start EPOCH
+    python3 bench/suite_report.py merge OUT.xml PART.xml...   # one junit report of several
 
 Standard library only: it runs with the system python3 of the GPU machine, before setup.
 """
@@ -251,6 +252,25 @@ def summary(steps: list[dict[str, Any]], out: Path, budget: int, start: int) -> 
     return s
 
 
+def merge_junit(parts: list[Path], dest: Path) -> None:
+    """The ``<testsuite>`` elements of several junit reports under one ``<testsuites>`` (the
+    GPU tests run one file per pytest process); a part that is missing or unreadable (its
+    process killed before it wrote one) becomes a suite of one error naming it."""
+    root = ET.Element("testsuites")
+    for part in parts:
+        try:
+            got = ET.parse(part).getroot()
+        except (OSError, ET.ParseError) as e:
+            suite = ET.SubElement(root, "testsuite", name=part.stem, tests="1", errors="1")
+            suite.set("failures", "0")
+            suite.set("skipped", "0")
+            case = ET.SubElement(suite, "testcase", classname=part.stem, name="report")
+            ET.SubElement(case, "error", message=f"no junit report: {type(e).__name__}: {e}")
+            continue
+        root.extend([got] if got.tag == "testsuite" else got.findall("testsuite"))
+    ET.ElementTree(root).write(dest, encoding="utf-8", xml_declaration=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -264,7 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--out", type=Path, required=True)
     m.add_argument("--budget", type=int, required=True)
     m.add_argument("--start", type=int, required=True)
+    j = sub.add_parser("merge", help="one junit report of several")
+    j.add_argument("dest", type=Path)
+    j.add_argument("parts", type=Path, nargs="+")
     args = p.parse_args(argv)
+    if args.cmd == "merge":
+        merge_junit(args.parts, args.dest)
+        return 0
     if args.cmd == "verdict":
         status, why = step_verdict(args.step, args.rc, args.out, args.work)
         print(f"{status}\t{why}".replace("\n", " "))

@@ -221,3 +221,23 @@ def test_overlap_runs_from_two_hosts_are_not_compared(tmp_path: Path) -> None:
     assert status == "failed" and "different hosts" in why
     same = common.overlap_report(split(0, 2.6, "h100-a"), split(1, 1.6, "h100-a"))
     assert same["verdicts"][0]["ok"] is True and "note" not in same
+
+
+def test_reports_of_one_pytest_per_file_merge_into_pytests_totals(tmp_path: Path) -> None:
+    """The suite runs each GPU test file in its own pytest: the merged report keeps every
+    file's totals, and a file whose process left no report is an error, never a pass."""
+    _, cut = _interrupted_junit(tmp_path)
+    (tmp_path / "test_fine.py").write_text("def test_one(): pass\n")
+    fine = tmp_path / "fine.xml"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_fine.py",
+         f"--junitxml={fine}", "-o", "junit_family=xunit2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    merged = tmp_path / "out" / "gpu_tests.xml"
+    merged.parent.mkdir()
+    suite_report.main(["merge", str(merged), str(cut), str(fine), str(tmp_path / "none.xml")])
+    totals = suite_report.junit_totals(merged)["totals"]
+    assert totals == {"passed": 3, "failed": 0, "error": 1, "skipped": 0, "interrupted": 1}
+    status, why = suite_report.step_verdict("tests", 0, merged.parent, tmp_path)
+    assert status == "failed" and "1 interrupted" in why, why
