@@ -130,7 +130,9 @@ def _sync_field_error(err: ValidationError) -> FieldError:
         return FieldError(".".join(map(str, (*path, inner.field))), inner.message)
     field = ".".join(map(str, path))
     if e["type"] == "extra_forbidden":
-        takes = ", ".join(n for n in SYNC_SECTIONS[str(tag)].model_fields if n != "type")
+        fields = [n for n in SYNC_SECTIONS[str(tag)].model_fields if n != "type"]
+        shared = [n for n in fields if n in _SyncSection.model_fields]  # every transport's last
+        takes = ", ".join([n for n in fields if n not in shared] + shared)
         return FieldError(
             field, f'unknown field for type = "{tag}", which takes: {takes or "nothing else"}'
         )
