@@ -1,0 +1,169 @@
+"""Weight sync of a LoRA policy, adapter against merged: bytes and time per sync, and the
+server's generation throughput with what each sync left it serving.
+
+    python bench/bench_lora_sync.py --out bench/results/lora_sync_cpu.json
+    python bench/bench_lora_sync.py --model /models/Qwen3-4B --server-arg=--engine=vllm \
+        --server-arg=--enable-lora --server-arg=--max-lora-rank=64 --r 64 --out ...
+
+Method: one rollout server (``python -m rollout_server``, its flags from ``--server-arg``) serves
+``--model`` (default: the tiny random Qwen3, CPU). The learner's side is in this process: the
+model wrapped in PEFT LoRA (rank ``--r``, every linear layer, random adapters) and the learner's
+own transports (``learner.sync``, http and file) with ``rollout.sync.lora`` = "merged" and
+"adapter". Each (transport, mode) pushes ``--syncs`` times; bytes are the server's count of
+what it loaded, times the median of the learner's wall time per push and of the server's load
+time. After the pushes, the server generates ``--prompts`` prompts of ``--tokens`` tokens each
+(seeded sampling, EOS ignored) ``--repeats`` times: tokens per second, median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(model: str, args: list[str], weights_dir: str) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "rollout_server", "--model", model, "--port", str(port)]
+    proc = subprocess.Popen([*cmd, "--weights-dir", weights_dir, *args])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the rollout server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the rollout server did not get ready in 900 s")
+
+
+def _policy(model: str, r: int, dtype: str) -> Any:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False)
+    return get_peft_model(base, config).eval()
+
+
+def _sync_config(transport: str, mode: str, sync_dir: str) -> Any:
+    from learner.config.sync import FileSyncConfig, HttpSyncConfig
+
+    if transport == "file":
+        return FileSyncConfig(dir=sync_dir, lora=mode)
+    return HttpSyncConfig(lora=mode)
+
+
+async def _measure(url: str, policy: Any, transport: str, mode: str, a: argparse.Namespace) -> dict:
+    from learner.sync.file import FileTransport
+    from learner.sync.http import HttpTransport
+    from rollout_server.client import RolloutClient
+    from rollout_server.protocol import GenerateRequest
+
+    cls = FileTransport if transport == "file" else HttpTransport
+    async with RolloutClient(url) as client:
+        sync = cls(_sync_config(transport, mode, a.sync_dir), client, ready_timeout_s=60.0)
+        walls, loads, sizes = [], [], []
+        for _ in range(a.syncs):
+            start = time.perf_counter()
+            (answer,) = await sync.push(policy)
+            walls.append(time.perf_counter() - start)
+            loads.append(answer.seconds)
+            sizes.append(answer.num_bytes)
+        (info,) = await client.info()
+        request = GenerateRequest(
+            prompts=[f"prompt {i}" for i in range(a.prompts)],
+            max_tokens=a.tokens,
+            seed=0,
+            ignore_eos=True,
+        )
+        await client.generate(request)  # warm-up
+        rates = []
+        for _ in range(a.repeats):
+            start = time.perf_counter()
+            response = await client.generate(request)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(s.token_ids) for r in response.results for s in r.samples)
+            rates.append(tokens / seconds)
+    return {
+        "transport": transport,
+        "mode": mode,
+        "bytes_per_sync": statistics.median(sizes),
+        "sync_wall_s": statistics.median(walls),
+        "server_load_s": statistics.median(loads),
+        "gen_tokens_per_s": statistics.median(rates),
+        "served_lora_rank": info.lora_rank,
+        "engine": info.engine,
+        "device": info.device,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", help="model directory (default: the tiny random Qwen3)")
+    p.add_argument("--dtype", default="float32", help="the learner's dtype")
+    p.add_argument("--r", type=int, default=8, help="LoRA rank")
+    p.add_argument("--syncs", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--transports", default="http,file")
+    p.add_argument("--server-arg", action="append", default=[], help="a rollout-server flag")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        a.sync_dir = str(Path(tmp) / "sync")
+        model = a.model
+        if model is None:
+            from rollout_server.tiny import save_tiny_model
+
+            model = str(save_tiny_model(Path(tmp) / "tiny", seed=0))
+        policy = _policy(model, a.r, a.dtype)
+        server, url = _start_server(model, a.server_arg, tmp)
+        try:
+            rows = [
+                asyncio.run(_measure(url, policy, transport, mode, a))
+                for transport in a.transports.split(",")
+                for mode in ("merged", "adapter")
+            ]
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    print(
+        f"{'transport':9} {'mode':8} {'MB/sync':>10} {'sync s':>8} {'load s':>8} {'gen tok/s':>10}"
+    )
+    for row in rows:
+        print(
+            f"{row['transport']:9} {row['mode']:8} {row['bytes_per_sync'] / 1e6:10.3f} "
+            f"{row['sync_wall_s']:8.3f} {row['server_load_s']:8.3f} {row['gen_tokens_per_s']:10.1f}"
+        )
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        setup = {k: v for k, v in vars(a).items() if k not in ("out", "sync_dir")}
+        a.out.write_text(json.dumps({"setup": setup | {"model": model}, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
