@@ -8,7 +8,8 @@
 - ``ipc``: flat buckets shared as CUDA IPC handles with servers on the learner's own GPU
   (``learner.sync.ipc``, colocated mode).
 
-What they send (the full or LoRA-merged weights, their specs, the servers' dtype) is
+What they send (the full or LoRA-merged weights, or a LoRA adapter alone over http and file; their
+specs, the servers' dtype) is
 ``learner.sync.tensors``; ZeRO-3's bucketed gathers are ``learner.sync.zero3``.
 """
 
