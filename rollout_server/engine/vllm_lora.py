@@ -37,13 +37,15 @@ def lora_engine_kwargs(settings: ServerSettings) -> dict[str, Any]:
 
 
 def adapter_config(spec: LoraAdapterSpec) -> dict[str, Any]:
-    """``adapter_config.json``: the PEFT config sent, with the spec's rank, alpha and targets."""
+    """``adapter_config.json``: the PEFT config sent, with the spec's rank and alpha, and its
+    targets as the modules' last components (``q_proj``), the form vLLM matches against its
+    model's LoRA modules; the server checked that the adapter covers every module targeted."""
     config = {k: v for k, v in spec.peft_config.items() if k != "base_model_name_or_path"}
     config.update(
         peft_type="LORA",
         r=spec.r,
         lora_alpha=spec.lora_alpha,
-        target_modules=sorted(spec.target_modules),
+        target_modules=sorted({t.rsplit(".", 1)[-1] for t in spec.target_modules}),
         bias="none",
     )
     return config

@@ -128,6 +128,36 @@ async def test_a_second_adapter_version_switches_at_once(client, tiny_model_dir,
     assert await _served_by(client, _merged(tiny_model_dir, third))
 
 
+async def test_a_generation_in_flight_is_served_by_one_adapter_version(
+    client, server, tiny_model_dir
+):
+    """Generations racing an adapter switch each come from one whole version, the one they
+    report: never a mix of the two adapters."""
+    import asyncio
+
+    first, second = _peft_model(tiny_model_dir, seed=1), _peft_model(tiny_model_dir, seed=2)
+    merged = {1: _merged(tiny_model_dir, first), 2: _merged(tiny_model_dir, second)}
+    await client.update_weights(adapter_tensors(first), adapter=adapter_spec(first))
+    request = GenerateRequest(prompts=["race"] * 4, max_tokens=48, seed=0, ignore_eos=True)
+    racing = [asyncio.create_task(client.generate(request)) for _ in range(3)]
+    for _ in range(500):  # until one is decoding (the server runs in its own thread)
+        if server.core.gate.readers:
+            break
+        await asyncio.sleep(0.01)
+    (answer,) = await client.update_weights(adapter_tensors(second), adapter=adapter_spec(second))
+    assert answer.weight_version == 2
+    versions = set()
+    for response in await asyncio.gather(*racing):
+        versions.add(response.weight_version)
+        model = merged[response.weight_version]
+        for result in response.results:
+            for sample in result.samples:
+                want = _logprobs_of(model, result.prompt_token_ids, sample.token_ids)
+                got = torch.tensor(sample.logprobs, dtype=torch.float64)
+                assert torch.allclose(got, want, atol=1e-4)
+    assert 1 in versions  # the request in flight finished on the old adapter
+
+
 @pytest.mark.parametrize("fault", ["shape", "module", "missing"])
 async def test_a_bad_adapter_is_refused_and_the_previous_one_serves_on(
     client, server, tiny_model_dir, fault
