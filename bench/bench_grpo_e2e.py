@@ -2,6 +2,8 @@
 
     python bench/bench_grpo_e2e.py --model DIR --out e2e.json [--trl-json trl.json]
         [--modes colocated,split,overlap] [--steps-colocated 8] [--steps-split 20] [--warmup 2]
+    python bench/bench_grpo_e2e.py --model DIR --model-shape qwen3-4b --out e2e4.json
+        --modes colocated4 [--trl-json trl4.json] | --modes split4,overlap4 | --modes verl
 
 Workload (the issue's, same as bench_trl_grpo.py): random-weight Qwen3-0.6B shape, bf16,
 16 chat prompts x 8 samples x up to 256 completion tokens per optimizer step, the built-in
@@ -22,6 +24,11 @@ Modes, each a real rollout server process and a real learner process:
   generate the next batch while it trains (then ``wait_generate`` is the exposed part only).
 - ``overlap`` (two GPUs): ``split`` with ``rollout.max_staleness`` = ``--overlap-max-staleness``
   (1): generation of step k+1 runs while step k trains; compared with ``split`` in the verdicts.
+- ``colocated4``, ``split4``, ``overlap4`` (four GPUs) and ``verl``: e2e_layouts.py.
+
+Every run also gets its figures (e2e_common.figures): tokens/s, MFU, every GPU's peak memory
+(sampled with nvidia-smi) and the weight sync against model bytes / the NCCL bandwidth measured
+at the start (``--no-bandwidth`` skips it).
 
 Every step's metrics come from the learner's own ``metrics.jsonl``; the first ``--warmup``
 steps are dropped and medians taken over the rest. Once the last step is logged the learner is
@@ -37,7 +44,6 @@ import argparse
 import contextlib
 import importlib.util
 import json
-import os
 import shlex
 import shutil
 import signal
@@ -53,6 +59,7 @@ from e2e_common import (
     REWARD_TARGET_CHARS,
     BenchError,
     add_workload_args,
+    figures_table,
     prompt_rows,
     read_json,
     run_identity,
@@ -61,16 +68,42 @@ from e2e_common import (
     toml_text,
     verdict_lines,
     verdicts,
+    verdicts4,
     workload,
     write_jsonl,
 )
-from gpu_common import API_KEY, ROOT, ServerProcess, gpu_env
+from e2e_layouts import (
+    BASELINES4,
+    LAYOUTS4,
+    SPLIT4,
+    add_layout_args,
+    attach_figures,
+    check_layouts,
+    embedded_section,
+    layout,
+    learner_gpus,
+    learner_head,
+    measure_nccl_bandwidth,
+    server_gpu_groups,
+    verl_run,
+)
+from e2e_procs import (
+    gpu_names,
+    ram_dir,
+    start_process,
+    start_servers,
+    stop_group,
+    tail,
+    wait_for_steps,
+)
+from gpu_common import API_KEY, ROOT, GpuMemoryPeak, ServerProcess, gpu_env
 from host_probe import host_facts
 
 from grpo_common.net import free_port
 
-MODES = ("colocated", "split", "overlap")
-SPLIT_LIKE = ("split", "overlap")  # server on GPU 1, ZeRO-3 learner on GPU 0, NCCL
+MODES = ("colocated", "split", "overlap", *LAYOUTS4, *BASELINES4)
+SPLIT_LIKE = ("split", "overlap", *SPLIT4)  # servers on GPUs of their own, NCCL
+COLOCATED = ("colocated", "colocated4")  # servers asleep on the learners' GPUs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-colocated", type=int, default=8)
     p.add_argument("--steps-split", type=int, default=20)
     add_workload_args(p)
+    add_layout_args(p)
     p.add_argument("--micro-batch-size", type=int, default=32, help="grpo.micro_batch_size")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--colocated-gpu-mem", type=float, default=0.3, help="server, colocated")
@@ -152,12 +186,19 @@ def sync_section(args: argparse.Namespace, transport: str, sync_dir: Path) -> di
 
 
 def learner_config(
-    args: argparse.Namespace, mode: str, url: str, run_dir: Path, data: Path, sync_dir: Path
+    args: argparse.Namespace,
+    mode: str,
+    url: str | list[str],
+    run_dir: Path,
+    data: Path,
+    sync_dir: Path,
 ) -> dict[str, Any]:
-    """The learner's TOML config for ``mode`` as a dict (written next to the logs)."""
+    """The learner's TOML config for ``mode`` as a dict (written next to the logs); ``url``: the
+    server or servers the bench started (none for colocated4: every rank starts its own)."""
     cpu = args.engine == "transformers"
-    transport = args.colocated_sync if mode == "colocated" else args.split_sync
-    steps = args.steps_colocated if mode == "colocated" else args.steps_split
+    transport = args.colocated_sync if mode in COLOCATED else args.split_sync
+    steps = args.steps_colocated if mode in COLOCATED else args.steps_split
+    urls = [url] if isinstance(url, str) else url
     return {
         "model": {
             "name_or_path": str(args.model),
@@ -166,13 +207,15 @@ def learner_config(
         },
         "data": {"path": str(data), "seed": 0},
         "rollout": {
-            "servers": [url],
+            "servers": urls,
             "sync": sync_section(args, transport, sync_dir),
             "ready_timeout_s": args.server_timeout,
-            "sleep_while_training": args.sleep_level if mode == "colocated" else None,
-            "max_staleness": {"split": args.split_max_staleness}.get(
-                mode, args.overlap_max_staleness if mode == "overlap" else 0
-            ),
+            "sleep_while_training": args.sleep_level if mode in COLOCATED else None,
+            "max_staleness": {
+                "split": args.split_max_staleness,
+                "split4": args.split_max_staleness,
+            }.get(mode, args.overlap_max_staleness if mode in ("overlap", "overlap4") else 0),
+            **({"embedded": embedded_section(args)} if mode == "colocated4" else {}),
         },
         "sampling": {
             "num_generations": args.num_generations,
@@ -196,6 +239,9 @@ def learner_config(
 
 
 def learner_argv(args: argparse.Namespace, mode: str, config: Path) -> list[str]:
+    tail = [f"--set={o}" for o in args.learner_set]
+    if mode in LAYOUTS4:
+        return [*learner_head(args, mode, free_port()), "--config", str(config), *tail]
     launcher = args.colocated_launcher if mode == "colocated" else args.split_launcher
     if args.engine == "transformers":
         launcher = "python"  # the CPU smoke run: no DeepSpeed
@@ -207,8 +253,23 @@ def learner_argv(args: argparse.Namespace, mode: str, config: Path) -> list[str]
             "--num_processes", "1", "--main_process_port", str(free_port()),
             "-m", "learner",
         ]  # fmt: skip
-    tail = [f"--set={o}" for o in args.learner_set]
     return [*head, "--config", str(config), *tail]
+
+
+def server_specs(args: argparse.Namespace, mode: str) -> list[dict[str, Any]]:
+    """``ServerProcess`` keyword arguments of every server the bench starts for ``mode``."""
+    if mode == "colocated4":
+        return []  # every learner rank starts its own
+    if mode not in SPLIT4:
+        return [server_options(args, mode)]
+    specs = []
+    for gpus in server_gpu_groups(args, mode):
+        opts = server_options(args, "split")
+        opts["gpu"] = gpus
+        if args.split4_tp > 1:
+            opts["extra_args"] += ["--tensor-parallel-size", str(args.split4_tp)]
+        specs.append(opts)
+    return specs
 
 
 def server_options(args: argparse.Namespace, mode: str) -> dict[str, Any]:
@@ -229,97 +290,9 @@ def server_options(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     }
 
 
-# -- processes -------------------------------------------------------------------------------
-
-
-def stop_group(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
-    """SIGTERM a process group (its leader started with a new session), SIGKILL what is left
-    after ``grace_s``, and wait until no member remains (so the GPU memory is free)."""
-    if proc is None:
-        return
-    pgid = proc.pid
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)  # any member of the group left?
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-
-
-def start_process(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as f:
-        proc = subprocess.Popen(
-            argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
-        )
-    if pidfile := os.environ.get("GRPO_GPU_PIDFILE"):  # the GPU suite ends leftovers by pid
-        with open(pidfile, "a") as f:
-            f.write(f"{proc.pid}\n")
-    return proc
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    return ""
-
-
-def ram_dir(need_bytes: int) -> str | None:
-    """/dev/shm when it has room (the colocated file sync never touches a disk), else None
-    (the default temp directory)."""
-    with contextlib.suppress(OSError):
-        if shutil.disk_usage("/dev/shm").free > need_bytes:
-            return "/dev/shm"
-    return None
-
-
-def gpu_names() -> list[str]:
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-        return [line.strip() for line in out.stdout.splitlines() if line.strip()]
-    return []
-
-
-def logged_steps(run_dir: Path) -> int:
-    with contextlib.suppress(OSError):
-        return sum(1 for line in (run_dir / "metrics.jsonl").open() if line.strip())
-    return 0
-
-
-def wait_for_steps(
-    learner: subprocess.Popen, server: ServerProcess, run_dir: Path, steps: int, deadline: float
-) -> bool:
-    """Until ``steps`` metric records exist; True if the learner was still running then (it is
-    saving its final checkpoint). A dead learner or server, or the deadline, raises."""
-    while True:
-        rc = learner.poll()
-        done = logged_steps(run_dir)
-        if done >= steps:
-            return rc is None
-        if rc is not None:
-            raise BenchError(f"the learner exited with code {rc} after {done} of {steps} steps")
-        if server.proc is not None and (rc := server.proc.poll()) is not None:
-            raise BenchError(f"the rollout server exited with code {rc}")
-        if time.monotonic() > deadline:
-            raise BenchError(f"timed out with {logged_steps(run_dir)} of {steps} steps logged")
-        time.sleep(0.5)
-
-
 def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dict[str, Any]:
+    if mode == "verl":
+        return {"mode": mode, **verl_run()}
     from learner.run.metrics import read_metrics
 
     t_start = time.monotonic()
@@ -327,40 +300,45 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dic
     mode_logs.mkdir(parents=True, exist_ok=True)
     sync_dir = Path(tempfile.mkdtemp(prefix=f"grpo-e2e-{mode}-", dir=ram_dir(4 << 30)))
     data = write_jsonl(prompt_rows(512), work / "prompts.jsonl")
-    opts = server_options(args, mode)
-    opts["extra_args"] += ["--weights-dir", str(sync_dir)]  # where file sync writes
-    server = ServerProcess(args.model, log_path=mode_logs / "server.log", **opts)
-    config = learner_config(args, mode, server.url, run_dir, data, sync_dir)
+    servers = []
+    for i, opts in enumerate(server_specs(args, mode)):
+        opts["extra_args"] += ["--weights-dir", str(sync_dir)]  # where file sync writes
+        log = mode_logs / ("server.log" if i == 0 else f"server{i}.log")
+        servers.append(ServerProcess(args.model, log_path=log, **opts))
+    config = learner_config(args, mode, [s.url for s in servers], run_dir, data, sync_dir)
     config_path = mode_logs / "learner.toml"
     config_path.write_text(toml_text(config))
     learner_log = mode_logs / "learner.log"
     argv = learner_argv(args, mode, config_path)
-    env = gpu_env(
-        None if args.engine == "transformers" else "0",
-        ROLLOUT_API_KEY=API_KEY,
-        TOKENIZERS_PARALLELISM="false",
-    )
+    gpus = None if args.engine == "transformers" else ",".join(learner_gpus(args, mode))
+    env = gpu_env(gpus, ROLLOUT_API_KEY=API_KEY, TOKENIZERS_PARALLELISM="false")
     result: dict[str, Any] = {
         "mode": mode,
         "learner_argv": argv,
-        "server_argv": server.argv,
-        "server_gpu": opts["gpu"],
-        "learner_gpu": "0",
+        "server_argv": servers[0].argv if servers else None,
+        "server_argvs": [s.argv for s in servers],
+        "server_gpu": servers[0].gpu if servers else None,
+        "learner_gpu": gpus or "cpu",
+        "layout": layout(args, mode),
         "config": config,
     }
     learner: subprocess.Popen | None = None
     steps = config["run"]["steps"]
+    memory = GpuMemoryPeak()
     try:
-        if mode == "colocated":  # vLLM sizes its memory share from what is free at start
-            server.start(ready_timeout_s=args.server_timeout)
-            result["server_ready_s"] = time.monotonic() - t_start
-            learner = start_process(argv, env, learner_log)
-        else:  # separate GPUs: load both at once
-            learner = start_process(argv, env, learner_log)
-            server.start(ready_timeout_s=args.server_timeout)
-            result["server_ready_s"] = time.monotonic() - t_start
-        deadline = time.monotonic() + args.timeout  # the server's start has its own limit
-        result["learner_cut_short"] = wait_for_steps(learner, server, run_dir, steps, deadline)
+        with memory:
+            if mode == "colocated":  # vLLM sizes its memory share from what is free at start
+                start_servers(servers, args.server_timeout)
+                result["server_ready_s"] = time.monotonic() - t_start
+                learner = start_process(argv, env, learner_log)
+            else:  # separate GPUs, or servers the learner ranks start: load all at once
+                learner = start_process(argv, env, learner_log)
+                start_servers(servers, args.server_timeout)
+                result["server_ready_s"] = time.monotonic() - t_start
+            # the server's start has its own limit (colocated4: inside the learner's)
+            extra = args.server_timeout if mode == "colocated4" else 0.0
+            deadline = time.monotonic() + args.timeout + extra
+            result["learner_cut_short"] = wait_for_steps(learner, servers, run_dir, steps, deadline)
         result["wall_s"] = time.monotonic() - t_start
         records = read_metrics(run_dir)
         result["step_seconds"] = [r.get("time/step") for r in records]
@@ -369,20 +347,23 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dic
     except (BenchError, RuntimeError, TimeoutError, ValueError, KeyboardInterrupt) as e:
         result.update(status="error", error=f"{type(e).__name__}: {e}")
         result["learner_log_tail"] = tail(learner_log)
-        result["server_log_tail"] = server.tail(40)
+        result["server_log_tail"] = "\n".join(s.tail(40) for s in servers)
         print(
             f"== {mode}: {result['error']}\n-- learner log ({learner_log}):\n"
-            f"{result['learner_log_tail']}\n-- server log ({server.log_path}):\n"
-            f"{result['server_log_tail']}",
+            f"{result['learner_log_tail']}\n-- server logs:\n{result['server_log_tail']}",
             file=sys.stderr,
         )
         if isinstance(e, KeyboardInterrupt):
             raise
     finally:
+        result["gpu_peak_mib"] = memory.peak_mib
         stop_group(learner, grace_s=5.0)
-        stop_group(server.proc, grace_s=10.0)
-        server.stop()  # closes its HTTP client; the group is already gone
-        for name in ("metrics.jsonl", "config.json"):
+        for server in servers:
+            stop_group(server.proc, grace_s=10.0)
+            server.stop()  # closes its HTTP client; the group is already gone
+        keep = ["metrics.jsonl", "config.json"]
+        keep += [f.name for f in run_dir.glob("rollout_server.rank*.log")]  # colocated4
+        for name in keep:
             with contextlib.suppress(OSError):
                 shutil.copy(run_dir / name, mode_logs / name)
         for table in sorted((run_dir / "profile").glob("*.txt")):  # --learner-set
@@ -413,6 +394,7 @@ def check_environment(args: argparse.Namespace, modes: list[str]) -> None:
             raise BenchError(
                 "--engine transformers (CPU) cannot sync over CUDA IPC: --colocated-sync file"
             )
+        check_layouts(args, modes, None)
         return
     from gpu_common import gpu_count
 
@@ -422,6 +404,7 @@ def check_environment(args: argparse.Namespace, modes: list[str]) -> None:
             "no CUDA GPU visible: run this on the GPU machine (or --engine "
             "transformers for a CPU smoke run)"
         )
+    check_layouts(args, modes, gpus)
     if set(SPLIT_LIKE) & set(modes) and gpus < 2:
         raise BenchError(
             f"modes split/overlap need 2 GPUs (server on GPU 1, learner on GPU 0); "
@@ -434,6 +417,7 @@ def check_environment(args: argparse.Namespace, modes: list[str]) -> None:
         )
     zero3 = args.split_launcher == "zero3" and bool(set(SPLIT_LIKE) & set(modes))
     zero3 |= args.colocated_launcher == "zero3" and "colocated" in modes
+    zero3 |= bool(set(LAYOUTS4) & set(modes))  # always ZeRO-3 over their learner GPUs
     if zero3 and importlib.util.find_spec("deepspeed") is None:
         raise BenchError(
             "the zero3 launcher needs DeepSpeed: export PYTHONPATH=/tmp/site, or "
@@ -451,7 +435,7 @@ def write_results(
     """Verdicts over the runs so far, and the whole of ``results`` written to ``--out``
     (``pending``: the modes not run yet, listed in the file while there are any)."""
     runs = {k: results.get(k) for k in ("trl", *MODES)}
-    ours = workload(args.prompts_per_step, args.num_generations, args.max_tokens)
+    ours = workload(args.prompts_per_step, args.num_generations, args.max_tokens, args.model_shape)
     trl = results["trl"] or {}
     trl_workload = trl.get("workload")
     same_run = trl.get("status") != "ok" or trl.get("run") == results["run"]
@@ -462,9 +446,12 @@ def write_results(
             f"TRL ran on {trl.get('run')}, ours on {results['run']}: another host or suite "
             "run, not compared"
         )
+    attach_figures(results, runs, str(args.model))
+    four = bool(set(LAYOUTS4) & set(args.modes.split(",")))  # the 4-GPU checks instead
     if args.engine == "vllm":
-        results["verdicts"] = verdicts(
-            runs, same_workload=trl_workload in (None, ours), same_run=same_run
+        given = {k: v for k, v in runs.items() if v is not None} if four else runs
+        results["verdicts"] = (verdicts4 if four else verdicts)(
+            given, same_workload=trl_workload in (None, ours), same_run=same_run
         )
     else:
         results["verdicts"] = []
@@ -502,7 +489,9 @@ def _run_modes(args: argparse.Namespace, modes: list[str]) -> int:
         "run": run_identity(),  # the TRL result must carry the same to be compared
         "trl": read_json(args.trl_json) if args.trl_json else None,
         "workload": {
-            **workload(args.prompts_per_step, args.num_generations, args.max_tokens),
+            **workload(
+                args.prompts_per_step, args.num_generations, args.max_tokens, args.model_shape
+            ),
             "model": str(args.model),
             "engine": args.engine,
             "forced_lengths": False,  # the learner has no ignore_eos option
@@ -511,6 +500,11 @@ def _run_modes(args: argparse.Namespace, modes: list[str]) -> int:
             "host": host_facts(),  # CPU and launch speeds: hosts of one GPU kind differ
         },
     }
+    if args.engine == "vllm" and args.bandwidth and set(SPLIT_LIKE + COLOCATED) & set(modes):
+        print("== NCCL bandwidth GPU 0 -> GPU 1 (the sync figures' bound)", flush=True)
+        results["bandwidth"] = measure_nccl_bandwidth()
+    else:
+        results["bandwidth"] = {"status": "skipped", "why": "CPU run or --no-bandwidth"}
     try:
         for i, mode in enumerate(modes):
             # what is done so far is on disk before each mode starts: a run killed outright
@@ -526,6 +520,7 @@ def _run_modes(args: argparse.Namespace, modes: list[str]) -> int:
             shutil.rmtree(work, ignore_errors=True)
     runs = write_results(args, results, pending=[])
     print(table(runs))
+    print(figures_table(runs))
     print(verdict_lines(results["verdicts"]))
     for key in ("trl_note", "note"):
         if key in results:

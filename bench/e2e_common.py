@@ -13,7 +13,7 @@ import json
 import os
 import socket
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +151,7 @@ def summarize_learner(records: Sequence[dict[str, Any]], warmup: int) -> dict[st
     phases["other"] = statistics.median(other)
     gen_tokens = _median_of(measured, "tokens/generated")
     step_median = statistics.median(steps)
+    trained = _median_of(measured, "tokens/trained")
     return {
         "steps_logged": len(records),
         "warmup": warmup,
@@ -161,6 +162,7 @@ def summarize_learner(records: Sequence[dict[str, Any]], warmup: int) -> dict[st
         "completion_truncated_frac": _mean_of(measured, "completion/truncated_frac"),
         "tokens_generated_per_step": gen_tokens,
         "generated_tokens_per_step_s": gen_tokens / step_median if gen_tokens else None,
+        "tokens_trained_per_step": trained,
         "gen_tokens_per_s": _median_of(measured, "throughput/gen_tokens_per_s"),
         "train_tokens_per_s": _median_of(measured, "throughput/train_tokens_per_s"),
         "mfu": _median_of(measured, "mfu"),
@@ -206,13 +208,19 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
 
 
-def workload(prompts_per_step: int, num_generations: int, max_tokens: int) -> dict[str, int]:
-    """What one optimizer step does; both benchmarks record it, the TRL verdict needs a match."""
-    return {
+def workload(
+    prompts_per_step: int, num_generations: int, max_tokens: int, model_shape: str | None = None
+) -> dict[str, Any]:
+    """What one optimizer step does; both benchmarks record it, the TRL verdict needs a match
+    (the model's shape too, where a run names one: ``--model-shape``)."""
+    out: dict[str, Any] = {
         "prompts_per_step": prompts_per_step,
         "num_generations": num_generations,
         "max_tokens": max_tokens,
     }
+    if model_shape is not None:
+        out["model_shape"] = model_shape
+    return out
 
 
 def verdicts(
@@ -246,6 +254,123 @@ def verdicts(
         # the issue's "the 2-GPU run must be faster still": its best 2-GPU mode
         add("overlap (2 GPUs) faster than colocated", overlap, colo, "colocated median, this run")
     return checks
+
+
+# -- the 4-GPU layouts: efficiency figures and verdicts (issue 37) ----------------------------
+
+#: what the figures of one run hold (each present, None where it cannot be had, e.g. on CPU)
+FIGURE_KEYS = (
+    "gpus", "step_s", "gen_tokens_per_s", "train_tokens_per_s", "mfu_train", "mfu_step",
+    "peak_gpu_mib", "peak_gpu_mib_max", "sync_s", "sync_bytes", "nccl_gb_per_s",
+    "sync_bound_s", "sync_vs_bound",
+)  # fmt: skip
+SPEEDUP_VS_TRL = 1.5  # the issue's acceptance: ours (best layout) >= 1.5x TRL's colocated step
+SYNC_BOUND_FACTOR = 2.0  # a full NCCL sync within 2x of bytes / measured bandwidth
+
+
+def figures(
+    run: dict[str, Any] | None,
+    *,
+    gpus: int,
+    completions: int,
+    flops_per_token: Callable[[float], float] | None,
+    peak_tflops: float | None,
+    sync_bytes: int | None,
+    nccl_gb_per_s: float | None,
+) -> dict[str, Any]:
+    """One run's efficiency figures, the same arithmetic for ours and a baseline: tokens per
+    second of the whole step (generated, and trained: prompt + completion), MFU of the whole
+    step over every GPU of the layout (model FLOPs of the trained tokens, ``flops_per_token`` at
+    the mean sequence length), the learner's own train-phase MFU where it logs one, every GPU's
+    peak memory, and the weight sync against ``sync_bytes`` / measured NCCL bandwidth."""
+    out: dict[str, Any] = dict.fromkeys(FIGURE_KEYS)
+    out |= {"gpus": gpus, "sync_bytes": sync_bytes, "nccl_gb_per_s": nccl_gb_per_s}
+    peak_mem = (run or {}).get("gpu_peak_mib") or {}
+    out["peak_gpu_mib"] = peak_mem
+    out["peak_gpu_mib_max"] = max(peak_mem.values()) if peak_mem else None
+    step = median_step(run)
+    if step is None or run is None:
+        return out
+    s = run["summary"]
+    gen, trained = s.get("tokens_generated_per_step"), s.get("tokens_trained_per_step")
+    out["step_s"] = step
+    out["gen_tokens_per_s"] = gen / step if gen else None
+    out["train_tokens_per_s"] = trained / step if trained else None
+    out["mfu_train"] = s.get("mfu")
+    if trained and flops_per_token is not None and peak_tflops and gpus:
+        flops = trained * flops_per_token(trained / completions)
+        out["mfu_step"] = flops / step / (peak_tflops * 1e12 * gpus)
+    out["sync_s"] = (s.get("phase_median_s") or {}).get("sync")
+    if sync_bytes and nccl_gb_per_s:
+        out["sync_bound_s"] = sync_bytes / (nccl_gb_per_s * 1e9)
+        if out["sync_s"] is not None:
+            out["sync_vs_bound"] = out["sync_s"] / out["sync_bound_s"]
+    return out
+
+
+def verdicts4(
+    results: dict[str, dict[str, Any] | None],
+    *,
+    same_workload: bool = True,
+    same_run: bool = True,
+) -> list[dict[str, Any]]:
+    """The issue's checks on the 4-GPU layouts (``colocated4``, ``split4``, ``overlap4``, with
+    ``trl`` TRL's 4-GPU colocated run): the best of ours at least 1.5x faster than TRL in this
+    run, the overlapped split faster than the synchronous one, and each NCCL sync within 2x of
+    its bytes / bandwidth bound. TRL is compared only from this run and workload."""
+    trl = median_step(results.get("trl")) if same_workload and same_run else None
+    ours = {k: median_step(results.get(k)) for k in ("colocated4", "split4", "overlap4")}
+    ran = {k: v for k, v in ours.items() if v is not None}
+    best = min(ran.values()) if ran else None
+    checks: list[dict[str, Any]] = []
+
+    def add(check: str, measured: float | None, bound: float | None, what: str) -> None:
+        ok = None if measured is None or bound is None else measured <= bound
+        checks.append(
+            {"check": check, "measured_s": measured, "bound_s": bound, "vs": what, "ok": ok}
+        )
+
+    if "trl" in results:
+        add(f"best 4-GPU layout >= {SPEEDUP_VS_TRL}x faster than TRL (4 GPUs, this run)", best,
+            trl / SPEEDUP_VS_TRL if trl else None, f"TRL median / {SPEEDUP_VS_TRL}, this run")  # fmt: skip
+        if "colocated4" in results:
+            add("colocated4 faster than TRL colocated (4 GPUs, this run)",
+                ours["colocated4"], trl, "TRL median, this run")  # fmt: skip
+    if "split4" in results and "overlap4" in results:
+        add("overlap4 faster than synchronous split4", ours["overlap4"], ours["split4"],
+            "split4 median, this run")  # fmt: skip
+    for k in ("split4", "overlap4"):
+        f = (results.get(k) or {}).get("figures") or {}
+        if k in results:
+            bound = f.get("sync_bound_s")
+            add(f"{k} NCCL sync within {SYNC_BOUND_FACTOR:g}x of bytes / bandwidth",
+                f.get("sync_s"), bound * SYNC_BOUND_FACTOR if bound else None,
+                "model bytes / measured NCCL bandwidth")  # fmt: skip
+    return checks
+
+
+def figures_table(results: dict[str, dict[str, Any] | None]) -> str:
+    """Per run: GPUs, tokens/s, MFU (whole step; train phase), peak memory per GPU (GiB) and
+    the weight sync against its bound."""
+    head = (
+        f"{'run':10} {'gpus':>4} {'gen tok/s':>9} {'trn tok/s':>9} {'mfu':>6} {'mfu_trn':>7} "
+        f"{'sync':>6} {'bound':>6} {'x':>5}  peak GiB per GPU"
+    )
+    lines = [head, "-" * len(head)]
+    for name, r in results.items():
+        f = (r or {}).get("figures")
+        if f is None:
+            continue
+        peaks = " ".join(
+            f"{k}:{v / 1024:.1f}" for k, v in sorted(f["peak_gpu_mib"].items())
+        )  # fmt: skip
+        lines.append(
+            f"{name:10} {f['gpus'] or '-':>4} {_fmt(f['gen_tokens_per_s'], '.0f'):>9} "
+            f"{_fmt(f['train_tokens_per_s'], '.0f'):>9} {_fmt(f['mfu_step'], '.3f'):>6} "
+            f"{_fmt(f['mfu_train'], '.3f'):>7} {_fmt(f['sync_s'], '.3f'):>6} "
+            f"{_fmt(f['sync_bound_s'], '.3f'):>6} {_fmt(f['sync_vs_bound']):>5}  {peaks or '-'}"
+        )
+    return "\n".join(lines)
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:

@@ -1,5 +1,8 @@
 """Shared by the GPU tests (tests/gpu) and benchmarks (bench/*_gpu.py): the random-weight
-Qwen3-0.6B-shaped model, a rollout server in its own process on a chosen GPU, GPU memory reads.
+Qwen3-shaped models (0.6B, 4B, 8B), a rollout server in its own process on a chosen GPU, GPU
+memory reads (this process's, and every GPU's peak while a benchmark runs).
+
+    python3 bench/gpu_common.py build-model --shape qwen3-4b DIR   # random weights, bf16
 
 The server runs as a real ``rollout-server`` process (``python -m rollout_server``) so that it can
 own a different GPU than the test (``CUDA_VISIBLE_DEVICES``) and so vLLM's worker processes die
@@ -8,12 +11,14 @@ with it. NVLink multicast stays off in every process started here (NCCL_NVLS_ENA
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +28,7 @@ from typing import Any
 import httpx
 
 from grpo_common.net import free_port
+from rollout_server.tiny import QWEN3_0_6B_SHAPE, QWEN3_4B_SHAPE
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_MULTICAST = {
@@ -67,6 +73,52 @@ def qwen3_model_dir() -> Path:
     return save_tiny_model(out, seed=0, dtype="bfloat16", **QWEN3_0_6B_SHAPE)
 
 
+# The published Qwen3 architectures' sizes (their config.json), as ``save_tiny_model`` overrides:
+# real shapes with random weights, since nothing can be downloaded on the GPU machine.
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": QWEN3_0_6B_SHAPE,
+    "qwen3-4b": QWEN3_4B_SHAPE,
+    "qwen3-8b": {**QWEN3_0_6B_SHAPE, "hidden_size": 4096, "intermediate_size": 12288,
+                 "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "tie_word_embeddings": False},
+}  # fmt: skip
+#: the fields a model directory's config.json must match to be called that shape
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "vocab_size", "tie_word_embeddings")  # fmt: skip
+
+
+def shape_mismatch(model_dir: Path | str, shape: str) -> str:
+    """Why ``model_dir``'s config.json is not ``shape`` ('' when it is): a result labelled
+    Qwen3-8B must have run the 8B shape."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"cannot read {model_dir}/config.json: {e}"
+    want = MODEL_SHAPES[shape]
+    bad = [f"{k} {config.get(k)} (want {want[k]})" for k in SHAPE_KEYS if config.get(k) != want[k]]
+    return f"{model_dir} is not the {shape} shape: " + ", ".join(bad) if bad else ""
+
+
+def build_shape_model(path: Path | str, shape: str, seed: int = 0) -> Path:
+    """A random-weight bf16 model of ``shape`` at ``path`` (with the byte-level tokenizer),
+    initialised on the GPU when there is one: 8B parameters are drawn in seconds there, minutes
+    on the CPU."""
+    import torch
+
+    from rollout_server.tiny import save_tiny_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        return save_tiny_model(path, seed=seed, dtype="bfloat16", **MODEL_SHAPES[shape])
+
+
+def model_bytes(model_dir: Path | str) -> int:
+    """The bytes of the model's weights as saved (bf16 safetensors): what a full sync sends."""
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+
+
 def gpu_count() -> int:
     import torch
 
@@ -78,6 +130,45 @@ def free_gpu_bytes(device: int = 0) -> int:
     import torch
 
     return torch.cuda.mem_get_info(device)[0]
+
+
+class GpuMemoryPeak:
+    """Every GPU's peak used memory (``nvidia-smi``: all processes, vLLM's pools included) while
+    the block runs, sampled every ``interval_s`` in a thread: the same measure for our layouts
+    and for a baseline whose memory is not all in one torch allocator. ``peak_mib`` maps the
+    GPU index to MiB; empty where there is no ``nvidia-smi`` (the CPU runs)."""
+
+    QUERY = ("nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits")
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self.peak_mib: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def sample(self) -> bool:
+        try:
+            out = subprocess.run(self.QUERY, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return False
+        for line in out.stdout.splitlines():
+            index, _, used = line.partition(",")
+            with contextlib.suppress(ValueError):
+                mib = int(float(used))
+                self.peak_mib[index.strip()] = max(mib, self.peak_mib.get(index.strip(), 0))
+        return out.returncode == 0
+
+    def _poll(self) -> None:
+        while self.sample() and not self._stop.wait(self.interval_s):
+            pass
+
+    def __enter__(self) -> GpuMemoryPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
 
 
 class ServerProcess:
@@ -245,3 +336,18 @@ def greedy(server: ServerProcess, prompts: list[list[int]], max_tokens: int = 24
     )
     samples = [r["samples"][0] for r in out["results"]]
     return Greedy([s["token_ids"] for s in samples], [s["logprobs"] for s in samples])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="random-weight Qwen3-shaped models for the GPU runs")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build-model", help="write a random-weight bf16 model of a real shape")
+    b.add_argument("--shape", choices=sorted(MODEL_SHAPES), required=True)
+    b.add_argument("path", type=Path)
+    args = p.parse_args(argv)
+    print(build_shape_model(args.path, args.shape))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
