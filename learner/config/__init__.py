@@ -432,6 +432,13 @@ class LearnerConfig(Section):
                 'rollout.sync.lora = "adapter" with sleep_while_training = 2: level 2 discards '
                 "the servers' base weights, which an adapter sync never sends; use level 1"
             )
+        if self.sft is not None and self.has_grpo and rollout.external:
+            raise ValueError(
+                'rollout.sync.lora = "adapter" with an [sft] warm start and rollout.servers: '
+                "the servers hold the checkpoint they started from, not the SFT model GRPO's "
+                'adapters train on, and an adapter sync never sends it; use lora = "merged" '
+                "or the embedded server (it starts from the SFT model)"
+            )
 
     @model_validator(mode="after")
     def _one_source_of_rewards(self) -> LearnerConfig:

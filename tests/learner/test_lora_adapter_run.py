@@ -75,3 +75,46 @@ def test_an_adapter_sync_run_ends_serving_the_saved_final_model(tmp_path, start_
     per_sync = loaded / STEPS
     print(f"bytes per sync over {transport}: adapter {per_sync:.0f}, merged {full}")
     assert per_sync < full / 5
+
+
+ADAPTER = 'rollout.sync={type = "http", lora = "adapter"}'
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ([ADAPTER], "needs model.lora"),
+        (["model.lora.r=4", 'model.lora.quantization="nf4"', ADAPTER], "with QLoRA"),
+        (["model.lora.r=4", "rollout.sleep_while_training=2", ADAPTER], "level 2 discards"),
+        (
+            ["model.lora.r=4", 'rollout.sync={type = "nccl", lora = "adapter"}'],
+            'rollout.sync.lora: "adapter" goes over type = "http" or "file"',
+        ),
+        (
+            ["model.lora.r=4", 'rollout.sync={type = "ipc", lora = "adapter"}'],
+            'rollout.sync.lora: "adapter" goes over type = "http" or "file"',
+        ),
+        (
+            [
+                "model.lora.r=4",
+                'sft.data="learner/data/sft_demo.jsonl"',
+                'rollout.servers=["http://127.0.0.1:1"]',
+                ADAPTER,
+            ],
+            "an [sft] warm start and rollout.servers",
+        ),
+    ],
+)
+def test_adapter_sync_is_refused_where_it_cannot_serve_the_learners_policy(overrides, fragment):
+    from learner.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, overrides)
+    assert fragment in str(e.value), str(e.value)
+
+
+def test_adapter_sync_is_accepted_with_lora_over_http_and_file(tmp_path):
+    for sync in ('type = "http"', f'type = "file", dir = "{tmp_path}"'):
+        cfg = load_config(DEMO, ["model.lora.r=4", f'rollout.sync={{{sync}, lora = "adapter"}}'])
+        assert cfg.rollout.sync.lora == "adapter"
+    assert load_config(DEMO).rollout.sync.lora == "merged"
