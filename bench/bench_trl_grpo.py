@@ -1,6 +1,8 @@
 """The baseline: TRL 1.16's ``GRPOTrainer`` with vLLM colocated, on the end-to-end workload.
 
     python bench/bench_trl_grpo.py --model DIR --out trl.json [--steps 8] [--warmup 2] [--liger]
+    accelerate launch --config_file deploy/accelerate/zero3.yaml --num_processes 4 \
+        bench/bench_trl_grpo.py --model DIR --model-shape qwen3-4b --out trl4.json
 
 Same workload as bench_grpo_e2e.py (e2e_common.py): random-weight Qwen3-0.6B shape loaded in
 bf16 (``model_init_kwargs={"dtype": "bfloat16"}``, ``bf16=True``), the same 16 chat prompts x
@@ -19,11 +21,17 @@ dropped; the median of the rest is reported, next to the wall-clock gap between 
 step ends and TRL's own logged ``step_time``. vLLM's ``generate`` and ``sync_weights`` are
 wrapped with timers for a rough phase split. ``--cpu --no-vllm`` runs the same plumbing on CPU
 (transformers generation; numbers mean nothing).
+
+Under ``accelerate launch`` with N processes (the 4-GPU comparison: ZeRO-3, a vLLM engine on
+every rank's GPU) the accumulation steps shrink N-fold, so a step is still 16 prompts x 8 in
+all; the main process writes the result, with every GPU's peak memory (nvidia-smi) and TRL's
+trained tokens per step (its logged ``num_tokens``) for the figures bench_grpo_e2e.py computes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import json
@@ -48,6 +56,7 @@ from e2e_common import (
     table,
     workload,
 )
+from gpu_common import MODEL_SHAPES, GpuMemoryPeak, shape_mismatch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,11 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="result JSON")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps in all")
     add_workload_args(p)
+    p.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), help="checked, recorded")
     p.add_argument(
         "--per-device-train-batch-size",
         type=int,
         default=16,
-        help="completions per micro-batch; accumulation makes up one step's prompts x samples",
+        help="completions per micro-batch and process; accumulation over the processes makes "
+        "up one step's prompts x samples",
     )
     p.add_argument("--vllm-gpu-mem", type=float, default=0.3)
     p.add_argument("--vllm-sleep", action="store_true", help="vllm_enable_sleep_mode=True")
@@ -84,21 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def trl_config_kwargs(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
-    """``GRPOConfig`` keyword arguments: one optimizer step = prompts_per_step x G completions,
-    generated once (pure, so a test can check the batch arithmetic)."""
+def trl_config_kwargs(args: argparse.Namespace, output_dir: str, world: int = 1) -> dict[str, Any]:
+    """``GRPOConfig`` keyword arguments: one optimizer step = prompts_per_step x G completions
+    over all ``world`` processes, generated once (pure, so a test can check the arithmetic)."""
     completions = args.prompts_per_step * args.num_generations
     mb = args.per_device_train_batch_size
-    if mb < 1 or completions % mb:
+    if mb < 1 or completions % (mb * world):
         raise BenchError(
-            f"--per-device-train-batch-size {mb} must divide {completions} completions per "
-            "step (prompts x generations)"
+            f"--per-device-train-batch-size {mb} x {world} processes must divide {completions} "
+            "completions per step (prompts x generations)"
         )
     return {
         "output_dir": output_dir,
         "max_steps": args.steps,
         "per_device_train_batch_size": mb,
-        "gradient_accumulation_steps": completions // mb,
+        "gradient_accumulation_steps": completions // (mb * world),
         # steps_per_generation defaults to gradient_accumulation_steps: one generation per step
         "num_generations": args.num_generations,
         "max_completion_length": args.max_tokens,
@@ -185,7 +196,9 @@ def time_calls(obj: Any, name: str, bucket: list[float]) -> None:
     setattr(obj, name, timed)
 
 
-def summarize_trl(timer: Any, calls: dict[str, list[float]], warmup: int) -> dict[str, Any]:
+def summarize_trl(
+    timer: Any, calls: dict[str, list[float]], warmup: int, completions: int
+) -> dict[str, Any]:
     steps = timer.steps[warmup:]
     intervals = [b - a for a, b in zip(timer.ends, timer.ends[1:], strict=False)][
         max(warmup - 1, 0) :
@@ -204,15 +217,21 @@ def summarize_trl(timer: Any, calls: dict[str, list[float]], warmup: int) -> dic
             "sync": statistics.median(sync),
             "train": statistics.median(s - g - w for s, g, w in zip(steps, gen, sync, strict=True)),
         }
+    # TRL logs num_tokens (prompt + completion, all processes) as a running total
+    seen = {k: v["num_tokens"] for k, v in timer.logs.items() if "num_tokens" in v}
+    trained = [seen[k] - seen[k - 1] for k in sorted(seen) if k > warmup and k - 1 in seen]
+    length = log_mean("completions/mean_length")
     return {
         "steps_logged": len(timer.steps),
         "warmup": warmup,
         "step_s": seconds_stats(steps),
+        "tokens_trained_per_step": statistics.median(trained) if trained else None,
+        "tokens_generated_per_step": length * completions if length is not None else None,
         "phase_median_s": phases,
         "phase_note": "train = step - generate - sync (rewards and optimizer step included)",
         "wall_interval_s": seconds_stats(intervals) if intervals else None,
         "trl_step_time_s": log_mean("step_time"),
-        "completion_len_mean": log_mean("completions/mean_length"),
+        "completion_len_mean": length,
         "completion_truncated_frac": log_mean("completions/clipped_ratio"),
         "reward_mean": log_mean("reward"),
         "generate_calls": len(calls["generate"]),
@@ -238,6 +257,13 @@ def check_environment(args: argparse.Namespace) -> None:
             raise BenchError("no CUDA GPU visible: run on the GPU machine (or --cpu --no-vllm)")
     if args.steps <= args.warmup:
         raise BenchError(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    if args.model_shape and (why := shape_mismatch(args.model, args.model_shape)):
+        raise BenchError(why)
+
+
+def world_size() -> int:
+    """Processes of this run (``accelerate launch`` sets WORLD_SIZE; 1 without it)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -247,7 +273,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     out_dir = tempfile.mkdtemp(prefix="trl-grpo-")
-    config = GRPOConfig(**trl_config_kwargs(args, out_dir))
+    world = world_size()
+    config = GRPOConfig(**trl_config_kwargs(args, out_dir, world))
     rows = prompt_rows(max(512, args.steps * args.prompts_per_step))
     t0 = time.perf_counter()
     trainer = GRPOTrainer(
@@ -266,19 +293,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer.add_callback(timer)
     t0 = time.perf_counter()
     trainer.train()
+    completions = args.prompts_per_step * args.num_generations
     return {
         "status": "ok",
         "trl_version": trl.__version__,
-        "workload": workload(args.prompts_per_step, args.num_generations, args.max_tokens),
         "setup_s": setup_s,
         "train_s": time.perf_counter() - t0,
-        "config": {k: v for k, v in trl_config_kwargs(args, out_dir).items() if k != "output_dir"},
+        "config": {
+            k: v for k, v in trl_config_kwargs(args, out_dir, world).items() if k != "output_dir"
+        },
         "derived": {
             "generation_batch_size": config.generation_batch_size,
             "steps_per_generation": config.steps_per_generation,
         },
         "step_seconds": timer.steps,
-        "summary": summarize_trl(timer, calls, args.warmup),
+        "summary": summarize_trl(timer, calls, args.warmup, completions),
     }
 
 
@@ -289,11 +318,22 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as e:
         print(f"bench_trl_grpo: error: {e}", file=sys.stderr)
         return 2
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    memory = GpuMemoryPeak()  # every GPU, sampled by the main process only
     try:
-        result = run(args)
+        with memory if main_process else contextlib.nullcontext():
+            result = run(args)
     except Exception as e:  # recorded in the JSON, so the suite's summary shows it
         traceback.print_exc()
         result = {"status": "error", "error": f"{type(e).__name__}: {e}"}
+    if not main_process:
+        return 0 if result["status"] == "ok" else 1
+    result["workload"] = workload(
+        args.prompts_per_step, args.num_generations, args.max_tokens, args.model_shape
+    )
+    result["world_size"] = world_size()
+    result["deepspeed_zero_stage"] = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    result["gpu_peak_mib"] = memory.peak_mib
     result["run"] = run_identity()  # ours is compared with it only on the same host and run
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

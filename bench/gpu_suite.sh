@@ -19,7 +19,15 @@
 # GPU, no rollout server, ~2.5 min), overlap (issue 7: bench_grpo_e2e.py in mode split twice,
 # rollout.max_staleness 0 then 1, 12 steps each; needs the 2-GPU machine, ~4 min). Neither is
 # in the default list: SUITE_STEPS="setup model memory overlap" SUITE_BUDGET_S=590 on the
-# 2-GPU machine. Each step has its own time
+# 2-GPU machine. 4-GPU layouts (issue 37, kind nvidia-h100-x4; E2E4_SHAPE qwen3-4b or
+# qwen3-8b): model4 (the random-weight model of that shape, built on GPU 0, kept in $WORK),
+# e2e4_colocated (TRL 1.16 GRPOTrainer on 4 processes, accelerate + ZeRO-3, vLLM colocated on
+# every rank; then ours colocated on every rank: a sleeping vLLM server per ZeRO-3 rank, CUDA
+# IPC sync), e2e4_split (ours on 2 learner GPUs + 2 server GPUs, NCCL: synchronous, then
+# rollout.max_staleness 1; E2E4_ARGS="--split4-tp 2" for one TP-2 server), e2e4_verl (veRL's
+# GRPO: a failed step where verl is not installed). One call each after "setup model4":
+# SUITE_STEPS="setup model4", then "setup e2e4_colocated", "setup e2e4_split", "setup e2e4_verl"
+# with SUITE_BUDGET_S=580 on the same warm machine. Each step has its own time
 # limit and its own log; a failing step does not stop the others; the whole run stays inside
 # SUITE_BUDGET_S (steps that no longer fit are skipped and say so). The budget counts from this
 # script's start and the machine's call limit from the call's: make the suite the whole command
@@ -36,6 +44,9 @@
 #   bench_e2e_colocated.json / bench_e2e_split.json  e2e_colocated: TRL vs ours colocated;
 #                e2e_split: split vs overlap; median s/step and phases, verdicts, the run id
 #                (rewritten as each mode ends: a cut call keeps the modes that finished)
+#   bench_e2e4_colocated.json / bench_e2e4_split.json / bench_e2e4_verl.json  the 4-GPU layouts:
+#                both sides, s/step and phases, tokens/s, MFU, peak memory per GPU, weight sync
+#                vs bytes / NCCL bandwidth, the run id, verdicts
 #   bench_memory_options.json  memory: peak bytes, step seconds, recompute probe per option
 #   bench_overlap.json  overlap: synchronous vs overlapped split medians, the verdict
 #   logs.tar.gz  every step log, server logs, the offline-baseline log, bench_loss outputs,
@@ -57,6 +68,8 @@ export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFO
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export GRPO_GPU_MODEL=${GRPO_GPU_MODEL:-$WORK/qwen3-0.6b-shape} GRPO_GPU_LOG_DIR=$LOGS
+export E2E4_SHAPE=${E2E4_SHAPE:-qwen3-4b}
+export E2E4_MODEL=${E2E4_MODEL:-$WORK/$E2E4_SHAPE-shape}  # the 4-GPU layouts' model
 export GRPO_GPU_PIDFILE=$WORK/servers.pid  # rollout servers started by the steps (by pid)
 # this run's id, in every benchmark's JSON: numbers are put side by side only within one run
 export SUITE_RUN_ID=${SUITE_RUN_ID:-$(hostname)-$(date +%s)-$$}
@@ -172,6 +185,62 @@ step_e2e_split() {
   e2e_ours e2e_split $(( STEP_LIMIT - 20 )) 2 --modes split,overlap
 }
 
+step_model4() {
+  # the 4-GPU layouts' model: $E2E4_SHAPE's published sizes, random bf16 weights drawn on GPU 0
+  if [ -f "$E2E4_MODEL/config.json" ]; then echo "reusing $E2E4_MODEL"; return 0; fi
+  CUDA_VISIBLE_DEVICES=0 python3 bench/gpu_common.py build-model --shape "$E2E4_SHAPE" "$E2E4_MODEL.tmp" \
+    && rm -rf "$E2E4_MODEL" && mv "$E2E4_MODEL.tmp" "$E2E4_MODEL"
+}
+
+e2e4_ours() {  # bench_grpo_e2e.py on the 4-GPU model: $1 step, $2 seconds left, $3 per-mode limit, then flags
+  local name=$1 left=$2 mode_limit=$3; shift 3
+  echo "-- ours $* (limit ${mode_limit}s per mode, ${left}s left)"
+  python3 bench/bench_grpo_e2e.py --model "$E2E4_MODEL" --model-shape "$E2E4_SHAPE" \
+    --out "$OUT/bench_$name.json" --log-dir "$LOGS/$name" --work-dir "$WORK/$name/runs" \
+    --steps-colocated "${E2E4_STEPS:-8}" --steps-split "${E2E4_STEPS:-8}" \
+    --timeout "$mode_limit" --server-timeout 150 "$@" ${E2E4_ARGS:-}
+}
+export -f e2e4_ours
+
+step_e2e4_colocated() {
+  # TRL 1.16 on all 4 GPUs first (accelerate + ZeRO-3, a colocated vLLM engine per rank), then
+  # ours colocated on every rank, in one call and one JSON: a TRL run that fails or is missing
+  # fails the step. Ours has what is left, its servers' start included (the ranks start them).
+  local d=$WORK/e2e4_colocated rc t0=$SECONDS trl_limit=$(( STEP_LIMIT * 45 / 100 )) port
+  rm -rf "$d" && mkdir -p "$d" "$LOGS/e2e4_colocated"
+  [ "$trl_limit" -gt "${T_E2E4_TRL:-250}" ] && trl_limit=${T_E2E4_TRL:-250}
+  port=$(python3 -c "from grpo_common.net import free_port; print(free_port())")
+  echo "-- trl x${E2E4_RANKS:-4} (limit ${trl_limit}s, ${E2E4_STEPS:-8} steps) -> $LOGS/e2e4_colocated/trl.log"
+  timeout -k 10 "$trl_limit" python3 -m accelerate.commands.launch \
+    --config_file deploy/accelerate/zero3.yaml --num_processes "${E2E4_RANKS:-4}" \
+    --main_process_port "$port" bench/bench_trl_grpo.py --model "$E2E4_MODEL" \
+    --model-shape "$E2E4_SHAPE" --out "$d/trl.json" --steps "${E2E4_STEPS:-8}" \
+    ${E2E4_TRL_ARGS:-} > "$LOGS/e2e4_colocated/trl.log" 2>&1
+  rc=$?
+  echo "-- trl: rc $rc"; tail -n 8 "$LOGS/e2e4_colocated/trl.log"
+  [ -f "$d/trl.json" ] || echo "{\"status\": \"error\", \"error\": \"TRL run (4 processes): rc $rc (timeout: 124/137), see logs/e2e4_colocated/trl.log\"}" > "$d/trl.json"
+  local left=$(( STEP_LIMIT - (SECONDS - t0) - 20 ))
+  e2e4_ours e2e4_colocated "$left" $(( left - 60 )) --modes colocated4 \
+    --ranks "${E2E4_RANKS:-4}" --trl-json "$d/trl.json"
+}
+
+step_e2e4_split() {
+  # Ours disaggregated on the 4 GPUs (learners on GPUs 0-1 under ZeRO-3, a server on each of
+  # GPUs 2-3, or one TP-2 server over both, NCCL sync): synchronous, then
+  # rollout.max_staleness 1, in one call and one JSON. Each mode: its half, less the NCCL
+  # bandwidth probe and its servers' start (up to --server-timeout, loaded with the learners).
+  rm -rf "$WORK/e2e4_split" && mkdir -p "$LOGS/e2e4_split"
+  local left=$(( STEP_LIMIT - 20 ))
+  e2e4_ours e2e4_split "$left" $(( left / 2 - 100 )) --modes split4,overlap4
+}
+
+step_e2e4_verl() {
+  # veRL's GRPO on the same GPUs and model where it is installed (the wheel bundle has no
+  # verl or ray, and the GPU machine no network): otherwise a failed run saying so.
+  mkdir -p "$LOGS/e2e4_verl"
+  e2e4_ours e2e4_verl $(( STEP_LIMIT - 20 )) $(( STEP_LIMIT - 40 )) --modes verl --no-bandwidth
+}
+
 step_memory() {
   # Peak learner memory (max_memory_allocated) and step time per memory option, one learner
   # step of the real code path on a fixed synthetic batch, a fresh process per configuration;
@@ -234,6 +303,10 @@ limit_for() {  # seconds allowed for a step: its own limit, capped by what is le
     e2e_colocated) own=${T_E2E_COLOCATED:-480} ;;
     e2e_split) own=${T_E2E_SPLIT:-480} ;;
     memory) own=${T_MEMORY:-200} ;;
+    model4) own=${T_MODEL4:-240} ;;
+    e2e4_colocated) own=${T_E2E4_COLOCATED:-540} ;;
+    e2e4_split) own=${T_E2E4_SPLIT:-540} ;;
+    e2e4_verl) own=${T_E2E4_VERL:-120} ;;
     overlap) own=${T_OVERLAP:-420} ;;
     *) own=60 ;;
   esac

@@ -24,7 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-E2E_RUNS = ("trl", "colocated", "split", "overlap")
+E2E_RUNS = ("trl", "colocated", "split", "overlap", "colocated4", "split4", "overlap4", "verl")
+# the baseline each 4-GPU comparison must carry: without it the step compared nothing
+E2E4_BASELINES = {"e2e4_colocated": "trl", "e2e4_verl": "verl"}
 
 
 def result_files(out: Path, work: Path) -> dict[str, Path]:
@@ -35,6 +37,9 @@ def result_files(out: Path, work: Path) -> dict[str, Path]:
         "bench_loss": work / "bench_loss" / "loss_gpu.json",
         "e2e_colocated": out / "bench_e2e_colocated.json",
         "e2e_split": out / "bench_e2e_split.json",
+        "e2e4_colocated": out / "bench_e2e4_colocated.json",
+        "e2e4_split": out / "bench_e2e4_split.json",
+        "e2e4_verl": out / "bench_e2e4_verl.json",
         "memory": out / "bench_memory_options.json",
         "overlap": out / "bench_overlap.json",
     }
@@ -129,6 +134,24 @@ def problems_e2e(path: Path) -> list[str]:
     return out
 
 
+def problems_e2e4(step: str) -> Callable[[Path], list[str]]:
+    """``problems_e2e``; the step's baseline (TRL, veRL) missing from the file is one too, and
+    so is a failed NCCL bandwidth measurement (the weight-sync figures' bound)."""
+
+    def problems(path: Path) -> list[str]:
+        out = problems_e2e(path)
+        baseline = E2E4_BASELINES.get(step)
+        data = _json(path)
+        if baseline and not isinstance(data.get(baseline), dict):
+            out.append(f"no {baseline} baseline in {path.name}")
+        bandwidth = data.get("bandwidth") or {}
+        if bandwidth.get("status") == "error":  # the sync figures' bound is missing
+            out.append(f"NCCL bandwidth: {bandwidth.get('error')}")
+        return out
+
+    return problems
+
+
 def problems_memory(path: Path) -> list[str]:
     data = _json(path)
     return [f"{r['name']}: {r['status']}" for r in data.get("configs", []) if r["status"] != "ok"]
@@ -148,6 +171,7 @@ PROBLEMS: dict[str, Callable[[Path], list[str]]] = {
     "bench_loss": problems_bench_loss,
     "e2e_colocated": problems_e2e,
     "e2e_split": problems_e2e,
+    **{step: problems_e2e4(step) for step in ("e2e4_colocated", "e2e4_split", "e2e4_verl")},
     "memory": problems_memory,
     "overlap": problems_overlap,
 }
@@ -194,8 +218,10 @@ def _e2e_section(data: dict[str, Any]) -> dict[str, Any]:
         if isinstance(run, dict):
             ok = run.get("status") == "ok"
             medians[k] = run["summary"]["step_s"]["median"] if ok else run.get("error")
+    figures = {k: data[k]["figures"] for k in E2E_RUNS
+               if isinstance(data.get(k), dict) and "figures" in data[k]}  # fmt: skip
     return {"verdicts": data.get("verdicts", []), "median_step_s": medians,
-            "run": data.get("run")}  # fmt: skip
+            "run": data.get("run"), **({"figures": figures} if figures else {})}  # fmt: skip
 
 
 def _rollout_section(data: dict[str, Any]) -> dict[str, Any]:
@@ -226,6 +252,9 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = {
     "bench_rollout": ("bench_rollout_gpu.json", _rollout_section),
     "e2e_colocated": ("bench_e2e_colocated.json", _e2e_section),
     "e2e_split": ("bench_e2e_split.json", _e2e_section),
+    "e2e4_colocated": ("bench_e2e4_colocated.json", _e2e_section),
+    "e2e4_split": ("bench_e2e4_split.json", _e2e_section),
+    "e2e4_verl": ("bench_e2e4_verl.json", _e2e_section),
     "memory": ("bench_memory_options.json", _memory_section),
     "overlap": ("bench_overlap.json", _overlap_section),
 }
