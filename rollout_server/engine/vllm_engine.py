@@ -335,13 +335,17 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         )
 
     async def receive_nccl_update(self, request: NcclUpdateRequest) -> ReceivedUpdate:
-        return await self._updates.receive_nccl(request)
+        received = await self._updates.receive_nccl(request)
+        await self._adapters.drop(self._llm)  # full weights: served alone
+        return received
 
     async def prepare_nccl_update(self, request: NcclUpdateRequest) -> None:
         await self._updates.prepare_nccl(request)
 
     async def commit_nccl_update(self, request: NcclUpdateRequest) -> ReceivedUpdate:
-        return await self._updates.commit_nccl(request)
+        received = await self._updates.commit_nccl(request)
+        await self._adapters.drop(self._llm)  # full weights: served alone
+        return received
 
     async def cancel_nccl_commit(self) -> bool:
         return self._updates.cancel_commit()
@@ -350,7 +354,9 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         await self._updates.drop_prepared()
 
     async def receive_ipc_update(self, request: IpcUpdateRequest) -> ReceivedUpdate:
-        return await self._updates.receive_ipc(request)
+        received = await self._updates.receive_ipc(request)
+        await self._adapters.drop(self._llm)  # full weights: served alone
+        return received
 
     # -- sleep -----------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ at least the adapters' rank; two adapter slots let the new one load while the ol
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -101,7 +102,7 @@ class VllmAdapters:
         from vllm.lora.request import LoRARequest
 
         self.check(spec)
-        path = self.write(spec, tensors, version)
+        path = await asyncio.to_thread(self.write, spec, tensors, version)
         request = LoRARequest(f"v{version}", self._next_id, str(path))
         self._next_id += 1
         try:
