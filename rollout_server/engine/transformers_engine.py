@@ -12,7 +12,10 @@ on the same worker thread, after the app has paused generation.
 Sleep on this engine is honest about the hardware: level 1 moves the weights to CPU (a no-op for
 a CPU model, which simply reports itself asleep) and there is no persistent KV cache to drop;
 level 2 frees the parameter storage, and wake-up reallocates it zero-filled, so the weights must
-be synced again before generating.
+be synced again before generating (a served LoRA adapter is small: its values are kept and
+restored).
+
+LoRA adapter updates are served through PEFT (``peft_adapter.ServedAdapter``).
 """
 
 from __future__ import annotations

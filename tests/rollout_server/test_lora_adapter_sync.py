@@ -219,3 +219,43 @@ async def test_a_full_update_serves_the_base_weights_alone_again(client, tiny_mo
     assert await _served_by(client, _merged(tiny_model_dir, policy))
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     assert not await _served_by(client, base)
+
+
+def test_the_vllm_adapter_directory_and_engine_arguments(tiny_model_dir):
+    """What the vllm engine gives vLLM (its serving runs on the GPU only): PEFT's layout with
+    the spec's rank, alpha and targets, and the LoRA engine arguments with --enable-lora."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from rollout_server.engine.vllm_lora import VllmAdapters, lora_engine_kwargs
+
+    policy = _peft_model(tiny_model_dir, seed=1)
+    spec = adapter_spec(policy)
+    tensors = dict(adapter_tensors(policy))
+    off = ServerSettings(model=str(tiny_model_dir))
+    on = ServerSettings(model=str(tiny_model_dir), enable_lora=True, max_lora_rank=16)
+    assert lora_engine_kwargs(off) == {}
+    assert lora_engine_kwargs(on) == {"enable_lora": True, "max_lora_rank": 16, "max_loras": 2}
+    adapters = VllmAdapters(on)
+    try:
+        path = adapters.write(spec, tensors, version=3)
+        assert path.name == "v3"
+        config = json.loads((path / "adapter_config.json").read_text())
+        assert config["r"] == 4 and config["lora_alpha"] == 8 and config["peft_type"] == "LORA"
+        assert config["target_modules"] == sorted(
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        )
+        saved = load_file(path / "adapter_model.safetensors")
+        assert saved.keys() == tensors.keys()
+        assert all(torch.equal(saved[k], tensors[k]) for k in tensors)
+    finally:
+        adapters.close()
+    assert not path.exists()
+    from rollout_server.engine.base import UnsupportedError, WeightsError
+
+    with pytest.raises(UnsupportedError, match="--enable-lora"):
+        VllmAdapters(off).check(spec)
+    small = ServerSettings(model=str(tiny_model_dir), enable_lora=True, max_lora_rank=2)
+    with pytest.raises(WeightsError, match="--max-lora-rank 2"):
+        VllmAdapters(small).check(spec)
