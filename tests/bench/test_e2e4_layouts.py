@@ -137,6 +137,20 @@ def test_trl_on_four_processes_makes_the_same_step_of_16_prompts_by_8():
         trl_bench.trl_config_kwargs(args, "/x", world=3)
 
 
+def test_trl_tokens_per_step_come_from_its_running_total():
+    from types import SimpleNamespace
+
+    logs = {
+        k: {"num_tokens": 1000.0 * k * k, "completions/mean_length": 200.0} for k in (1, 2, 3, 4)
+    }
+    timer = SimpleNamespace(steps=[9.0, 5.0, 4.0, 6.0], ends=[9.0, 14.0, 18.0, 24.0], logs=logs)
+    calls = {"generate": [1.0] * 4, "sync_weights": [0.1] * 4}
+    s = trl_bench.summarize_trl(timer, calls, warmup=2, completions=128)
+    # steps 3 and 4 trained 9000 - 4000 and 16000 - 9000 tokens
+    assert s["tokens_trained_per_step"] == 6000.0 and s["step_s"]["median"] == 5.0
+    assert s["tokens_generated_per_step"] == 200.0 * 128
+
+
 # -- figures and verdicts by hand ---------------------------------------------------------------
 
 
@@ -235,7 +249,9 @@ def test_verl_not_installed_is_a_failed_baseline(tiny_model_dir, tmp_path: Path)
 
 CPU_WORKLOAD = ["--steps-colocated", "3", "--steps-split", "3", "--warmup", "1",
                 "--prompts-per-step", "2", "--num-generations", "2", "--max-tokens", "8",
-                "--micro-batch-size", "4", "--timeout", "240", "--server-timeout", "120"]  # fmt: skip
+                "--micro-batch-size", "4", "--timeout", "240", "--server-timeout", "120",
+                # the tiny model's equal rewards would leave nothing to train: train on them
+                "--learner-set", "grpo.skip_zero_advantage=false"]  # fmt: skip
 
 
 def _cpu_run(tiny_model_dir: Path, tmp_path: Path, *flags: str) -> tuple[dict, str]:
