@@ -446,7 +446,7 @@ def write_results(
             f"TRL ran on {trl.get('run')}, ours on {results['run']}: another host or suite "
             "run, not compared"
         )
-    attach_figures(results, runs, str(args.model))
+    attach_figures(results, runs, str(args.model), args.prompts_per_step * args.num_generations)
     four = bool(set(LAYOUTS4) & set(args.modes.split(",")))  # the 4-GPU checks instead
     if args.engine == "vllm":
         given = {k: v for k, v in runs.items() if v is not None} if four else runs

@@ -208,13 +208,13 @@ def peak_tflops_of(gpu_names: list[str]) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in gpu_names[0]), None)
 
 
-def attach_figures(results: dict[str, Any], runs: dict[str, Any], model: str) -> None:
+def attach_figures(
+    results: dict[str, Any], runs: dict[str, Any], model: str, completions: int
+) -> None:
     """``figures`` of every run in ``runs`` (ours: its layout's GPUs; TRL: its processes), all
-    against the one bandwidth measured in this run."""
-    w = results["workload"]
-    completions = w["prompts_per_step"] * w["num_generations"]
+    against the one bandwidth measured in this run; ``completions``: sequences per step."""
     fpt = flops_per_token_of(model)
-    peak = peak_tflops_of(w.get("gpus") or [])
+    peak = peak_tflops_of((results.get("workload") or {}).get("gpus") or [])
     bw = results.get("bandwidth") or {}
     size = model_bytes(model) or None
     for run in runs.values():
