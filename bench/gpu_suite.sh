@@ -198,7 +198,7 @@ e2e4_ours() {  # bench_grpo_e2e.py on the 4-GPU model: $1 step, $2 seconds left,
   python3 bench/bench_grpo_e2e.py --model "$E2E4_MODEL" --model-shape "$E2E4_SHAPE" \
     --out "$OUT/bench_$name.json" --log-dir "$LOGS/$name" --work-dir "$WORK/$name/runs" \
     --steps-colocated "${E2E4_STEPS:-8}" --steps-split "${E2E4_STEPS:-8}" \
-    --timeout "$mode_limit" --server-timeout 150 "$@" ${E2E4_ARGS:-}
+    --timeout "$mode_limit" --server-timeout "${E2E4_SERVER_TIMEOUT:-240}" "$@" ${E2E4_ARGS:-}
 }
 export -f e2e4_ours
 
