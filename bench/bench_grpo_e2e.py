@@ -380,10 +380,12 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dic
 def check_environment(args: argparse.Namespace, modes: list[str]) -> None:
     """Fail before starting anything, with what to do about it."""
     if not (Path(args.model) / "config.json").is_file():
-        raise BenchError(
-            f"--model {args.model} has no config.json: write one with "
-            "`python -m rollout_server.tiny DIR --qwen3-0.6b-shape`"
+        build = (
+            f"python3 bench/gpu_common.py build-model --shape {args.model_shape} DIR"
+            if args.model_shape
+            else "python -m rollout_server.tiny DIR --qwen3-0.6b-shape"
         )
+        raise BenchError(f"--model {args.model} has no config.json: write one with `{build}`")
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise BenchError(f"--modes: unknown {bad}; choose from {list(MODES)}")

@@ -8,6 +8,7 @@ gloo processes (a server each, http sync) and disaggregated with one learner and
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -243,6 +244,34 @@ def test_verl_not_installed_is_a_failed_baseline(tiny_model_dir, tmp_path: Path)
     assert status == "failed" and "verl: verl not installed" in why
     summary = suite_report.summary([], tmp_path, 580, 0)
     assert summary["e2e4_verl"]["median_step_s"]["verl"].startswith("verl not installed")
+
+
+def test_suite_fails_each_4gpu_step_on_a_machine_without_them(tmp_path: Path) -> None:
+    """The real bench/gpu_suite.sh here (no GPU, DeepSpeed, TRL or model): every 4-GPU step is
+    failed with its reason, and the suite exits 1."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") or importlib.util.find_spec("trl"):
+        pytest.skip("DeepSpeed or TRL is installed here: the missing-baseline path cannot be shown")
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")}
+    env |= {"PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}", "OUT": str(out),
+            "WORK": str(work), "SUITE_STEPS": "e2e4_colocated e2e4_split e2e4_verl",
+            "SUITE_BUDGET_S": "400"}  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(BENCH / "gpu_suite.sh")], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    steps = {s["step"]: s for s in json.loads((out / "summary.json").read_text())["steps"]}
+    for step in ("e2e4_colocated", "e2e4_split", "e2e4_verl"):
+        assert steps[step]["status"] == "failed"
+        assert f"no result file bench_{step}.json" in steps[step]["why"]
+    trl_log = (work / "logs" / "e2e4_colocated" / "trl.log").read_text()
+    assert "DeepSpeed is not installed" in trl_log
+    trl = json.loads((work / "e2e4_colocated" / "trl.json").read_text())
+    assert trl["status"] == "error" and "TRL run (4 processes)" in trl["error"]
+    step_log = (work / "logs" / "e2e4_colocated.log").read_text()
+    assert "gpu_common.py build-model --shape qwen3-4b" in step_log
 
 
 # -- the layouts' plumbing on CPU -----------------------------------------------------------------
