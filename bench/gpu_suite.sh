@@ -27,7 +27,8 @@
 # rollout.max_staleness 1; E2E4_ARGS="--split4-tp 2" for one TP-2 server), e2e4_verl (veRL's
 # GRPO: a failed step where verl is not installed). One call each after "setup model4":
 # SUITE_STEPS="setup model4", then "setup e2e4_colocated", "setup e2e4_split", "setup e2e4_verl"
-# with SUITE_BUDGET_S=580 on the same warm machine. Each step has its own time
+# with SUITE_BUDGET_S=580 on the same warm machine (E2E4_STEPS steps, default 8, each side;
+# E2E4_RANKS processes, default 4; E2E4_TRL_ARGS to TRL). Each step has its own time
 # limit and its own log; a failing step does not stop the others; the whole run stays inside
 # SUITE_BUDGET_S (steps that no longer fit are skipped and say so). The budget counts from this
 # script's start and the machine's call limit from the call's: make the suite the whole command
