@@ -260,7 +260,7 @@ def verdicts(
 
 #: what the figures of one run hold (each present, None where it cannot be had, e.g. on CPU)
 FIGURE_KEYS = (
-    "gpus", "step_s", "gen_tokens_per_s", "train_tokens_per_s", "mfu_train", "mfu_step",
+    "gpus", "step_s", "gen_tokens_per_s", "mfu_train", "mfu_step",
     "peak_gpu_mib", "peak_gpu_mib_max", "sync_s", "sync_bytes", "nccl_gb_per_s",
     "sync_bound_s", "sync_vs_bound",
 )  # fmt: skip
@@ -278,11 +278,14 @@ def figures(
     sync_bytes: int | None,
     nccl_gb_per_s: float | None,
 ) -> dict[str, Any]:
-    """One run's efficiency figures, the same arithmetic for ours and a baseline: tokens per
-    second of the whole step (generated, and trained: prompt + completion), MFU of the whole
-    step over every GPU of the layout (model FLOPs of the trained tokens, ``flops_per_token`` at
-    the mean sequence length), the learner's own train-phase MFU where it logs one, every GPU's
-    peak memory, and the weight sync against ``sync_bytes`` / measured NCCL bandwidth."""
+    """One run's efficiency figures: generated tokens per second of the whole step, MFU of the
+    whole step over every GPU of the layout, every GPU's peak memory, and the weight sync
+    against ``sync_bytes`` / measured NCCL bandwidth.
+
+    The step's model FLOPs are the learner's own where it logs ``mfu`` (the ranks' mean over
+    their train phase, of prompt + completion tokens: learner/run/perf.py), so times its train
+    seconds and learner processes; for a baseline, its trained tokens per step (prompt +
+    completion) at ``flops_per_token`` of their mean length. ``mfu_train``: the learner's."""
     out: dict[str, Any] = dict.fromkeys(FIGURE_KEYS)
     out |= {"gpus": gpus, "sync_bytes": sync_bytes, "nccl_gb_per_s": nccl_gb_per_s}
     peak_mem = (run or {}).get("gpu_peak_mib") or {}
@@ -293,14 +296,17 @@ def figures(
         return out
     s = run["summary"]
     gen, trained = s.get("tokens_generated_per_step"), s.get("tokens_trained_per_step")
+    phases = s.get("phase_median_s") or {}
+    learners = (run.get("layout") or {}).get("learner_processes")
     out["step_s"] = step
     out["gen_tokens_per_s"] = gen / step if gen else None
-    out["train_tokens_per_s"] = trained / step if trained else None
     out["mfu_train"] = s.get("mfu")
-    if trained and flops_per_token is not None and peak_tflops and gpus:
+    if s.get("mfu") is not None and phases.get("train") and learners:
+        out["mfu_step"] = s["mfu"] * phases["train"] * learners / (step * gpus)
+    elif trained and flops_per_token is not None and peak_tflops:
         flops = trained * flops_per_token(trained / completions)
         out["mfu_step"] = flops / step / (peak_tflops * 1e12 * gpus)
-    out["sync_s"] = (s.get("phase_median_s") or {}).get("sync")
+    out["sync_s"] = phases.get("sync")
     if sync_bytes and nccl_gb_per_s:
         out["sync_bound_s"] = sync_bytes / (nccl_gb_per_s * 1e9)
         if out["sync_s"] is not None:
@@ -349,10 +355,10 @@ def verdicts4(
 
 
 def figures_table(results: dict[str, dict[str, Any] | None]) -> str:
-    """Per run: GPUs, tokens/s, MFU (whole step; train phase), peak memory per GPU (GiB) and
-    the weight sync against its bound."""
+    """Per run: GPUs, generated tokens/s, MFU (whole step; train phase), peak memory per GPU
+    (GiB) and the weight sync against its bound."""
     head = (
-        f"{'run':10} {'gpus':>4} {'gen tok/s':>9} {'trn tok/s':>9} {'mfu':>6} {'mfu_trn':>7} "
+        f"{'run':10} {'gpus':>4} {'gen tok/s':>9} {'mfu':>6} {'mfu_trn':>7} "
         f"{'sync':>6} {'bound':>6} {'x':>5}  peak GiB per GPU"
     )
     lines = [head, "-" * len(head)]
@@ -365,7 +371,7 @@ def figures_table(results: dict[str, dict[str, Any] | None]) -> str:
         )  # fmt: skip
         lines.append(
             f"{name:10} {f['gpus'] or '-':>4} {_fmt(f['gen_tokens_per_s'], '.0f'):>9} "
-            f"{_fmt(f['train_tokens_per_s'], '.0f'):>9} {_fmt(f['mfu_step'], '.3f'):>6} "
+            f"{_fmt(f['mfu_step'], '.3f'):>6} "
             f"{_fmt(f['mfu_train'], '.3f'):>7} {_fmt(f['sync_s'], '.3f'):>6} "
             f"{_fmt(f['sync_bound_s'], '.3f'):>6} {_fmt(f['sync_vs_bound']):>5}  {peaks or '-'}"
         )

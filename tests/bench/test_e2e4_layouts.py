@@ -161,18 +161,26 @@ def _run(median: float, sync: float | None = None, **summary) -> dict:
 
 
 def test_figures_of_a_run_by_hand():
-    f = common.figures(
-        _run(4.0, 0.5, tokens_generated_per_step=32768.0, tokens_trained_per_step=40960.0,
-             mfu=0.3),
-        gpus=4, completions=128, flops_per_token=lambda seq: 1e9 * seq / 320,
-        peak_tflops=1000.0, sync_bytes=8_000_000_000, nccl_gb_per_s=400.0,
+    kw = {"completions": 128, "flops_per_token": lambda seq: 1e9 * seq / 320,
+          "peak_tflops": 1000.0, "sync_bytes": 8_000_000_000, "nccl_gb_per_s": 400.0}  # fmt: skip
+    # a baseline (TRL): 40960 trained tokens (prompt + completion), mean sequence 320
+    trl = common.figures(
+        _run(4.0, 0.5, tokens_generated_per_step=32768.0, tokens_trained_per_step=40960.0),
+        gpus=4, **kw,
     )  # fmt: skip
-    assert set(f) == set(common.FIGURE_KEYS)
-    assert f["gen_tokens_per_s"] == 8192 and f["train_tokens_per_s"] == 10240
-    # 40960 tokens x 1e9 FLOPs (mean sequence 320) / 4 s / (4 x 1e15 FLOP/s)
-    assert f["mfu_step"] == pytest.approx(40960 * 1e9 / 4.0 / 4e15) and f["mfu_train"] == 0.3
-    assert f["sync_bound_s"] == pytest.approx(0.02) and f["sync_vs_bound"] == pytest.approx(25)
-    assert f["peak_gpu_mib_max"] == 52000
+    assert set(trl) == set(common.FIGURE_KEYS)
+    assert trl["gen_tokens_per_s"] == 8192 and trl["mfu_train"] is None
+    # 40960 tokens x 1e9 FLOPs / 4 s / (4 GPUs x 1e15 FLOP/s)
+    assert trl["mfu_step"] == pytest.approx(40960 * 1e9 / 4.0 / 4e15)
+    assert trl["sync_bound_s"] == pytest.approx(0.02) and trl["sync_vs_bound"] == pytest.approx(25)
+    assert trl["peak_gpu_mib_max"] == 52000 and trl["gpus"] == 4
+    # ours: the learner's MFU 0.3 over a 2 s train phase on 2 learner ranks, 4 GPUs, 4 s a step
+    run = _run(4.0, 0.1, tokens_generated_per_step=32768.0, mfu=0.3,
+               tokens_trained_per_step=1.0)  # fmt: skip
+    run["summary"]["phase_median_s"]["train"] = 2.0
+    run["layout"] = {"learner_processes": 2, "gpus": 4}
+    ours = common.figures(run, gpus=4, **kw)
+    assert ours["mfu_step"] == pytest.approx(0.3 * 2.0 * 2 / (4.0 * 4)) and ours["mfu_train"] == 0.3
     failed = common.figures(
         {"status": "error", "error": "x"}, gpus=4, completions=128, flops_per_token=None,
         peak_tflops=None, sync_bytes=None, nccl_gb_per_s=None,
@@ -303,7 +311,7 @@ def _assert_reported(result: dict, mode: str, stdout: str) -> None:
     assert s["tokens_trained_per_step"] > 0 and s["tokens_generated_per_step"] > 0
     assert set(r["figures"]) == set(common.FIGURE_KEYS)
     f = r["figures"]
-    assert f["step_s"] == s["step_s"]["median"] and f["train_tokens_per_s"] > 0
+    assert f["step_s"] == s["step_s"]["median"] and f["gen_tokens_per_s"] > 0
     assert f["gpus"] == r["layout"]["gpus"] and f["peak_gpu_mib"] == {}  # no nvidia-smi here
     assert f["sync_s"] is not None and f["sync_bytes"] > 0 and f["sync_bound_s"] is None
     assert mode in stdout and "gen tok/s" in stdout and "peak GiB per GPU" in stdout
