@@ -278,9 +278,9 @@ def figures(
     sync_bytes: int | None,
     nccl_gb_per_s: float | None,
 ) -> dict[str, Any]:
-    """One run's efficiency figures: generated tokens per second of the whole step, MFU of the
-    whole step over every GPU of the layout, every GPU's peak memory, and the weight sync
-    against ``sync_bytes`` / measured NCCL bandwidth.
+    """One run's efficiency figures: generated tokens per second of the whole step (all ranks'),
+    MFU of the whole step over every GPU of the layout, every GPU's peak memory, and the weight
+    sync against ``sync_bytes`` / measured NCCL bandwidth.
 
     The step's model FLOPs are the learner's own where it logs ``mfu`` (the ranks' mean over
     their train phase, of prompt + completion tokens: learner/run/perf.py), so times its train
@@ -299,7 +299,8 @@ def figures(
     phases = s.get("phase_median_s") or {}
     learners = (run.get("layout") or {}).get("learner_processes")
     out["step_s"] = step
-    out["gen_tokens_per_s"] = gen / step if gen else None
+    # the learner logs each rank's share (``tokens/generated``, a mean over its ranks)
+    out["gen_tokens_per_s"] = gen * (learners or 1) / step if gen else None
     out["mfu_train"] = s.get("mfu")
     if s.get("mfu") is not None and phases.get("train") and learners:
         out["mfu_step"] = s["mfu"] * phases["train"] * learners / (step * gpus)

@@ -328,6 +328,8 @@ def test_cpu_colocated4_runs_a_server_per_rank(tiny_model_dir, tmp_path, proc_sc
     _assert_reported(result, "colocated4", stdout)
     r = result["colocated4"]
     assert r["layout"]["learner_processes"] == 2 and r["server_argvs"] == []
+    f, s = r["figures"], r["summary"]  # each rank generates its share; the figure is both ranks'
+    assert f["gen_tokens_per_s"] * f["step_s"] == pytest.approx(2 * s["tokens_generated_per_step"])
     assert r["config"]["rollout"]["embedded"]["per_rank"] is True
     for k in range(2):  # each rank's own server, every sync pushed to it
         log = (tmp_path / "logs" / "colocated4" / f"rollout_server.rank{k}.log").read_text()
