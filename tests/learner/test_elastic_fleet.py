@@ -37,6 +37,16 @@ def _generate_count(url: str) -> float:
     return sum(float(v) for v in found)
 
 
+def _wait_ready(url: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                return
+        assert time.monotonic() < deadline, f"{url} not ready after {timeout_s} s"
+        time.sleep(0.2)
+
+
 def _version(url: str) -> int:
     return httpx.get(f"{url}/info", timeout=10).raise_for_status().json()["weight_version"]
 
@@ -48,18 +58,24 @@ def test_a_killed_server_leaves_and_a_listed_one_joins_at_the_current_version(
     others, the step is not lost); two steps later a fourth is added to the servers file and
     joins once it got the learner's weights under the learner's version."""
     procs = [_serve(tiny_model_dir) for _ in range(3)]
+    new, new_url = _serve(tiny_model_dir)  # ready before it is listed: its join is not raced
+    try:  # by the end of a run that outpaces its start on a loaded machine
+        _wait_ready(new_url)
+    except AssertionError:
+        for p in [*(p for p, _ in procs), new]:
+            p.kill()
+        raise
     listing = tmp_path / "servers.txt"
     listing.write_text("# the rollout fleet\n" + "".join(f"{u}\n" for _, u in procs))
     run_dir = tmp_path / "run"
     sets = [*QUIET, f'model.name_or_path="{tiny_model_dir}"', f'rollout.servers_file="{listing}"']
     sets += ["run.steps=8", "sampling.max_tokens=16"]
     learner = spawn_learner(run_dir, *sets)
-    new, new_url = None, ""
     try:
         wait_for_step(run_dir, learner, 2)
         procs[0][0].kill()  # the learner is about to generate step 3, or generating it
+        assert _version(new_url) == 0 and _generate_count(new_url) == 0
         wait_for_step(run_dir, learner, 4)
-        new, new_url = _serve(tiny_model_dir)
         with listing.open("a") as f:
             f.write(f"{new_url}  # joined later\n")
         seen = []  # (generate requests, weight version) of the new server, polled
@@ -72,7 +88,7 @@ def test_a_killed_server_leaves_and_a_listed_one_joins_at_the_current_version(
         served_by_new = _generate_count(new_url)
     finally:
         learner.kill()
-        for p in [*(p for p, _ in procs), *([new] if new else [])]:
+        for p in [*(p for p, _ in procs), new]:
             p.kill()
             p.wait()
     assert learner.returncode == 0, err[-3000:]
