@@ -12,6 +12,7 @@ training so that this generation starts before the sync does."""
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from tests.learner.demo_runs import (
     ROOT,
     learner_cmd,
     learner_env,
+    run_ok,
     serve_cmd,
     spawn_learner,
     wait_for_step,
@@ -38,7 +40,8 @@ from tests.learner.demo_runs import (
 
 QUIET = ("run.progress_bar=false", "run.save_final=false", "run.tensorboard=false")
 SHORT = ("sampling.max_tokens=8", "run.steps=3")
-HOLD_TOKENS = 512  # the test's own generation that holds the servers' weight loads back
+HOLD_TOKENS = 1536  # the test's own generation that holds the servers' weight loads back (the
+# tiny model has 2048 positions); long enough for the learner to train a step under load
 
 
 def _learner(run_dir: Path, model: Path, port: int, *overrides: str) -> subprocess.Popen:
@@ -66,6 +69,13 @@ def _gauge(url: str, name: str) -> float:
     return float(line.split()[1])
 
 
+def _generates(url: str) -> float:
+    """``/generate`` requests the server answered."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    found = re.findall(r'rollout_http_requests_total\{[^}]*route="/generate"[^}]*\} (\S+)', text)
+    return sum(float(v) for v in found)
+
+
 def _wait(cond, what: str, proc: subprocess.Popen | None = None, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -78,12 +88,17 @@ def _wait(cond, what: str, proc: subprocess.Popen | None = None, timeout_s: floa
 def _sync_held_in_server(url: str, learner: subprocess.Popen) -> Iterator[None]:
     """Yield once the learner's next weight sync waits inside the server at ``url``.
 
-    Once the learner's generation ended (no generate in flight), the learner is paused, a long
-    generation of the test's own starts, and the learner goes on: its weight load must wait for
-    that generation; a probe generation queued behind the load (``rollout_generate_waiting``)
-    shows that it does."""
-    _wait(lambda: _gauge(url, "rollout_generate_in_flight") >= 1, "generation", learner)
-    _wait(lambda: _gauge(url, "rollout_generate_in_flight") == 0, "generation's end", learner)
+    Called once step 1 is written. Once the learner's step-2 generation answered (its second
+    ``/generate``: no evaluation comes before it), the learner is paused while it scores and
+    trains step 2, a long generation of the test's own starts, and the learner goes on: its
+    weight load must wait for that generation; a probe generation queued behind the load
+    (``rollout_generate_waiting``) shows that it does. (Counting answered requests cannot miss a
+    short generation the way watching the in-flight gauge can.)"""
+    _wait(
+        lambda: _generates(url) >= 2 and _gauge(url, "rollout_generate_in_flight") == 0,
+        "step 2's generation",
+        learner,
+    )
     learner.send_signal(signal.SIGSTOP)
 
     def generate(tokens: int) -> None:
@@ -183,14 +198,7 @@ def test_a_learner_killed_while_its_sync_waits_leaves_the_server_whole_and_resum
         before = _versions_rise(run_dir, 1)
         sets = [*QUIET, *SHORT, "run.save_final=true", f'model.name_or_path="{tiny_model_dir}"']
         sets.append(f'rollout.servers=["{url}"]')
-        done = subprocess.run(
-            learner_cmd(run_dir, "--resume", *(a for s in sets for a in ("--set", s))),
-            env=learner_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
+        done = run_ok(run_dir, *sets, resume=True)
         assert "resumed from" in done.stderr
         versions = _versions_rise(run_dir, 3)
         assert versions[0] == before[0] and min(versions[1:]) > info["weight_version"]
