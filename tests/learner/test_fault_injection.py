@@ -39,7 +39,9 @@ from tests.learner.demo_runs import (
 )
 
 QUIET = ("run.progress_bar=false", "run.save_final=false", "run.tensorboard=false")
-SHORT = ("sampling.max_tokens=8", "run.steps=3")
+# Eight optimizer passes a step: the learner trains long enough between a step's generation
+# and its sync for the test to pause it there on a loaded machine (_sync_held_in_server).
+SHORT = ("sampling.max_tokens=8", "run.steps=3", "grpo.num_iterations=8")
 HOLD_TOKENS = 1536  # the test's own generation that holds the servers' weight loads back (the
 # tiny model has 2048 positions); long enough for the learner to train a step under load
 
