@@ -60,8 +60,11 @@ class Fleet:
         self.left_total = 0
 
     def listed(self) -> list[str]:
-        """The servers configured now; a ``servers_file`` that cannot be read or names none
-        keeps the last good listing (said once per distinct error)."""
+        """The servers configured now (an embedded server: the one started); a
+        ``servers_file`` that cannot be read or names none keeps the last good listing (said
+        once per distinct error)."""
+        if not self.rollout.external:
+            return self._listed
         try:
             self._listed = self.rollout.listed()
             self._bad_listing = None

@@ -248,3 +248,19 @@ def test_a_sync_whose_only_server_stays_away_is_one_error_naming_the_setting(tin
         loop.run(client.aclose())
     finally:
         loop.close()
+
+
+def test_an_embedded_servers_rotation_is_the_server_started(caplog):
+    """No rollout.servers: the rotation is the embedded server, never an empty listing (which
+    warned after every step that no listed server was ready)."""
+    from learner.servers.fleet import Fleet
+
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def plan() -> object:
+        async with RolloutClient(url) as client:
+            return await Fleet(RolloutConfig(), client).plan(3, dropped=set())
+
+    got = asyncio.run(plan())
+    assert not got.changes and got.members == [url]
+    assert "no listed rollout server" not in caplog.text

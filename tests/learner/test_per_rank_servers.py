@@ -23,7 +23,8 @@ from tests.learner.demo_runs import DEMO, ROOT, assert_setup_error, learner_env,
 from tests.learner.launch import cpu_launch
 
 STEPS = 3
-SAME = ("reward/mean", "reward/std", "loss", "tokens/generated", "data/fingerprint")
+SAME = ("reward/mean", "reward/std", "tokens/generated", "data/fingerprint")  # exactly
+CLOSE = ("loss",)  # float32 noise: one server batches both ranks' requests its own way
 
 
 def _run_two(run_dir: Path, *overrides: str) -> list[dict]:
@@ -64,6 +65,8 @@ def test_every_rank_generates_on_and_syncs_its_own_server(tmp_path, proc_scan):
     for mine, theirs in zip(records, shared, strict=True):
         for key in SAME:
             assert mine[key] == theirs[key], (key, mine, theirs)
+        for key in CLOSE:
+            assert abs(mine[key] - theirs[key]) <= 1e-6 * max(1.0, abs(theirs[key])), key
 
 
 def test_per_rank_takes_no_listed_servers_nor_nccl(tmp_path):
