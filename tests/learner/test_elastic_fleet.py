@@ -31,6 +31,12 @@ def _serve(model: Path) -> tuple[subprocess.Popen, str]:
     return subprocess.Popen(serve_cmd(model, port), env=learner_env()), f"http://127.0.0.1:{port}"
 
 
+def _fleet_learner(run_dir: Path, model: Path, listing: Path, *more: str) -> subprocess.Popen:
+    """The demo learner on ``model`` with its servers from the file ``listing``."""
+    sets = [*QUIET, f'model.name_or_path="{model}"', f'rollout.servers_file="{listing}"']
+    return spawn_learner(run_dir, *sets, *more)
+
+
 def _generate_count(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).raise_for_status().text
     found = re.findall(r'rollout_http_requests_total\{[^}]*route="/generate"[^}]*\} (\S+)', text)
@@ -68,9 +74,9 @@ def test_a_killed_server_leaves_and_a_listed_one_joins_at_the_current_version(
     listing = tmp_path / "servers.txt"
     listing.write_text("# the rollout fleet\n" + "".join(f"{u}\n" for _, u in procs))
     run_dir = tmp_path / "run"
-    sets = [*QUIET, f'model.name_or_path="{tiny_model_dir}"', f'rollout.servers_file="{listing}"']
-    sets += ["run.steps=8", "sampling.max_tokens=16"]
-    learner = spawn_learner(run_dir, *sets)
+    learner = _fleet_learner(
+        run_dir, tiny_model_dir, listing, "run.steps=8", "sampling.max_tokens=16"
+    )
     try:
         wait_for_step(run_dir, learner, 2)
         procs[0][0].kill()  # the learner is about to generate step 3, or generating it
@@ -121,9 +127,9 @@ def test_a_server_taken_off_the_list_leaves_and_a_broken_list_keeps_the_fleet(
     listing = tmp_path / "servers.txt"
     listing.write_text(f"{url_a}\n{url_b}\n")
     run_dir = tmp_path / "run"
-    sets = [*QUIET, f'model.name_or_path="{tiny_model_dir}"', f'rollout.servers_file="{listing}"']
-    sets += ["run.steps=6", "sampling.max_tokens=8"]
-    learner = spawn_learner(run_dir, *sets)
+    learner = _fleet_learner(
+        run_dir, tiny_model_dir, listing, "run.steps=6", "sampling.max_tokens=8"
+    )
     try:
         wait_for_step(run_dir, learner, 1)
         listing.write_text(f"{url_b}\n")
