@@ -125,7 +125,7 @@ step_tests() {
   rm -f "$OUT"/gpu_tests*.xml  # the verdict reads this run's report only
   local end=$(( $(date +%s) + ${STEP_LIMIT:-420} - 25 )) files parts=() rc=0 k=0 f
   files=$(python3 -m pytest -m gpu ${GPU_TESTS:-tests} -q --collect-only -p no:cacheprovider \
-    | sed -n 's/::.*//p' | sort -u)
+    | sed -n 's/::.*//p' | awk '!seen[$0]++')  # in GPU_TESTS's order: the first ones matter most
   [ -n "$files" ] || { echo "no gpu tests collected from ${GPU_TESTS:-tests}"; return 1; }
   for f in $files; do
     local left=$(( end - $(date +%s) ))
