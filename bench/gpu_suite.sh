@@ -91,8 +91,9 @@ step_setup() {
   if ls .dev/bnb/bitsandbytes-*.whl >/dev/null 2>&1 && ! python3 -c "import bitsandbytes" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/bnb/bitsandbytes-*.whl || return 1
   fi
-  # Pure-Python wheels the bundle lacks (e.g. math-verify and its deps for the GSM8K config:
-  # pip download --no-deps -d .dev/extra ...), carried in .dev/extra, go into /tmp/site too
+  # Pure-Python wheels the bundle lacks (fastapi-offline, which the server imports; math-verify
+  # and its deps for the GSM8K config: pip download --no-deps -d .dev/extra ...), carried in
+  # .dev/extra, go into /tmp/site too
   if ls .dev/extra/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/extra/*.whl || return 1
   fi
@@ -107,6 +108,8 @@ try:
     print("deepspeed", deepspeed.__version__)
 except Exception as e:
     print("deepspeed unavailable:", e)
+# the server and the learner import here, or every test fails alike on a missing package
+import learner.trainer, rollout_server.app  # noqa: E401,F401
 EOF
 }
 

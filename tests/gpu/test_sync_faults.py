@@ -56,9 +56,10 @@ def _sender(server, model_dir: Path, transport: str, log_dir: Path, *extra: str)
 
     from grpo_common.net import free_port
 
+    port = ["--master-port", str(free_port())] if transport == "nccl" else []  # NCCL's rendezvous
     argv = [sys.executable, str(SENDER), "--transport", transport, "--url", server.url,
-            "--model", str(model_dir), "--master-port", str(free_port()), "--timeout-s", "20",
-            "--bucket-mb", "64", *extra]  # fmt: skip
+            "--model", str(model_dir), *port, "--timeout-s", "20", "--bucket-mb", "64",
+            *extra]  # fmt: skip
     log = (log_dir / f"test_sync_faults.{transport}.sender.log").open("a")
     log.write(f"$ {' '.join(argv)}\n")
     log.flush()

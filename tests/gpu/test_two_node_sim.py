@@ -74,6 +74,10 @@ def _learner_args(model: Path, server_url: str, run_dir: Path) -> list[str]:
         "run.checkpoint_every=5",  # checkpoints across the machines: every rank's files
         "run.progress_bar=false",
         "sampling.seed=11",
+        # the demo's charset reward is 0 for every sample of a random-weight model: every
+        # advantage and loss would be 0, and the runs would agree whatever they trained
+        'rewards=[{name="length", kwargs={unit="chars", target=100}}]',
+        "sampling.max_tokens=32",
         "eval.max_prompts=4",
     ]
     args = ["-m", "learner", "--config", str(ROOT / "learner/configs/demo.toml")]
@@ -143,6 +147,7 @@ def test_two_simulated_machines_train_like_one(server, qwen3_dir, tmp_path, log_
             f"{name}: step times {[round(t, 2) for t in times]} s, mean {sum(times) / len(times):.2f} s"
         )
     assert len(two) == len(one) == STEPS
+    assert any(r["loss"] != 0 for r in two), "every loss was 0: nothing was compared"
     for a, b in zip(two, one, strict=True):
         assert abs(a["reward/mean"] - b["reward/mean"]) <= REWARD_TOL, (a["step"], a, b)
         assert abs(a["loss"] - b["loss"]) <= LOSS_TOL * max(abs(b["loss"]), 1e-3), (a["step"], a, b)

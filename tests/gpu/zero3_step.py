@@ -11,8 +11,9 @@ NLL) on the same sequences, the completions as targets. Every 4th rollout has ze
 minus before, gathered) to PATH, so that the runs can be compared parameter by parameter: equal
 loss and gradient norm do not show that each shard's gradient reached its own parameter. The
 AdamW step is made linear in the gradient (eps far above every clipped gradient element, lr
-large enough to show in fp32, no weight decay), so the updates differ only as much as the
-gradients do; a plain Adam first step is about lr * sign(g), which bf16 noise flips.
+large enough that the update of a norm weight of 1.0 shows in its fp32 master weight: its
+gradient is ~1e-9, under fp32's spacing there with lr 1; no weight decay), so the updates differ
+only as much as the gradients do; a plain Adam first step is about lr * sign(g), which bf16 noise flips.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def main(model_dir: str, fused: bool = False, sft: bool = False, updates: str = 
 
         policy = NLLPolicy(policy.model, fused=fused)
     trained = [p for p in policy.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trained, lr=1.0, eps=1.0, weight_decay=0.0)  # linear: see above
+    opt = torch.optim.AdamW(trained, lr=1e6, eps=1.0, weight_decay=0.0)  # linear: see above
     policy, opt = acc.prepare(policy, opt)
     before = master_weights(policy) if updates else {}
     vocab = 256  # ids every tokenizer/model of the suite has
