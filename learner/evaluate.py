@@ -28,6 +28,7 @@ from typing import Any
 from learner.config import LearnerConfig
 from learner.data.prompts import PromptFormat, data_columns, load_rows
 from learner.run.runtime import SetupError, resolve_model
+from learner.servers.client import make_client
 from learner.servers.embedded import embedded_for, embedded_key
 from learner.step.rollouts import (
     episode_generators,
@@ -265,7 +266,7 @@ def evaluate_model(cfg: LearnerConfig, model: str | None, out_dir: Path) -> dict
         chat = HFChatFormat(tokenizer, cfg.sampling.chat_template_kwargs)
 
     async def run(urls: list[str], key: str | None) -> dict[str, float]:
-        async with RolloutClient(urls, api_key=key, timeout_s=cfg.rollout.timeout_s) as client:
+        async with make_client(cfg, tokenizer, urls, key) as client:
             await client.wait_ready(cfg.rollout.ready_timeout_s)
             if problems := evaluator.check_limits(await client.info(), urls):
                 raise SetupError("; ".join(problems) + ": lower it, or raise the server's limit")

@@ -29,6 +29,7 @@ from learner.model.export import save_model
 from learner.run.metrics import MetricsLogger, Trackers
 from learner.run.perf import profiled, train_flops
 from learner.run.runtime import SetupError, StopOnSigterm, TrainingStopped
+from learner.servers.client import make_client
 from learner.servers.connection import ServerConnection
 from learner.servers.pool import (
     EventLoopThread,
@@ -50,7 +51,6 @@ from learner.step.update import (
 )
 from learner.sync import make_transport
 from learner.trainer_setup import Run, setup
-from rollout_server.client import RolloutClient
 
 
 def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
@@ -214,12 +214,7 @@ def connect(
     """The servers ready, checked against what the config asks of them, the weight sync
     connected, and the run's weights on them where they serve others."""
     cfg, accelerator = run.cfg, run.accelerator
-    client = RolloutClient(
-        urls,
-        api_key=api_key,
-        timeout_s=cfg.rollout.timeout_s,
-        max_retries=cfg.rollout.max_retries,
-    )
+    client = make_client(cfg, run.tokenizer, urls, api_key)
     loop.run(servers_ready(client, cfg.rollout))
     infos = loop.run(client.info())
     external = urls if cfg.rollout.external else []

@@ -305,6 +305,27 @@ class RolloutClient:
             lambda s: self._calls.json(s, "GET", "/is_sleeping", SleepStatus)
         )
 
+    # -- vLLM's weight-transfer routes (a stock vllm serve's; ours answers them too) -------
+
+    async def world_size(self, server: str) -> int:
+        """The workers of ``server`` that join a weight-transfer group (``/get_world_size``)."""
+        resp = await self._calls.call(server, "GET", "/get_world_size", params={"include_dp": True})
+        return int(resp.json()["world_size"])
+
+    async def native(self, server: str, route: str, body: dict[str, Any] | None = None) -> None:
+        """``POST /<route>`` of vLLM's RL interface on ``server`` (never retried: a weight
+        update's step must not run twice)."""
+        await self._calls.call(server, "POST", f"/{route}", body=body, retry=False)
+
+    async def pause(self, mode: str = "wait") -> None:
+        """Stop new generations on every server (``wait``: the ones in flight finish)."""
+        await self._calls.all(
+            lambda s: self._calls.call(s, "POST", "/pause", params={"mode": mode}, retry=False)
+        )
+
+    async def resume(self) -> None:
+        await self._calls.all(lambda s: self._calls.call(s, "POST", "/resume", retry=False))
+
     # -- weights ---------------------------------------------------------------------------
 
     async def nccl_init(self, server: str, request: NcclInitRequest) -> None:

@@ -91,7 +91,7 @@ class ServerCalls:
         method: str,
         path: str,
         *,
-        body: BaseModel | None = None,
+        body: BaseModel | dict[str, Any] | None = None,
         content: bytes | None = None,
         params: dict[str, Any] | None = None,
         retry: bool = True,
@@ -107,7 +107,7 @@ class ServerCalls:
                 resp = await self._http.request(
                     method,
                     server + path,
-                    json=body.model_dump(mode="json") if body is not None else None,
+                    json=body.model_dump(mode="json") if isinstance(body, BaseModel) else body,
                     content=content,
                     params=params,
                     headers={"Content-Type": "application/octet-stream"} if content else None,

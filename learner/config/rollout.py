@@ -46,6 +46,13 @@ class RolloutConfig(Section):
         "every step: a server added joins once it serves the learner's weights, a removed one "
         "leaves (an elastic fleet; instead of servers)",
     )
+    server_api: Literal["rollout-server", "vllm"] = Field(
+        "rollout-server",
+        description='what the servers speak: "rollout-server" (ours), or "vllm" for a stock '
+        "`vllm serve` (VLLM_SERVER_DEV_MODE=1, --weight-transfer-config): generation through "
+        '/v1/completions, weights over [rollout.sync] type = "vllm", no versions or rollback '
+        "on the server (docs/vllm-serve.md)",
+    )
     api_key: str | None = Field(
         None,
         description="the servers' API key; better api_key_file or the ROLLOUT_API_KEY "
@@ -124,6 +131,12 @@ class RolloutConfig(Section):
                 "embedded.per_rank",
                 "starts a server on every rank: it takes no rollout.servers or servers_file, "
                 'and its weights go over sync = "http" or "ipc"',
+            )
+        if self.server_api == "vllm" and not (self.external and self.sync.type == "vllm"):
+            raise FieldError(
+                "server_api",
+                '"vllm" is for stock vllm serve servers: list them in rollout.servers (or '
+                'servers_file) and sync their weights with [rollout.sync] type = "vllm"',
             )
         if self.servers_file is not None:
             if self.servers:

@@ -30,7 +30,7 @@ class _SyncSection(Section):
     @model_validator(mode="after")
     def _adapter_transport(self) -> _SyncSection:
         kind = getattr(self, "type", "")
-        if self.lora == "adapter" and kind in ("nccl", "ipc"):
+        if self.lora == "adapter" and kind in ("nccl", "ipc", "vllm"):
             raise FieldError(
                 "lora",
                 f'"adapter" goes over type = "http" or "file"; type = "{kind}" sends merged '
@@ -88,14 +88,38 @@ class IpcSyncConfig(_SyncSection):
     bucket_mb: int = Field(256, ge=1, description="weight-sync bucket size")
 
 
+class VllmSyncConfig(_SyncSection):
+    """vLLM's own weight-transfer routes (``/init_weight_transfer_engine``,
+    ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) driving one of
+    vLLM's engines: what a stock ``vllm serve --weight-transfer-config`` speaks (our server
+    answers them too)."""
+
+    type: Literal["vllm"] = Field("vllm", description="selects this table's transport")
+    backend: Literal["nccl", "ipc", "gloo"] = Field(
+        "nccl",
+        description="the servers' weight-transfer backend (vllm serve --weight-transfer-config "
+        "'{\"backend\": ...}'): nccl (servers on other GPUs), ipc (a server on the learner's "
+        "GPU), gloo (CPU: our server's transformers engine)",
+    )
+    master_address: str = Field(
+        "127.0.0.1", description="nccl/gloo: an address of the learner's host the servers reach"
+    )
+    master_port: int = Field(0, ge=0, le=65535, description="nccl/gloo: 0 = a free port")
+    packed: bool = Field(
+        True, description="nccl/ipc: vLLM's packed transfer (weights batched into buffers)"
+    )
+
+
 SyncConfig = Annotated[
-    HttpSyncConfig | FileSyncConfig | NcclSyncConfig | IpcSyncConfig, Field(discriminator="type")
+    HttpSyncConfig | FileSyncConfig | NcclSyncConfig | IpcSyncConfig | VllmSyncConfig,
+    Field(discriminator="type"),
 ]
 SYNC_SECTIONS: dict[str, type[_SyncSection]] = {
     "http": HttpSyncConfig,
     "file": FileSyncConfig,
     "nccl": NcclSyncConfig,
     "ipc": IpcSyncConfig,
+    "vllm": VllmSyncConfig,
 }
 
 # Sync settings written flat in [rollout]: where each belongs in [rollout.sync].
@@ -117,7 +141,7 @@ def _sync_table(value: Any) -> Any:
         kind = value.get("type")
         if not isinstance(kind, str) or kind not in SYNC_SECTIONS:
             given = "required" if kind is None else f"{kind!r} is not a transport"
-            raise FieldError("type", f"{given}: give 'http', 'file', 'nccl' or 'ipc'")
+            raise FieldError("type", f"{given}: give 'http', 'file', 'nccl', 'ipc' or 'vllm'")
     return value
 
 

@@ -1,12 +1,14 @@
 """Weight sync from the learner to the rollout servers: one protocol
-(``learner.sync.base.WeightTransport``), four transports, picked by ``[rollout.sync] type``:
+(``learner.sync.base.WeightTransport``), five transports, picked by ``[rollout.sync] type``:
 
 - ``http``: safetensors buckets in request bodies (CPU, tests, no NCCL; ``learner.sync.http``);
 - ``file``: one safetensors file on a shared disk, loaded by every server (``learner.sync.file``);
 - ``nccl``: flat buckets broadcast from learner rank 0 to the servers' workers
   (``learner.sync.nccl``, GPU only);
 - ``ipc``: flat buckets shared as CUDA IPC handles with servers on the learner's own GPU
-  (``learner.sync.ipc``, colocated mode).
+  (``learner.sync.ipc``, colocated mode);
+- ``vllm``: vLLM's own RL routes and weight-transfer engines (nccl, ipc; gloo on CPU), what a
+  stock ``vllm serve`` speaks (``learner.sync.vllm_native``).
 
 What they send (the full or LoRA-merged weights, or a LoRA adapter alone over http and file; their
 specs, the servers' dtype) is
@@ -17,7 +19,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from learner.config.sync import FileSyncConfig, HttpSyncConfig, IpcSyncConfig, NcclSyncConfig
+from learner.config.sync import (
+    FileSyncConfig,
+    HttpSyncConfig,
+    IpcSyncConfig,
+    NcclSyncConfig,
+    VllmSyncConfig,
+)
 
 if TYPE_CHECKING:
     from learner.config.rollout import RolloutConfig
@@ -48,4 +56,8 @@ def make_transport(
             from learner.sync.ipc import IpcTransport
 
             return IpcTransport(sync, client, device=device, ready_timeout_s=wait)
+        case VllmSyncConfig():
+            from learner.sync.vllm_native import VllmNativeTransport
+
+            return VllmNativeTransport(sync, client, device=device, ready_timeout_s=wait)
     raise ValueError(f"no weight transport for rollout.sync = {sync!r}")

@@ -74,11 +74,11 @@ def test_only_nccl_prepares_and_only_nccl_pushes_are_not_retried() -> None:
         (["rollout.sync=file"], 'rollout.sync.dir: required with type = "file"'),
         (
             ["rollout.sync=shm"],
-            "rollout.sync.type: 'shm' is not a transport: give 'http', 'file', 'nccl' or 'ipc'",
+            "rollout.sync.type: 'shm' is not a transport: give 'http', 'file', 'nccl', 'ipc' or 'vllm'",
         ),
         (
             ["rollout.sync.dir=/d"],
-            "rollout.sync.type: required: give 'http', 'file', 'nccl' or 'ipc'",
+            "rollout.sync.type: required: give 'http', 'file', 'nccl', 'ipc' or 'vllm'",
         ),
         (
             ["rollout.sync=http", "rollout.sync.dir=/d"],
