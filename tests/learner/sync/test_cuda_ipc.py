@@ -48,7 +48,7 @@ def test_the_sender_needs_a_gpu() -> None:
 
 def test_config_accepts_ipc_and_the_wire_model_round_trips() -> None:
     assert RolloutConfig(sync="ipc").sync.type == "ipc"
-    with pytest.raises(ValueError, match="'http', 'file', 'nccl' or 'ipc'"):
+    with pytest.raises(ValueError, match="'http', 'file', 'nccl', 'ipc' or 'vllm'"):
         RolloutConfig(sync="shm")
     req = IpcUpdateRequest(
         tensors=[{"name": "w", "dtype": "bfloat16", "shape": [2, 4]}],
