@@ -27,6 +27,8 @@ from rollout_server.generation.router import router as generation_router
 from rollout_server.generation.service import GenerationService
 from rollout_server.metrics import Metrics
 from rollout_server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
+from rollout_server.native.router import router as native_router
+from rollout_server.native.service import NativeService
 from rollout_server.openai_compat.router import router as openai_router
 from rollout_server.openapi_schema import install_openapi
 from rollout_server.settings import ServerSettings
@@ -55,6 +57,7 @@ def build_app(
     metrics = Metrics()
     core = ServerCore(settings, engine, metrics)
     weights = WeightsService(core)
+    native = NativeService(core, weights)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -65,6 +68,7 @@ def build_app(
             if not loading.done():
                 loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
+            native.close()
             await weights.close()
             await core.close()
 
@@ -80,8 +84,9 @@ def build_app(
     app.state.core = core
     app.state.generation = GenerationService(core)
     app.state.weights = weights
+    app.state.native = native
     app.state.sleep = SleepService(core, weights.prepared)
-    app.state.status = StatusService(core)
+    app.state.status = StatusService(core, native)
     app.state.settings = settings
     install_error_handlers(app)
     for router in (status_router, generation_router, openai_router):
@@ -89,6 +94,7 @@ def build_app(
     if not settings.disable_admin_endpoints:
         app.include_router(weights_router)
         app.include_router(sleep_router)
+        app.include_router(native_router)
     install_openapi(app)
     # Added last = outermost: an unauthenticated request is refused before anything else.
     app.add_middleware(CancelOnDisconnectMiddleware)

@@ -106,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the startup heap out of Python's garbage collector once ready (default on)",
     )
     engine.add_argument(
+        "--weight-transfer-backend",
+        choices=["nccl", "ipc"],
+        help="vLLM: serve vLLM's RL weight-transfer routes over this backend (transformers: "
+        "always gloo)",
+    )
+    engine.add_argument(
         "--vllm-arg",
         action="append",
         metavar="KEY=VALUE",

@@ -20,6 +20,7 @@ class PauseGate:
         self._writing = False
         self._writers_waiting = 0
         self._readers_waiting = 0
+        self._held = False  # paused by the trainer (/pause) until /resume
 
     @property
     def readers(self) -> int:
@@ -33,7 +34,29 @@ class PauseGate:
 
     @property
     def paused(self) -> bool:
-        return self._writing or self._writers_waiting > 0
+        return self._writing or self._writers_waiting > 0 or self._held
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    async def hold(self, *, wait: bool) -> None:
+        """Keep new generations from starting until ``release_hold`` (a trainer's /pause);
+        weight loads still go through. ``wait``: return once the generations in flight ended."""
+        async with self._cond:
+            self._held = True
+            if wait:
+                try:
+                    await self._cond.wait_for(lambda: self._readers == 0)
+                except BaseException:  # a cancelled /pause pauses nothing
+                    self._held = False
+                    self._cond.notify_all()
+                    raise
+
+    async def release_hold(self) -> None:
+        async with self._cond:
+            self._held = False
+            self._cond.notify_all()
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[None]:

@@ -113,6 +113,13 @@ class ServerSettings(BaseModel):
     max_lora_rank: int = Field(
         64, ge=1, description="vLLM with enable_lora: the largest adapter rank it can serve"
     )
+    weight_transfer_backend: Literal["nccl", "ipc"] | None = Field(
+        None,
+        description="vLLM: the weight-transfer engine behind vLLM's RL routes "
+        "(/init_weight_transfer_engine, /update_weights ...), passed as vLLM's "
+        "weight_transfer_config; unset, those routes answer 501 on the vllm engine "
+        "(the transformers engine always serves them over gloo)",
+    )
     vllm_engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="more vLLM AsyncEngineArgs, e.g. {'enforce_eager': True, "

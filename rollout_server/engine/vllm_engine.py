@@ -132,6 +132,8 @@ class VLLMEngine(HFTokenizerMixin, Engine):
             ) from exc
         s = self.settings
         kwargs = {**lora_engine_kwargs(s), **engine_kwargs(s)}
+        if s.weight_transfer_backend is not None:  # vLLM's RL routes (rollout_server.native)
+            kwargs["weight_transfer_config"] = {"backend": s.weight_transfer_backend}
         args = AsyncEngineArgs(**supported_kwargs(AsyncEngineArgs, kwargs))
         # Built in the event loop, as vLLM's own server does (it binds its output tasks to the
         # running loop); the ~40 s of loading happen before the service reports ready.
@@ -357,6 +359,44 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         received = await self._updates.receive_ipc(request)
         await self._adapters.drop(self._llm)  # full weights: served alone
         return received
+
+    # -- vLLM's own RL weight transfer (--weight-transfer-backend) --------------------------
+    # Handed to vLLM's engine as its api_router does; the tensors load as they arrive (vLLM's
+    # semantics), the server's version moves at finish (rollout_server.native).
+
+    def _require_weight_transfer(self) -> None:
+        if self.settings.weight_transfer_backend is None:
+            raise UnsupportedError(
+                "vLLM's weight-transfer routes need a backend: restart the server with "
+                "--weight-transfer-backend nccl (or ipc)"
+            )
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        self._require_weight_transfer()
+        await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def start_weight_update(self, is_checkpoint_format: bool) -> None:
+        self._require_weight_transfer()
+        await self._llm.start_weight_update(is_checkpoint_format=is_checkpoint_format)
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self._require_weight_transfer()
+        await self._llm.update_weights(request=WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_weight_update(self) -> None:
+        self._require_weight_transfer()
+        await self._llm.finish_weight_update()
+        await self._llm.reset_prefix_cache()
+        await self._adapters.drop(self._llm)  # full weights: served alone
+
+    def world_size(self, include_dp: bool) -> int:
+        """vLLM's workers: TP x PP, times DP with ``include_dp`` (its /get_world_size)."""
+        parallel = self._llm.vllm_config.parallel_config
+        return int(parallel.world_size_across_dp if include_dp else parallel.world_size)
 
     # -- sleep -----------------------------------------------------------------------------
 

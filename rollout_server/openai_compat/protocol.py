@@ -45,6 +45,10 @@ class _OpenAIRequest(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's: the choices always carry token_ids and prompt_token_ids here, and the text is
+    # always decoded without special tokens
+    return_token_ids: bool | None = None
+    skip_special_tokens: bool = True
 
     def _refuse_unsupported(self) -> None:
         checks = {

@@ -39,6 +39,11 @@ class InfoResponse(WireModel):
     lora_rank: int | None = Field(
         None, description="the rank of the LoRA adapter served on the base weights (none: null)"
     )
+    weight_transfer_backend: str | None = Field(
+        None,
+        description="what vLLM's RL routes (/init_weight_transfer_engine ...) transfer over: "
+        "gloo (transformers engine), nccl or ipc (vllm engine); null: not served",
+    )
 
 
 class HealthResponse(WireModel):

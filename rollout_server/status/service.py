@@ -9,11 +9,13 @@ from rollout_server.protocol import InfoResponse
 
 if TYPE_CHECKING:
     from rollout_server.core import ServerCore
+    from rollout_server.native.service import NativeService
 
 
 class StatusService:
-    def __init__(self, core: ServerCore) -> None:
+    def __init__(self, core: ServerCore, native: NativeService) -> None:
         self.core = core
+        self.native = native
 
     def info(self) -> InfoResponse:
         core = self.core
@@ -38,4 +40,5 @@ class StatusService:
             # no /weights/* routes at all under --disable-admin-endpoints
             weight_transports=[] if core.settings.disable_admin_endpoints else e.weight_transports,
             lora_rank=core.engine.served_lora_rank(),
+            weight_transfer_backend=self.native.backend(),
         )

@@ -1,0 +1,1 @@
+"""vLLM's RL routes (pause/resume, weight transfer) on this server."""
