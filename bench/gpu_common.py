@@ -174,6 +174,8 @@ class GpuMemoryPeak:
 class ServerProcess:
     """``python -m rollout_server --engine vllm`` on ``gpu``, with an API key, on loopback."""
 
+    ready_path = "/ready"
+
     def __init__(
         self,
         model: Path | str,
@@ -235,7 +237,7 @@ class ServerProcess:
                     f"rollout server exited ({self.proc.returncode}):\n{self.tail()}"
                 )
             with contextlib.suppress(httpx.HTTPError):
-                if self.http.get("/ready", timeout=5.0).status_code == 200:
+                if self.http.get(self.ready_path, timeout=5.0).status_code == 200:
                     return self
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server not ready after {ready_timeout_s}s:\n{self.tail()}")
@@ -283,6 +285,43 @@ class ServerProcess:
 
     def info(self) -> dict[str, Any]:
         return self.http.get("/info").raise_for_status().json()
+
+
+class VllmServeProcess(ServerProcess):
+    """A stock ``vllm serve`` (vLLM's own CLI, none of our server's code) on ``gpu``, with its
+    RL routes on (``VLLM_SERVER_DEV_MODE=1``) and ``backend``'s weight-transfer engine."""
+
+    ready_path = "/health"
+
+    def __init__(self, model: Path | str, *, backend: str = "nccl", **kw: Any) -> None:
+        super().__init__(model, **kw)
+        extra = self.argv[self.argv.index("--max-model-len") + 2 :]
+        self.argv = [
+            sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--gpu-memory-utilization", self.argv[self.argv.index("--gpu-memory-utilization") + 1],
+            "--max-model-len", self.argv[self.argv.index("--max-model-len") + 1],
+            "--weight-transfer-config", f'{{"backend": "{backend}"}}', *extra,
+        ]  # fmt: skip
+
+    def start(self, ready_timeout_s: float = 420.0) -> ServerProcess:
+        os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # inherited by the server (gpu_env copies it)
+        try:
+            return super().start(ready_timeout_s)
+        finally:
+            del os.environ["VLLM_SERVER_DEV_MODE"]
+
+    def greedy(self, prompts: list[list[int]], max_tokens: int = 24) -> Greedy:
+        body = {"prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0,
+                "return_token_ids": True, "ignore_eos": True}  # fmt: skip
+        r = self.post("/v1/completions", body)
+        if r.status_code != 200:
+            raise AssertionError(f"/v1/completions -> {r.status_code}: {r.text[:500]}")
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        return Greedy(
+            tokens=[c["token_ids"] for c in choices],
+            logprobs=[c["logprobs"]["token_logprobs"] for c in choices],
+        )
 
 
 @contextlib.contextmanager

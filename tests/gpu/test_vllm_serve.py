@@ -1,0 +1,92 @@
+"""GRPO against a stock ``vllm serve`` (no code of ours on the server; docs/vllm-serve.md):
+``rollout.server_api = "vllm"`` and ``[rollout.sync] type = "vllm"``, with vLLM's NCCL engine to
+a server on its own GPU and with its IPC engine to one on the learner's GPU (colocated).
+
+Each run trains 5 steps. After every sync the server serves the learner's weights: the samples'
+truncated importance weights (``is_weight``: exp(learner log-prob − server log-prob), clamped)
+stay at 1 within bf16 noise every step, where a server a sync missed would drift from it. After
+the last one the stock server's greedy continuations are those of our own vLLM server loading the
+learner's saved final model from disk, and not those of the base model it started from.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 5
+PROBES = [[100 + 7 * i + j for j in range(12)] for i in range(4)]
+IS_WEIGHT_TOL = 0.05  # |is_weight - 1| per step: bf16 logits of vLLM and of the learner
+
+
+def _run(model: Path, url: str, backend: str, gpus: str, run_dir: Path, log: Path) -> None:
+    from gpu_common import gpu_env
+
+    sets = [
+        f'model.name_or_path="{model}"',
+        'model.dtype="bfloat16"',  # what vllm serve holds the model in ("auto": its config's)
+        f'rollout.servers=["{url}"]',
+        'rollout.server_api="vllm"',
+        f'rollout.sync={{type = "vllm", backend = "{backend}"}}',
+        f"run.steps={STEPS}",
+        "run.progress_bar=false",
+        'rewards=[{name="length", kwargs={unit="chars", target=100}}]',
+        "sampling.max_tokens=32",
+        "grpo.tis_cap=2.0",
+        "eval.max_prompts=4",
+    ]
+    if backend == "ipc":
+        sets.append("rollout.sleep_while_training=1")  # the server's GPU is the learner's
+    cmd = [sys.executable, "-m", "learner", "--config", str(ROOT / "learner/configs/demo.toml"),
+           "--run-dir", str(run_dir), *(a for s in sets for a in ("--set", s))]  # fmt: skip
+    proc = subprocess.run(
+        cmd, env=gpu_env(gpus), capture_output=True, text=True, timeout=900, cwd=ROOT
+    )
+    log.write_text(proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_grpo_against_a_stock_vllm_serve(qwen3_dir, log_dir, tmp_path, backend):
+    from gpu_common import ServerProcess, VllmServeProcess, gpu_count
+
+    from learner.run.metrics import read_metrics
+
+    if backend == "nccl" and gpu_count() < 2:
+        pytest.skip("the NCCL layout puts the server on a second GPU")
+    gpu = "1" if backend == "nccl" else "0"
+    server = VllmServeProcess(
+        qwen3_dir,
+        backend=backend,
+        gpu=gpu,
+        gpu_memory_utilization=0.3,
+        extra_args=["--enable-sleep-mode"] if backend == "ipc" else [],
+        log_path=log_dir / f"test_vllm_serve.{backend}.server.log",
+    )
+    with server:
+        base = server.greedy(PROBES)
+        run_dir = tmp_path / backend
+        _run(
+            qwen3_dir, server.url, backend, "0", run_dir, log_dir / f"test_vllm_serve.{backend}.log"
+        )
+        served = server.greedy(PROBES)
+    records = read_metrics(run_dir)
+    assert [r["weight_version"] for r in records] == list(range(1, STEPS + 1))
+    drift = [abs(r["is_weight"] - 1) for r in records]
+    print(f"{backend}: step times {[round(r['time/step'], 2) for r in records]} s, "
+          f"|is_weight - 1| {[round(d, 4) for d in drift]}")  # fmt: skip
+    assert max(drift) <= IS_WEIGHT_TOL, drift
+    with ServerProcess(
+        run_dir / "final", gpu=gpu, gpu_memory_utilization=0.3,
+        log_path=log_dir / f"test_vllm_serve.{backend}.reference.log",
+    ) as ours:  # fmt: skip
+        from gpu_common import greedy
+
+        want = greedy(ours, PROBES)
+    assert served.matches(want), served.mismatch(want)
+    assert not base.matches(want), "the training moved no greedy log-prob: nothing was synced"
