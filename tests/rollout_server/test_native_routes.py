@@ -226,3 +226,16 @@ def test_vllm_completions_with_token_id_prompts(http):
         assert c["prompt_token_ids"] == prompts[c["index"] // 2]
         assert len(c["token_ids"]) == len(c["logprobs"]["token_logprobs"]) == 5
         assert c["finish_reason"] == "length"
+
+
+def test_the_weight_transfer_backend_flag_reaches_the_settings():
+    from rollout_server.cli import build_parser, settings_from_args
+
+    args = build_parser().parse_args(["--model", "m", "--weight-transfer-backend", "nccl"])
+    assert settings_from_args(args).weight_transfer_backend == "nccl"
+    assert (
+        settings_from_args(build_parser().parse_args(["--model", "m"])).weight_transfer_backend
+        is None
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "m", "--weight-transfer-backend", "gloo"])
