@@ -47,10 +47,12 @@ class VllmServeClient(RolloutClient):
         dtype: str,
         vocab_size: int,
         eos_token_ids: Sequence[int],
+        tokenizer: Any = None,
         **options: Any,
     ) -> None:
         super().__init__(base_urls, **options)
         self._facts = {"dtype": dtype, "vocab_size": vocab_size, "eos": list(eos_token_ids)}
+        self.tokenizer = tokenizer  # renders chat prompts (vLLM's completions take ids or text)
         self.versions: dict[str, int] = {}  # updates finished per server, as the learner counts
         self._models: dict[str, dict[str, Any]] = {}  # /v1/models' card, per server
 
@@ -58,7 +60,7 @@ class VllmServeClient(RolloutClient):
         f = self._facts
         sub = VllmServeClient(
             list(urls), dtype=f["dtype"], vocab_size=f["vocab_size"], eos_token_ids=f["eos"],
-            **self._options,
+            tokenizer=self.tokenizer, **self._options,
         )  # fmt: skip
         sub.versions = self.versions  # one count per server, whichever client finished it
         return sub
@@ -99,7 +101,7 @@ class VllmServeClient(RolloutClient):
         self, server: str, sub: GenerateRequest, prompts: int
     ) -> GenerateResponse:
         """``sub`` as one ``POST /v1/completions``; choice ``i`` is prompt ``i // n``'s."""
-        body = completion_body(sub, str((await self._card(server))["id"]))
+        body = completion_body(sub, str((await self._card(server))["id"]), self.tokenizer)
         self._load[server] = self._load.get(server, 0) + prompts
         try:
             resp = await self._calls.call(server, "POST", "/v1/completions", body=body)
@@ -135,15 +137,27 @@ class VllmServeClient(RolloutClient):
         )
 
 
-def completion_body(req: GenerateRequest, model: str) -> dict[str, Any]:
-    """``/v1/completions``'s body for ``req`` (token-id or text prompts)."""
-    if any(isinstance(p, list) and p and not isinstance(p[0], int) for p in req.prompts):
-        raise ValueError(
-            "chat-message prompts need a chat template: a stock vllm serve is given token ids "
-            "or text (tokenize the messages in the learner)"
-        )
+def completion_body(req: GenerateRequest, model: str, tokenizer: Any = None) -> dict[str, Any]:
+    """``/v1/completions``'s body for ``req``: token ids and text as they are, chat messages
+    rendered to ids with ``tokenizer``'s chat template (as our server renders them)."""
+    prompts: list[Any] = []
+    for p in req.prompts:
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            if tokenizer is None:
+                raise ValueError(
+                    "chat-message prompts need the model's chat template: give "
+                    "VllmServeClient the tokenizer, or send token ids or text"
+                )
+            from rollout_server.engine.base import prompt_ids
+
+            messages = [m.model_dump(exclude_none=True) for m in p]
+            p = prompt_ids(
+                tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
+                chat_template_kwargs=req.chat_template_kwargs, tools=req.tools,
+            )  # fmt: skip
+        prompts.append(p)
     body: dict[str, Any] = {
-        "model": model, "prompt": list(req.prompts), "n": req.n, "max_tokens": req.max_tokens,
+        "model": model, "prompt": prompts, "n": req.n, "max_tokens": req.max_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
         "min_p": req.min_p, "repetition_penalty": req.repetition_penalty, "stop": req.stop,
         "stop_token_ids": req.stop_token_ids, "ignore_eos": req.ignore_eos,

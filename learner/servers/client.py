@@ -31,6 +31,7 @@ def make_client(
             dtype=cfg.model.dtype,
             vocab_size=len(tokenizer),
             eos_token_ids=[eos] if eos is not None else [],
+            tokenizer=tokenizer,
             **options,
         )
     return RolloutClient(urls, **options)

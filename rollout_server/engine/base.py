@@ -88,6 +88,28 @@ class TensorMeta:
     tied_to: str | None = None
 
 
+def prompt_ids(
+    tokenizer: Any,
+    prompt: str | list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """The token ids of a text prompt, or of chat messages through the chat template: what a
+    server is given (the client of a stock vLLM server renders chat prompts with it too)."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    text = tokenizer.apply_chat_template(
+        prompt,
+        tools=tools,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **(chat_template_kwargs or {}),
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 class HFTokenizerMixin:
     """``Engine.tokenize_prompt`` and ``Engine.decode`` for engines built on a Hugging Face
     tokenizer (both are): the engine sets ``tokenizer`` and ``_tokenizer_lock`` (HF fast
@@ -108,16 +130,13 @@ class HFTokenizerMixin:
         if not isinstance(prompt, str) and not (prompt and isinstance(prompt[0], dict)):
             return [int(t) for t in prompt]
         with self._tokenizer_lock:
-            if isinstance(prompt, str):
-                return list(self.tokenizer(prompt)["input_ids"])
-            text = self.tokenizer.apply_chat_template(
+            return prompt_ids(
+                self.tokenizer,
                 prompt,
-                tools=tools,
                 add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                **(chat_template_kwargs or {}),
+                chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of sampled ids. The model's vocab may be larger than the tokenizer's (padding

@@ -71,21 +71,22 @@ def _local_address(master_address: str, master_port: int) -> str:
         return s.getsockname()[0]
 
 
-def _parse_init_info(init_info: dict[str, Any]) -> tuple[str, int, int, int]:
+def _parse_init_info(init_info: dict[str, Any]) -> tuple[str, int, int]:
+    """master_address, master_port and world_size (the trainer, like vLLM's
+    ``trainer_init``, needs no ``rank_offset``: it is rank 0)."""
     try:
         address = str(init_info["master_address"])
         port = int(init_info["master_port"])
-        offset = int(init_info["rank_offset"])
         world_size = int(init_info["world_size"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(
-            f"init_info needs master_address, master_port, rank_offset, world_size: {exc!r}"
+            f"init_info needs master_address, master_port, world_size: {exc!r}"
         ) from exc
-    return address, port, offset, world_size
+    return address, port, world_size
 
 
 def _join(init_info: dict[str, Any], rank: int, timeout_s: float) -> GlooGroup:
-    address, port, _, world_size = _parse_init_info(init_info)
+    address, port, world_size = _parse_init_info(init_info)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the group's world_size {world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -113,10 +113,18 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float = 120.0) -> No
 # weight update the fuzzer cannot build, so the first pass fuzzes every other operation with
 # the weights served, and the second /sleep and /wake_up with the operations whose answers they
 # change (the stateful phase follows the links sleep -> generate, checksum, wake_up).
+# vLLM's RL routes come last, by themselves: a /pause holds every later generation until a
+# /resume the fuzzer need not send, and /init_weight_transfer_engine waits (up to its timeout_s)
+# for a trainer that never joins, so it is left to tests/rollout_server/test_native_routes.py.
 SLEEP_ROUTES = "^/(sleep|wake_up)$"
+NATIVE_ROUTES = (
+    "^/(pause|resume|is_paused|start_weight_update|update_weights|finish_weight_update"
+    "|get_world_size)$"
+)
 PASSES = {
-    "awake": ["--exclude-path-regex", SLEEP_ROUTES],
+    "awake": ["--exclude-path-regex", f"{SLEEP_ROUTES}|{NATIVE_ROUTES}|^/init_weight_transfer"],
     "sleep": ["--include-path-regex", "^/(sleep|wake_up|generate|weights/checksum|ready)$"],
+    "native": ["--include-path-regex", NATIVE_ROUTES],
 }
 
 
