@@ -312,10 +312,16 @@ class RolloutClient:
         resp = await self._calls.call(server, "GET", "/get_world_size", params={"include_dp": True})
         return int(resp.json()["world_size"])
 
-    async def native(self, server: str, route: str, body: dict[str, Any] | None = None) -> None:
+    async def native(
+        self,
+        server: str,
+        route: str,
+        body: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> None:
         """``POST /<route>`` of vLLM's RL interface on ``server`` (never retried: a weight
         update's step must not run twice)."""
-        await self._calls.call(server, "POST", f"/{route}", body=body, retry=False)
+        await self._calls.call(server, "POST", f"/{route}", body=body, params=params, retry=False)
 
     async def pause(self, mode: str = "wait") -> None:
         """Stop new generations on every server (``wait``: the ones in flight finish)."""

@@ -128,7 +128,11 @@ class VllmNativeTransport(WeightTransport):
                                                       {"is_checkpoint_format": True})
                                    for s in servers))  # fmt: skip
             await self._send(servers, update_info, tensors)
-            await asyncio.gather(*(self.client.native(s, "finish_weight_update") for s in servers))
+            # our server serves ``version`` (a resync keeps the learner's); vLLM ignores it
+            at = {"version": version} if version is not None else None
+            await asyncio.gather(
+                *(self.client.native(s, "finish_weight_update", params=at) for s in servers)
+            )
         except Exception as e:
             self.close()  # a broken group is formed again at the next push
             raise WeightSyncError(",".join(servers), f"vLLM weight update failed: {e}") from e

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from rollout_server.native.service import NativeService, PauseMode
 from rollout_server.protocol import (
+    INT64_MAX,
     ErrorResponse,
     IsPaused,
     PauseStatus,
@@ -125,8 +126,18 @@ async def update_weights(
     response_model=WeightTransferMessage,
     responses=_BAD | _ORDER | _UNSUPPORTED,
 )
-async def finish_weight_update(service: NativeDep) -> WeightTransferMessage:
+async def finish_weight_update(
+    service: NativeDep,
+    version: int | None = Query(
+        None,
+        ge=0,
+        le=INT64_MAX,
+        description="ours (vLLM ignores it): the version to serve "
+        "(newer than the current one); default current + 1",
+    ),
+) -> WeightTransferMessage:
     """Apply the staged tensors at once, validated whole (NaN/inf refused), as version current
-    + 1; on a refusal the previous weights keep serving. Nothing staged: no new version."""
-    await service.finish()
+    + 1 (or ``version``); on a refusal the previous weights keep serving. Nothing staged: no
+    new version."""
+    await service.finish(version)
     return WeightTransferMessage(message="Weight update finished")

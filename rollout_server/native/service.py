@@ -221,23 +221,28 @@ class NativeService:
             targets[name] = getattr(torch, meta.dtype)
         return targets
 
-    async def finish(self) -> None:
-        """Apply what was staged, all at once; the version moves by one. A finish with nothing
-        received closes the update and leaves the version as it is."""
+    async def finish(self, version: int | None = None) -> None:
+        """Apply what was staged, all at once, as ``version`` (default: the next one). A finish
+        with nothing received closes the update and leaves the version as it is."""
         core = self.core
         if not self._open:
             raise Conflict("no weight update is open: POST /start_weight_update first")
         self._refuse_busy("finish_weight_update")
+        if version is not None and version <= core.version:
+            raise Conflict(
+                f"version={version} is not newer than the current weight version "
+                f"{core.version}; send a larger version or omit it"
+            )
         async with self._busy:
             staged, names = self._staged, self._names
             self._open, self._staged, self._names = False, {}, set()
             if self.delegated:
                 async with core.gate.write():
                     await core.engine.finish_weight_update()  # type: ignore[attr-defined]
-                    core.set_version(core.version + 1, names)
+                    core.set_version(core.version + 1 if version is None else version, names)
                 return
             if staged:
-                await self.weights.apply_weights(staged, None, transport="gloo")
+                await self.weights.apply_weights(staged, version, transport="gloo")
 
     def _drop(self, why: str) -> None:
         """Close the group and discard an open update (nothing of it was served)."""

@@ -239,3 +239,26 @@ def test_the_weight_transfer_backend_flag_reaches_the_settings():
     )
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--model", "m", "--weight-transfer-backend", "gloo"])
+
+
+def test_finish_takes_the_trainers_version_and_refuses_an_older_one(http, model_b):
+    """``/finish_weight_update?version=N`` (ours; vLLM ignores it): a learner resyncing a
+    restarted server keeps its own version; a version not newer than the served one is a 409
+    that leaves the update open for a finish without it."""
+    named = [(n, p.detach()) for n, p in model_b.named_parameters()]
+    version, _ = _served(http)
+    group = _join(http)
+    try:
+        assert http.post("/start_weight_update", json={}).status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(trainer_send_weights, iter(named), group)
+            r = http.post("/update_weights", json={"update_info": _update_info(named)})
+            sent.result(timeout=30)
+        assert r.status_code == 200, r.text
+        r = http.post("/finish_weight_update", params={"version": version})
+        assert r.status_code == 409 and "not newer" in r.json()["detail"], r.text
+        r = http.post("/finish_weight_update", params={"version": version + 10})
+        assert r.status_code == 200, r.text
+    finally:
+        group.close()
+    assert _served(http)[0] == version + 10
