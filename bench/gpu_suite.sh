@@ -28,7 +28,9 @@
 # GRPO: a failed step where verl is not installed). One call each after "setup model4":
 # SUITE_STEPS="setup model4", then "setup e2e4_colocated", "setup e2e4_split", "setup e2e4_verl"
 # with SUITE_BUDGET_S=580 on the same warm machine (E2E4_STEPS steps, default 8, each side;
-# E2E4_RANKS processes, default 4; E2E4_TRL_ARGS to TRL). Each step has its own time
+# E2E4_RANKS processes, default 4; E2E4_TRL_ARGS to TRL). native_sync (issue 40: our NCCL
+# and IPC sync against vLLM's native weight-transfer engine, bench/bench_native_sync.py; nccl
+# needs 2 GPUs; SUITE_STEPS="setup model native_sync"). Each step has its own time
 # limit and its own log; a failing step does not stop the others; the whole run stays inside
 # SUITE_BUDGET_S (steps that no longer fit are skipped and say so). The budget counts from this
 # script's start and the machine's call limit from the call's: make the suite the whole command
@@ -245,6 +247,19 @@ step_e2e4_verl() {
   e2e4_ours e2e4_verl $(( STEP_LIMIT - 20 )) $(( STEP_LIMIT - 40 )) --modes verl --no-bandwidth
 }
 
+step_native_sync() {
+  # ours against vLLM's native weight-transfer engine, NCCL (2 GPUs) and IPC, same model
+  local gpus t rc=0
+  gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  for t in nccl ipc; do
+    [ "$t" = nccl ] && [ "$gpus" -lt 2 ] && { echo "nccl: needs 2 GPUs, skipped"; continue; }
+    python3 bench/bench_native_sync.py --model "$GRPO_GPU_MODEL" --transport "$t" \
+      --out "$WORK/native_sync_$t.json" || rc=$?
+  done
+  python3 bench/suite_report.py join-native "$OUT/bench_native_sync.json" "$WORK"/native_sync_*.json
+  return $rc
+}
+
 step_memory() {
   # Peak learner memory (max_memory_allocated) and step time per memory option, one learner
   # step of the real code path on a fixed synthetic batch, a fresh process per configuration;
@@ -312,6 +327,7 @@ limit_for() {  # seconds allowed for a step: its own limit, capped by what is le
     e2e4_split) own=${T_E2E4_SPLIT:-540} ;;
     e2e4_verl) own=${T_E2E4_VERL:-120} ;;
     overlap) own=${T_OVERLAP:-420} ;;
+    native_sync) own=${T_NATIVE_SYNC:-480} ;;
     *) own=60 ;;
   esac
   local left=$(( SUITE_BUDGET_S - ($(date +%s) - START) - 15 ))

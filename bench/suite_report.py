@@ -42,6 +42,7 @@ def result_files(out: Path, work: Path) -> dict[str, Path]:
         "e2e4_verl": out / "bench_e2e4_verl.json",
         "memory": out / "bench_memory_options.json",
         "overlap": out / "bench_overlap.json",
+        "native_sync": out / "bench_native_sync.json",
     }
 
 
@@ -165,7 +166,17 @@ def problems_overlap(path: Path) -> list[str]:
     return out
 
 
+def problems_native_sync(path: Path) -> list[str]:
+    """Each transport run (nccl, ipc) timed both sides: ours and vLLM's engine."""
+    data = _json(path)
+    if not data:
+        return ["no transport was measured"]
+    return [f"{t}: {side} not measured" for t, run in data.items()
+            for side in ("ours", "vllm") if "median_s" not in run.get(side, {})]  # fmt: skip
+
+
 PROBLEMS: dict[str, Callable[[Path], list[str]]] = {
+    "native_sync": problems_native_sync,
     "tests": problems_tests,
     "bench_rollout": problems_bench_rollout,
     "bench_loss": problems_bench_loss,
@@ -316,7 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     j = sub.add_parser("merge", help="one junit report of several")
     j.add_argument("dest", type=Path)
     j.add_argument("parts", type=Path, nargs="+")
+    n = sub.add_parser("join-native", help="bench_native_sync's runs, one per transport")
+    n.add_argument("dest", type=Path)
+    n.add_argument("parts", type=Path, nargs="*")
     args = p.parse_args(argv)
+    if args.cmd == "join-native":
+        runs = [json.loads(f.read_text()) for f in args.parts if f.is_file()]
+        args.dest.write_text(json.dumps({r["transport"]: r for r in runs}, indent=1))
+        return 0
     if args.cmd == "merge":
         merge_junit(args.parts, args.dest)
         return 0

@@ -121,6 +121,7 @@ def _venv_env() -> dict[str, str]:
     [
         ("bench_rollout_gpu.py", ["--out", "r.json"], ["vllm"]),
         ("bench_loss_gpu.py", ["--out-dir", "."], ["trl==1.16.0", "liger-kernel"]),
+        ("bench_native_sync.py", ["--model", ".", "--out", "n.json"], ["vllm"]),
     ],
 )
 def test_benchmark_without_its_dependencies_exits_2_naming_them(
@@ -241,3 +242,23 @@ def test_reports_of_one_pytest_per_file_merge_into_pytests_totals(tmp_path: Path
     assert totals == {"passed": 3, "failed": 0, "error": 1, "skipped": 0, "interrupted": 1}
     status, why = suite_report.step_verdict("tests", 0, merged.parent, tmp_path)
     assert status == "failed" and "1 interrupted" in why, why
+
+
+def test_native_sync_needs_both_sides_of_every_transport(tmp_path: Path) -> None:
+    """bench_native_sync's runs joined by transport: a transport whose vLLM side never got a
+    time (its server did not start) fails the step; both sides timed, it is ok."""
+    run = {"transport": "nccl", "ours": {"median_s": 0.4}, "vllm": {"median_s": 0.5}}
+    half = {"transport": "ipc", "ours": {"median_s": 0.2}}
+    parts = []
+    for name, data in (("n", run), ("i", half)):
+        parts.append(tmp_path / f"{name}.json")
+        parts[-1].write_text(json.dumps(data))
+    dest = tmp_path / "bench_native_sync.json"
+    assert suite_report.main(["join-native", str(dest), *map(str, parts)]) == 0
+    assert suite_report.step_verdict("native_sync", 0, tmp_path, tmp_path) == (
+        "failed", "ipc: vllm not measured"
+    )  # fmt: skip
+    assert suite_report.main(["join-native", str(dest), str(parts[0])]) == 0
+    assert suite_report.step_verdict("native_sync", 0, tmp_path, tmp_path) == ("ok", "")
+    assert suite_report.main(["join-native", str(dest)]) == 0  # nothing ran
+    assert suite_report.step_verdict("native_sync", 0, tmp_path, tmp_path)[0] == "failed"
