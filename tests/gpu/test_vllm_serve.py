@@ -24,14 +24,16 @@ PROBES = [[100 + 7 * i + j for j in range(12)] for i in range(4)]
 IS_WEIGHT_TOL = 0.05  # |is_weight - 1| per step: bf16 logits of vLLM and of the learner
 
 
-def _run(model: Path, url: str, backend: str, gpus: str, run_dir: Path, log: Path) -> None:
-    from gpu_common import gpu_env
+def _run(
+    model: Path, url: str, backend: str, gpus: str, run_dir: Path, log: Path, api: str = "vllm"
+) -> None:
+    from gpu_common import API_KEY, gpu_env
 
     sets = [
         f'model.name_or_path="{model}"',
         'model.dtype="bfloat16"',  # what vllm serve holds the model in ("auto": its config's)
         f'rollout.servers=["{url}"]',
-        'rollout.server_api="vllm"',
+        f'rollout.server_api="{api}"',
         f'rollout.sync={{type = "vllm", backend = "{backend}"}}',
         f"run.steps={STEPS}",
         "run.progress_bar=false",
@@ -44,9 +46,8 @@ def _run(model: Path, url: str, backend: str, gpus: str, run_dir: Path, log: Pat
         sets.append("rollout.sleep_while_training=1")  # the server's GPU is the learner's
     cmd = [sys.executable, "-m", "learner", "--config", str(ROOT / "learner/configs/demo.toml"),
            "--run-dir", str(run_dir), *(a for s in sets for a in ("--set", s))]  # fmt: skip
-    proc = subprocess.run(
-        cmd, env=gpu_env(gpus), capture_output=True, text=True, timeout=900, cwd=ROOT
-    )
+    env = gpu_env(gpus, ROLLOUT_API_KEY=API_KEY)  # our server's key; vllm serve has none
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     log.write_text(proc.stderr)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -90,3 +91,34 @@ def test_grpo_against_a_stock_vllm_serve(qwen3_dir, log_dir, tmp_path, backend):
         want = greedy(ours, PROBES)
     assert served.matches(want), served.mismatch(want)
     assert not base.matches(want), "the training moved no greedy log-prob: nothing was synced"
+
+
+def test_our_server_delegates_to_vllms_nccl_engine(qwen3_dir, log_dir, tmp_path):
+    """Our server started with ``--weight-transfer-backend nccl`` hands vLLM's RL routes to
+    vLLM's own engine (and versions each update): the same 5-step run over ``type = "vllm"``
+    ends with its weights those of the saved model, its version the learner's."""
+    from gpu_common import ServerProcess, gpu_count, greedy
+
+    from learner.run.metrics import read_metrics
+
+    if gpu_count() < 2:
+        pytest.skip("the NCCL layout puts the server on a second GPU")
+    server = ServerProcess(
+        qwen3_dir, gpu="1", gpu_memory_utilization=0.3,
+        extra_args=["--weight-transfer-backend", "nccl"],
+        log_path=log_dir / "test_vllm_serve.delegated.server.log",
+    )  # fmt: skip
+    run_dir = tmp_path / "delegated"
+    with server:
+        log = log_dir / "test_vllm_serve.delegated.log"
+        _run(qwen3_dir, server.url, "nccl", "0", run_dir, log, api="rollout-server")
+        served, info = greedy(server, PROBES), server.info()
+    assert info["weight_version"] == STEPS and info["weight_transfer_backend"] == "nccl"
+    records = read_metrics(run_dir)
+    assert max(abs(r["is_weight"] - 1) for r in records) <= IS_WEIGHT_TOL
+    with ServerProcess(
+        run_dir / "final", gpu="1", gpu_memory_utilization=0.3,
+        log_path=log_dir / "test_vllm_serve.delegated.reference.log",
+    ) as ours:  # fmt: skip
+        want = greedy(ours, PROBES)
+    assert served.matches(want), served.mismatch(want)
