@@ -124,7 +124,8 @@ NATIVE_ROUTES = (
 PASSES = {
     "awake": ["--exclude-path-regex", f"{SLEEP_ROUTES}|{NATIVE_ROUTES}|^/init_weight_transfer"],
     "sleep": ["--include-path-regex", "^/(sleep|wake_up|generate|weights/checksum|ready)$"],
-    "native": ["--include-path-regex", NATIVE_ROUTES],
+    # no stateful phase: the OpenAPI links join other routes (sleep -> generate, ...)
+    "native": ["--include-path-regex", NATIVE_ROUTES, "--phases", "examples,coverage,fuzzing"],
 }
 
 
@@ -134,7 +135,9 @@ def run_schemathesis(
     st = Path(sys.executable).parent / "schemathesis"
     cmd = [str(st), "run", f"{url}/openapi.json", "-H", f"Authorization: Bearer {API_KEY}"]
     cmd += filters
-    cmd += ["--checks", ",".join(CHECKS), "--phases", args.phases]
+    cmd += ["--checks", ",".join(CHECKS)]
+    if "--phases" not in filters:
+        cmd += ["--phases", args.phases]
     cmd += ["--max-examples", str(args.max_examples), "--seed", str(args.seed)]
     cmd += ["--max-response-time", str(args.max_response_time)]
     cmd += ["--request-timeout", str(args.max_response_time * 3), "--workers", "1"]
