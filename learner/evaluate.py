@@ -30,6 +30,7 @@ from learner.data.prompts import PromptFormat, data_columns, load_rows
 from learner.run.runtime import SetupError, resolve_model
 from learner.servers.client import make_client
 from learner.servers.embedded import embedded_for, embedded_key
+from learner.servers.pool import servers_ready
 from learner.step.rollouts import (
     episode_generators,
     generate_request,
@@ -267,7 +268,7 @@ def evaluate_model(cfg: LearnerConfig, model: str | None, out_dir: Path) -> dict
 
     async def run(urls: list[str], key: str | None) -> dict[str, float]:
         async with make_client(cfg, tokenizer, urls, key) as client:
-            await client.wait_ready(cfg.rollout.ready_timeout_s)
+            await servers_ready(client, cfg.rollout)  # one line naming the setting
             if problems := evaluator.check_limits(await client.info(), urls):
                 raise SetupError("; ".join(problems) + ": lower it, or raise the server's limit")
             return await evaluator.run(client, 0, tokenizer, chat)

@@ -172,12 +172,15 @@ class RolloutClient:
 
     async def _probe(self, server: str, path: str, *, auth_fails: bool = False) -> str | None:
         """``None`` when ``server`` answers ``GET path``, else why not (one attempt: a poll).
-        ``auth_fails``: a refused API key raises ``RolloutAuthError`` (waiting cannot fix it)."""
+        ``auth_fails``: a refused API key raises ``RolloutAuthError``, and a server without the
+        route (404: another kind of server) ``RolloutHTTPError``: waiting cannot fix either."""
         try:
             await self._calls.call(server, "GET", path, retry=False)
             return None
         except RolloutError as e:
             if auth_fails and isinstance(e, RolloutAuthError):
+                raise
+            if auth_fails and isinstance(e, RolloutHTTPError) and e.status == 404:
                 raise
             return e.reason
 

@@ -133,6 +133,16 @@ async def servers_ready(client: RolloutClient, rollout: RolloutConfig) -> None:
             f"rollout.servers: {e.server} {e.reason} (rollout.ready_timeout_s = "
             f"{rollout.ready_timeout_s:g})"
         ) from None
+    except RolloutHTTPError as e:  # no readiness route: another kind of server
+        other = ("a rollout server of ours? set rollout.server_api = \"rollout-server\""
+                 if rollout.server_api == "vllm" else
+                 'a stock vllm serve? set rollout.server_api = "vllm" and [rollout.sync] '
+                 'type = "vllm" (docs/vllm-serve.md)')  # fmt: skip
+        raise SetupError(
+            f"rollout.servers: {e.server} is not the server rollout.server_api = "
+            f'"{rollout.server_api}" expects (its readiness route answered HTTP {e.status}); '
+            f"is it {other}"
+        ) from None
 
 
 def check_server_limits(s: SamplingConfig, infos: list[InfoResponse], urls: list[str]) -> None:

@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
+
 from grpo_common.net import free_port
 from learner.run.metrics import read_metrics
 from learner.servers.pool import SERVERS_LOST_EXIT
@@ -156,3 +158,40 @@ def test_a_push_never_takes_the_version_back(start_server, tiny_model_dir):
         assert version([updated.url], 10) == 10
         assert version([fresh.url, updated.url], 3) == 4  # both take 4: neither goes back
     loop.close()
+
+
+def test_a_server_of_another_kind_is_a_setup_error_at_once(tmp_path):
+    """A URL that answers HTTP but has no readiness route (here Python's own http.server, as a
+    stock vllm serve has no /ready) is named at once, with the setting that speaks its API,
+    instead of being waited for until rollout.ready_timeout_s."""
+    import sys
+
+    port = free_port()
+    other = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # until it listens
+            try:
+                httpx.get(url, timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "http.server did not start"
+                time.sleep(0.2)
+        start = time.monotonic()
+        assert_setup_error(
+            tmp_path / "run",
+            f'rollout.servers=["{url}"]',
+            f'rollout.servers: {url} is not the server rollout.server_api = "rollout-server" '
+            "expects (its readiness route answered HTTP 404); is it a stock vllm serve? set "
+            'rollout.server_api = "vllm"',
+            "rollout.ready_timeout_s=300",
+            model_loads=True,
+        )
+        assert time.monotonic() - start < 120  # not the 300 s of ready_timeout_s
+    finally:
+        other.kill()
+        other.wait()
