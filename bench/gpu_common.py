@@ -73,6 +73,20 @@ def qwen3_model_dir() -> Path:
     return save_tiny_model(out, seed=0, dtype="bfloat16", **QWEN3_0_6B_SHAPE)
 
 
+def qwen3_text_model_dir() -> Path:
+    """``$GRPO_GPU_TEXT_MODEL`` if set, else a fresh Qwen3-0.6B-shaped bf16 model whose vocabulary
+    is its tokenizer's (265 byte-level ids, not 151936): for the tests whose GRPO runs must
+    learn something. The random-weight model samples its vocabulary almost uniformly, and of
+    151936 ids only 0.18 % decode to text (the rest decode to ''), so every text reward (charset,
+    length in chars) is 0 for nearly every sample, every advantage 0, and nothing is trained;
+    with the tokenizer's ids every sampled token is a character or an end."""
+    path = os.environ.get("GRPO_GPU_TEXT_MODEL")
+    if path and (Path(path) / "config.json").is_file():
+        return Path(path)
+    out = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-text-"))
+    return build_shape_model(out, "qwen3-0.6b", vocab_size=None)
+
+
 # The published Qwen3 architectures' sizes (their config.json), as ``save_tiny_model`` overrides:
 # real shapes with random weights, since nothing can be downloaded on the GPU machine.
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
@@ -101,17 +115,19 @@ def shape_mismatch(model_dir: Path | str, shape: str) -> str:
     return f"{model_dir} is not the {shape} shape: " + ", ".join(bad) if bad else ""
 
 
-def build_shape_model(path: Path | str, shape: str, seed: int = 0) -> Path:
+def build_shape_model(path: Path | str, shape: str, seed: int = 0, **overrides: Any) -> Path:
     """A random-weight bf16 model of ``shape`` at ``path`` (with the byte-level tokenizer),
     initialised on the GPU when there is one: 8B parameters are drawn in seconds there, minutes
-    on the CPU."""
+    on the CPU. ``overrides``: config fields replacing the shape's (``vocab_size=None``: the
+    tokenizer's)."""
     import torch
 
     from rollout_server.tiny import save_tiny_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = {**MODEL_SHAPES[shape], **overrides}
     with torch.device(device):
-        return save_tiny_model(path, seed=seed, dtype="bfloat16", **MODEL_SHAPES[shape])
+        return save_tiny_model(path, seed=seed, dtype="bfloat16", **config)
 
 
 def model_bytes(model_dir: Path | str) -> int:

@@ -41,3 +41,13 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         Path(path).mkdir(parents=True, exist_ok=True)
         return Path(path)
     return tmp_path_factory.mktemp("gpu-logs")
+
+
+@pytest.fixture(scope="session")
+def qwen3_text_dir(vllm_ready) -> Path:
+    """The Qwen3-0.6B shape with its tokenizer's vocabulary ($GRPO_GPU_TEXT_MODEL, or written once
+    here): the model of the GRPO runs that must train, whose text rewards vary between samples
+    (``gpu_common.qwen3_text_model_dir`` says why the full-vocabulary model's do not)."""
+    from gpu_common import qwen3_text_model_dir
+
+    return qwen3_text_model_dir()

@@ -53,7 +53,7 @@ def _run(
 
 
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
-def test_grpo_against_a_stock_vllm_serve(qwen3_dir, log_dir, tmp_path, backend):
+def test_grpo_against_a_stock_vllm_serve(qwen3_text_dir, log_dir, tmp_path, backend):
     from gpu_common import ServerProcess, VllmServeProcess, gpu_count
 
     from learner.run.metrics import read_metrics
@@ -62,7 +62,7 @@ def test_grpo_against_a_stock_vllm_serve(qwen3_dir, log_dir, tmp_path, backend):
         pytest.skip("the NCCL layout puts the server on a second GPU")
     gpu = "1" if backend == "nccl" else "0"
     server = VllmServeProcess(
-        qwen3_dir,
+        qwen3_text_dir,
         backend=backend,
         gpu=gpu,
         gpu_memory_utilization=0.3,
@@ -72,12 +72,12 @@ def test_grpo_against_a_stock_vllm_serve(qwen3_dir, log_dir, tmp_path, backend):
     with server:
         base = server.greedy(PROBES)
         run_dir = tmp_path / backend
-        _run(
-            qwen3_dir, server.url, backend, "0", run_dir, log_dir / f"test_vllm_serve.{backend}.log"
-        )
+        log = log_dir / f"test_vllm_serve.{backend}.log"
+        _run(qwen3_text_dir, server.url, backend, "0", run_dir, log)
         served = server.greedy(PROBES)
     records = read_metrics(run_dir)
     assert [r["weight_version"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["reward/std"] > 0 for r in records), "a step whose rewards were all equal"
     drift = [abs(r["is_weight"] - 1) for r in records]
     print(f"{backend}: step times {[round(r['time/step'], 2) for r in records]} s, "
           f"|is_weight - 1| {[round(d, 4) for d in drift]}")  # fmt: skip
@@ -93,7 +93,7 @@ def test_grpo_against_a_stock_vllm_serve(qwen3_dir, log_dir, tmp_path, backend):
     assert not base.matches(want), "the training moved no greedy log-prob: nothing was synced"
 
 
-def test_our_server_delegates_to_vllms_nccl_engine(qwen3_dir, log_dir, tmp_path):
+def test_our_server_delegates_to_vllms_nccl_engine(qwen3_text_dir, log_dir, tmp_path):
     """Our server started with ``--weight-transfer-backend nccl`` hands vLLM's RL routes to
     vLLM's own engine (and versions each update): the same 5-step run over ``type = "vllm"``
     ends with its weights those of the saved model, its version the learner's."""
@@ -104,17 +104,18 @@ def test_our_server_delegates_to_vllms_nccl_engine(qwen3_dir, log_dir, tmp_path)
     if gpu_count() < 2:
         pytest.skip("the NCCL layout puts the server on a second GPU")
     server = ServerProcess(
-        qwen3_dir, gpu="1", gpu_memory_utilization=0.3,
+        qwen3_text_dir, gpu="1", gpu_memory_utilization=0.3,
         extra_args=["--weight-transfer-backend", "nccl"],
         log_path=log_dir / "test_vllm_serve.delegated.server.log",
     )  # fmt: skip
     run_dir = tmp_path / "delegated"
     with server:
         log = log_dir / "test_vllm_serve.delegated.log"
-        _run(qwen3_dir, server.url, "nccl", "0", run_dir, log, api="rollout-server")
+        _run(qwen3_text_dir, server.url, "nccl", "0", run_dir, log, api="rollout-server")
         served, info = greedy(server, PROBES), server.info()
     assert info["weight_version"] == STEPS and info["weight_transfer_backend"] == "nccl"
     records = read_metrics(run_dir)
+    assert all(r["reward/std"] > 0 for r in records), "a step whose rewards were all equal"
     assert max(abs(r["is_weight"] - 1) for r in records) <= IS_WEIGHT_TOL
     with ServerProcess(
         run_dir / "final", gpu="1", gpu_memory_utilization=0.3,
