@@ -111,7 +111,7 @@ save_final = false
     return cfg
 
 
-def test_every_rank_serves_exactly_the_learners_weights(qwen3_dir, log_dir, tmp_path):
+def test_every_rank_serves_exactly_the_learners_weights(qwen3_text_dir, log_dir, tmp_path):
     from gpu_common import gpu_count, gpu_env
 
     from grpo_common.net import free_port
@@ -124,7 +124,7 @@ def test_every_rank_serves_exactly_the_learners_weights(qwen3_dir, log_dir, tmp_
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
         "--num_processes", "2", "--num_machines", "1", "--main_process_port", str(free_port()),
         "--mixed_precision", "no", "--dynamo_backend", "no",
-        str(driver), str(_config(qwen3_dir, tmp_path)),
+        str(driver), str(_config(qwen3_text_dir, tmp_path)),
     ]  # fmt: skip
     env = gpu_env("0,1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=560, cwd=ROOT)
