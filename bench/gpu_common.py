@@ -83,8 +83,13 @@ def qwen3_text_model_dir() -> Path:
     path = os.environ.get("GRPO_GPU_TEXT_MODEL")
     if path and (Path(path) / "config.json").is_file():
         return Path(path)
+    from rollout_server.tiny import QWEN3_0_6B_SHAPE, save_tiny_model
+
+    # on the CPU, as qwen3_model_dir: the test process holds no GPU memory the servers want
     out = Path(tempfile.mkdtemp(prefix="qwen3-0.6b-text-"))
-    return build_shape_model(out, "qwen3-0.6b", vocab_size=None)
+    return save_tiny_model(
+        out, seed=0, dtype="bfloat16", **{**QWEN3_0_6B_SHAPE, "vocab_size": None}
+    )
 
 
 # The published Qwen3 architectures' sizes (their config.json), as ``save_tiny_model`` overrides:
@@ -115,19 +120,17 @@ def shape_mismatch(model_dir: Path | str, shape: str) -> str:
     return f"{model_dir} is not the {shape} shape: " + ", ".join(bad) if bad else ""
 
 
-def build_shape_model(path: Path | str, shape: str, seed: int = 0, **overrides: Any) -> Path:
+def build_shape_model(path: Path | str, shape: str, seed: int = 0) -> Path:
     """A random-weight bf16 model of ``shape`` at ``path`` (with the byte-level tokenizer),
     initialised on the GPU when there is one: 8B parameters are drawn in seconds there, minutes
-    on the CPU. ``overrides``: config fields replacing the shape's (``vocab_size=None``: the
-    tokenizer's)."""
+    on the CPU."""
     import torch
 
     from rollout_server.tiny import save_tiny_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = {**MODEL_SHAPES[shape], **overrides}
     with torch.device(device):
-        return save_tiny_model(path, seed=seed, dtype="bfloat16", **config)
+        return save_tiny_model(path, seed=seed, dtype="bfloat16", **MODEL_SHAPES[shape])
 
 
 def model_bytes(model_dir: Path | str) -> int:
