@@ -242,10 +242,15 @@ def main() -> None:
     p.add_argument("--early", action="store_true", help="NCCL: return on the load's ack")
     p.add_argument("--broken-stream-first", action="store_true")
     args = p.parse_args()
-    nccl_only = ("prepare", "die_after_prepare", "early", "broken_stream_first", "master_port")
+    nccl_only = ("prepare", "die_after_prepare", "early", "broken_stream_first", "master_port",
+                 "die_after_first_bucket")  # fmt: skip
     if args.transport == "ipc" and any(getattr(args, k) for k in nccl_only):
         flags = ", ".join("--" + k.replace("_", "-") for k in nccl_only)
         p.error(f"{flags} are for --transport nccl")
+    if args.transport == "nccl" and args.corrupt_handle:
+        p.error("--corrupt-handle is for --transport ipc")
+    if args.die_after_prepare and not args.prepare:
+        p.error("--die-after-prepare needs --prepare")
     print(json.dumps(asyncio.run(run(args))), flush=True)
 
 
