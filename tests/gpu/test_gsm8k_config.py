@@ -30,12 +30,16 @@ def _gsm8k_like(count: int, offset: int) -> list[dict[str, str]]:
 
 
 # DAPO's dynamic sampling (its refill rounds go to the colocated server before it sleeps) and
-# GSPO's sequence-level ratio over two passes (the second off-policy)
+# GSPO's sequence-level ratio over two passes (the second off-policy). math_accuracy is 0 for
+# every sample of the random model, so no group would train; a length-in-chars reward makes
+# most groups informative but seldom all 16 (about 1 sample in 5 of this model holds any text:
+# 0.18 % of its ids decode to some), so a step still refills and GSPO's passes train.
 DAPO_GSPO = [
     "grpo.dynamic_sampling=true",
     "grpo.max_sampling_rounds=2",
     'grpo.importance_sampling_level="sequence"',
     "grpo.num_iterations=2",
+    'rewards=[{name="math_accuracy"}, {name="length", kwargs={unit="chars", target=100}}]',
 ]
 
 
@@ -80,6 +84,8 @@ def test_gsm8k_config_runs_colocated_on_one_gpu(qwen3_dir, tmp_path, log_dir, ex
             rounds = r["sampling/rounds"]
             assert rounds in (1.0, 2.0) and r["sampling/groups_generated"] == 16 * rounds
             assert rounds == 2.0 or r["sampling/informative_frac"] == 1.0
+    if extra:  # GSPO's two passes trained on informative groups
+        assert any(records[step]["loss"] != 0 for step in (1, 2)), records
     for step in (0, 2):  # the starting weights and the last step's
         assert records[step]["eval/prompts"] == 16.0
     samples = [json.loads(x) for x in (run / "eval" / "step_2.jsonl").read_text().splitlines()]
