@@ -84,8 +84,10 @@ def test_gsm8k_config_runs_colocated_on_one_gpu(qwen3_dir, tmp_path, log_dir, ex
             rounds = r["sampling/rounds"]
             assert rounds in (1.0, 2.0) and r["sampling/groups_generated"] == 16 * rounds
             assert rounds == 2.0 or r["sampling/informative_frac"] == 1.0
-    if extra:  # GSPO's two passes trained on informative groups
-        assert any(records[step]["loss"] != 0 for step in (1, 2)), records
+    if extra:  # GSPO's two passes trained on informative groups (a loss may still be ~0:
+        # equal-length completions' centred advantages cancel in it, their gradients do not)
+        for step in (1, 2):
+            assert records[step]["tokens/trained"] > 0 and records[step]["grad_norm"] > 0, step
     for step in (0, 2):  # the starting weights and the last step's
         assert records[step]["eval/prompts"] == 16.0
     samples = [json.loads(x) for x in (run / "eval" / "step_2.jsonl").read_text().splitlines()]
