@@ -330,7 +330,7 @@ def other_model(e: BaseException | None) -> str | None:
     while e is not None:
         if isinstance(e, RolloutHTTPError) and e.status in (400, 422):
             detail = " ".join(e.detail.split())
-            if "has shape" in detail or "unknown tensor" in detail:
+            if any(k in detail for k in ("has shape", "unknown tensor", "not a parameter")):
                 return (
                     f"the rollout server {e.server} serves a model of other shapes than the "
                     f"learner's (model.name_or_path): {detail[:400]}. Serve the same model"

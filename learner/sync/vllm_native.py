@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import pickle
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -100,8 +102,12 @@ class VllmNativeTransport(WeightTransport):
         return NCCLWeightTransferEngine.trainer_init(info)
 
     def close(self) -> None:
+        """Drop the group. Closing it waits for a broadcast still in flight (one no server
+        receives ends only at the group's timeout), so it closes on a thread of its own."""
         if self.group is not None and hasattr(self.group, "close"):
-            self.group.close()
+            threading.Thread(
+                target=self.group.close, name="close-transfer-group", daemon=True
+            ).start()
         self.group, self._servers = None, []
 
     async def push(
@@ -146,11 +152,16 @@ class VllmNativeTransport(WeightTransport):
             loop = asyncio.get_running_loop()
             await asyncio.to_thread(self._send_ipc, servers, tensors, loop)
             return
-        posts = [self.client.native(s, "update_weights", {"update_info": update_info})
+        posts = [asyncio.ensure_future(self.client.native(s, "update_weights",
+                                                          {"update_info": update_info}))
                  for s in servers]  # fmt: skip
-        done = await asyncio.gather(asyncio.to_thread(self._broadcast, tensors), *posts,
-                                    return_exceptions=True)  # fmt: skip
-        if failed := [e for e in done if isinstance(e, BaseException)]:
+        send = _on_daemon_thread(self._broadcast, tensors)
+        # A server that refuses the update (400: other shapes) never receives: its error is
+        # raised at once, not after a broadcast that would wait for it (NCCL has no timeout)
+        done, _ = await asyncio.wait([send, *posts], return_when=asyncio.FIRST_EXCEPTION)
+        if failed := [t.exception() for t in done if t.exception() is not None]:
+            for post in posts:
+                post.cancel()
             raise failed[0]
 
     def _broadcast(self, tensors: Iterable[tuple[str, Any]]) -> None:
@@ -199,6 +210,34 @@ class VllmNativeTransport(WeightTransport):
             out.append(WeightUpdateResponse(weight_version=served, num_tensors=count,
                                             num_bytes=0, seconds=seconds))  # fmt: skip
         return out
+
+
+def _on_daemon_thread(fn: Callable[..., None], *args: Any) -> asyncio.Future:
+    """``fn(*args)`` on a daemon thread, as a future of this loop. A broadcast that no server
+    receives (the update was refused) blocks until the group's timeout; on a daemon thread it
+    holds neither the learner's error nor its exit."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            fn(*args)
+        except BaseException as e:  # told to the loop: the caller raises it
+            error = e
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=run, name="weight-broadcast", daemon=True).start()
+    return done
 
 
 def _one_learner_process() -> None:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from grpo_common.net import free_port
 from learner.run.metrics import read_metrics
@@ -103,11 +104,16 @@ def test_a_refused_api_key_is_a_setup_error(tmp_path, start_server, tiny_model_d
         )
 
 
-def test_a_server_of_another_model_is_a_setup_error(tmp_path, start_server, tiny_model_dir):
+@pytest.mark.parametrize("api", ["rollout-server", "vllm"])
+def test_a_server_of_another_model_is_a_setup_error(tmp_path, start_server, tiny_model_dir, api):
     """The learner's tiny model is wider than the server's: the first sync is refused for its
-    shapes, which no retry can change."""
+    shapes, which no retry can change; over vLLM's RL routes too, where the refusal of
+    /update_weights must not leave the learner waiting in its broadcast."""
     from rollout_server.settings import ServerSettings
 
+    more = [f'rollout.server_api="{api}"']
+    if api == "vllm":
+        more.append('rollout.sync={type = "vllm", backend = "gloo"}')
     with start_server(ServerSettings(model=str(tiny_model_dir))) as s:
         assert_setup_error(
             tmp_path / "run",
@@ -116,6 +122,7 @@ def test_a_server_of_another_model_is_a_setup_error(tmp_path, start_server, tiny
             "(model.name_or_path)",
             "model.tiny={hidden=96}",
             "run.steps=2",
+            *more,
             model_loads=True,
         )
 
