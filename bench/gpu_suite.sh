@@ -71,6 +71,8 @@ export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFO
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export GRPO_GPU_MODEL=${GRPO_GPU_MODEL:-$WORK/qwen3-0.6b-shape} GRPO_GPU_LOG_DIR=$LOGS
+# the same shape with its tokenizer's vocabulary: the GPU tests whose GRPO runs must train
+export GRPO_GPU_TEXT_MODEL=${GRPO_GPU_TEXT_MODEL:-$WORK/qwen3-0.6b-text}
 export E2E4_SHAPE=${E2E4_SHAPE:-qwen3-4b}
 export E2E4_MODEL=${E2E4_MODEL:-$WORK/$E2E4_SHAPE-shape}  # the 4-GPU layouts' model
 export GRPO_GPU_PIDFILE=$WORK/servers.pid  # rollout servers started by the steps (by pid)
@@ -116,6 +118,13 @@ EOF
 }
 
 step_model() {
+  if [ ! -f "$GRPO_GPU_TEXT_MODEL/config.json" ]; then
+    python3 -c "import sys; from rollout_server.tiny import QWEN3_0_6B_SHAPE as s, save_tiny_model
+save_tiny_model(sys.argv[1], seed=0, dtype='bfloat16', **{**s, 'vocab_size': None})" \
+      "$GRPO_GPU_TEXT_MODEL.tmp" \
+      && rm -rf "$GRPO_GPU_TEXT_MODEL" && mv "$GRPO_GPU_TEXT_MODEL.tmp" "$GRPO_GPU_TEXT_MODEL" \
+      || return 1
+  fi
   if [ -f "$GRPO_GPU_MODEL/config.json" ]; then echo "reusing $GRPO_GPU_MODEL"; return 0; fi
   python3 -m rollout_server.tiny "$GRPO_GPU_MODEL.tmp" --qwen3-0.6b-shape \
     && rm -rf "$GRPO_GPU_MODEL" && mv "$GRPO_GPU_MODEL.tmp" "$GRPO_GPU_MODEL"
