@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 # libraries). A GPU machine: make venv TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: venv demo test fuzz lint format gpu-check clean
+.PHONY: venv demo test test-all fuzz lint format gpu-check clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,11 +25,15 @@ demo: venv
 
 # pytest-xdist: one worker per core (at most 4: each loads torch and tiny models); whole files go
 # to one worker, so a file's module-scoped fixtures (a server, a model) are built once.
-test: venv
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
-	$(BIN)/lint-imports --no-logo
-	$(BIN)/python -m pytest -q -m "not gpu" --durations=15 -n auto --maxprocesses 4 --dist loadfile
+# `make test` is the everyday loop: lint and every CPU test but the end-to-end runs marked slow
+# (over ~20 s each); `make test-all` runs every CPU test, slow ones included: what CI runs.
+PYTEST = $(BIN)/python -m pytest -q --durations=15 -n auto --maxprocesses 4 --dist loadfile
+
+test: venv lint
+	$(PYTEST) -m "not gpu and not slow"
+
+test-all: venv lint
+	$(PYTEST) -m "not gpu"
 
 # Property-based fuzzing of the rollout server's whole OpenAPI (schemathesis, stateful chains
 # included) against a real server on loopback under a memory cap; docs/api.md says what it checks.

@@ -214,7 +214,7 @@ def connect(
     """The servers ready, checked against what the config asks of them, the weight sync
     connected, and the run's weights on them where they serve others."""
     cfg, accelerator = run.cfg, run.accelerator
-    client = make_client(cfg, run.tokenizer, urls, api_key)
+    client = make_client(cfg, run.tokenizer, urls, api_key, run.hf_config.vocab_size)
     loop.run(servers_ready(client, cfg.rollout))
     infos = loop.run(client.info())
     external = urls if cfg.rollout.external else []

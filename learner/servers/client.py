@@ -12,10 +12,15 @@ if TYPE_CHECKING:
 
 
 def make_client(
-    cfg: LearnerConfig, tokenizer: Any, urls: list[str], api_key: str | None
+    cfg: LearnerConfig,
+    tokenizer: Any,
+    urls: list[str],
+    api_key: str | None,
+    vocab_size: int | None = None,
 ) -> RolloutClient:
     """A client for ``urls``; a stock vLLM server does not report the model's dtype, vocabulary
-    or EOS ids, so its client is given the learner's."""
+    (``vocab_size``: the model's, else the tokenizer's) or EOS ids, so its client is given the
+    learner's."""
     rollout = cfg.rollout
     options: dict[str, Any] = {
         "api_key": api_key,
@@ -29,7 +34,7 @@ def make_client(
         return VllmServeClient(
             urls,
             dtype=cfg.model.dtype,
-            vocab_size=len(tokenizer),
+            vocab_size=vocab_size or len(tokenizer),
             eos_token_ids=[eos] if eos is not None else [],
             tokenizer=tokenizer,
             **options,

@@ -274,6 +274,7 @@ def test_accelerate_two_processes_end_with_identical_weights(tmp_path):
     assert records[-1]["weight_version"] == 3
 
 
+@pytest.mark.slow
 def test_environment_config_runs_multi_turn_episodes(tmp_path):
     run_dir = tmp_path / "calc"
     cfg = ROOT / "learner" / "configs" / "calculator.toml"

@@ -57,6 +57,7 @@ def _version(url: str) -> int:
     return httpx.get(f"{url}/info", timeout=10).raise_for_status().json()["weight_version"]
 
 
+@pytest.mark.slow
 def test_a_killed_server_leaves_and_a_listed_one_joins_at_the_current_version(
     tmp_path, tiny_model_dir
 ):

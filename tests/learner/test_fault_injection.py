@@ -169,6 +169,7 @@ def test_a_server_killed_while_a_sync_waits_in_it_is_synced_again(
     assert _versions_rise(run_dir, 3) == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_a_learner_killed_while_its_sync_waits_leaves_the_server_whole_and_resumes(
     tmp_path, tiny_model_dir
 ):
@@ -215,6 +216,7 @@ def test_a_learner_killed_while_its_sync_waits_leaves_the_server_whole_and_resum
     assert final["checksum"] == pytest.approx(params_checksum(model), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_frozen_server_times_out_the_learners_requests_and_the_run_goes_on(
     tmp_path, tiny_model_dir
 ):
@@ -290,6 +292,7 @@ def _env_server(port: int, marker: Path) -> subprocess.Popen:
             time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_an_environment_server_killed_mid_episode_stops_the_run_and_resume_goes_on(tmp_path):
     """The Open Reward Standard server dies while it grades step 2's episodes: they all fail, so
     the run stops naming the environment and the first error (training on their zeros would

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from learner.run.metrics import read_metrics
 from tests.learner.demo_runs import DEMO, ROOT, learner_env
 
@@ -80,6 +82,7 @@ def run_two_machines(
     return logs
 
 
+@pytest.mark.slow
 def test_two_machines_train_like_one(tmp_path, start_server, tiny_model_dir):
     from rollout_server.settings import ServerSettings
 

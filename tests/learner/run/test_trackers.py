@@ -56,6 +56,7 @@ def _history(path: Path) -> tuple[str, dict[str, str], list[dict[str, float]]]:
     return run_id, config, rows
 
 
+@pytest.mark.slow
 def test_a_run_reports_to_wandb_and_its_resume_continues_the_same_wandb_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")  # no network: W&B writes its log locally
     monkeypatch.setenv("WANDB_SILENT", "true")
