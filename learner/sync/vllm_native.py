@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import logging
 import pickle
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from grpo_common.net import free_port
+from grpo_common.threads import run_in_daemon_thread
 from learner.sync.base import WeightTransport
 from learner.sync.tensors import in_dtype, sync_specs, sync_tensors
 from rollout_server.client import RolloutClient, WeightSyncError
@@ -44,8 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Sender = Callable[[Iterable[tuple[str, Any]]], None]
-
 
 class VllmNativeTransport(WeightTransport):
     group_bound: ClassVar[bool] = True  # nccl/gloo: the group spans the servers it was formed with
@@ -54,8 +52,7 @@ class VllmNativeTransport(WeightTransport):
         self, cfg: VllmSyncConfig, client: RolloutClient, *, device: Any, ready_timeout_s: float
     ) -> None:
         super().__init__(client, ready_timeout_s=ready_timeout_s)
-        self.cfg = cfg
-        self.device = device
+        self.cfg = cfg  # ``device`` unused: vLLM's engines send from the current CUDA device
         self.group: Any = None
         self._servers: list[str] = []
 
@@ -81,7 +78,7 @@ class VllmNativeTransport(WeightTransport):
                                {"init_info": {**info, "rank_offset": off}})
             for s, off in zip(servers, offsets, strict=True)
         ]  # fmt: skip
-        trainer = asyncio.to_thread(self._trainer_init, info)
+        trainer = run_in_daemon_thread(self._trainer_init, info)
         done = await asyncio.gather(trainer, *joins, return_exceptions=True)
         if failed := [e for e in done if isinstance(e, BaseException)]:
             raise WeightSyncError(
@@ -155,7 +152,9 @@ class VllmNativeTransport(WeightTransport):
         posts = [asyncio.ensure_future(self.client.native(s, "update_weights",
                                                           {"update_info": update_info}))
                  for s in servers]  # fmt: skip
-        send = _on_daemon_thread(self._broadcast, tensors)
+        # on a daemon thread: a broadcast that no server receives (the update was refused)
+        # blocks until the group's timeout, and must hold neither the error nor the exit
+        send = run_in_daemon_thread(self._broadcast, tensors)
         # A server that refuses the update (400: other shapes) never receives: its error is
         # raised at once, not after a broadcast that would wait for it (NCCL has no timeout)
         done, _ = await asyncio.wait([send, *posts], return_when=asyncio.FIRST_EXCEPTION)
@@ -210,34 +209,6 @@ class VllmNativeTransport(WeightTransport):
             out.append(WeightUpdateResponse(weight_version=served, num_tensors=count,
                                             num_bytes=0, seconds=seconds))  # fmt: skip
         return out
-
-
-def _on_daemon_thread(fn: Callable[..., None], *args: Any) -> asyncio.Future:
-    """``fn(*args)`` on a daemon thread, as a future of this loop. A broadcast that no server
-    receives (the update was refused) blocks until the group's timeout; on a daemon thread it
-    holds neither the learner's error nor its exit."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-
-    def settle(error: BaseException | None) -> None:
-        if done.done():
-            return
-        if error is None:
-            done.set_result(None)
-        else:
-            done.set_exception(error)
-
-    def run() -> None:
-        error: BaseException | None = None
-        try:
-            fn(*args)
-        except BaseException as e:  # told to the loop: the caller raises it
-            error = e
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, error)
-
-    threading.Thread(target=run, name="weight-broadcast", daemon=True).start()
-    return done
 
 
 def _one_learner_process() -> None:
