@@ -281,12 +281,16 @@ class RolloutClient:
     async def _generate_on(
         self, server: str, sub: GenerateRequest, prompts: int
     ) -> GenerateResponse:
-        """``POST /generate`` on ``server``, counted in its load while it runs."""
+        """``sub`` generated on ``server``, counted in its load while it runs."""
         self._load[server] = self._load.get(server, 0) + prompts
         try:
-            return await self._calls.json(server, "POST", "/generate", GenerateResponse, body=sub)
+            return await self._generate_request(server, sub)
         finally:
             self._load[server] -= prompts
+
+    async def _generate_request(self, server: str, sub: GenerateRequest) -> GenerateResponse:
+        """The generation call itself: ``POST /generate``."""
+        return await self._calls.json(server, "POST", "/generate", GenerateResponse, body=sub)
 
     # -- sleep -----------------------------------------------------------------------------
 

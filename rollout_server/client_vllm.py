@@ -97,16 +97,10 @@ class VllmServeClient(RolloutClient):
     async def info(self) -> list[InfoResponse]:
         return await self._calls.all(self.info_of)
 
-    async def _generate_on(
-        self, server: str, sub: GenerateRequest, prompts: int
-    ) -> GenerateResponse:
+    async def _generate_request(self, server: str, sub: GenerateRequest) -> GenerateResponse:
         """``sub`` as one ``POST /v1/completions``; choice ``i`` is prompt ``i // n``'s."""
         body = completion_body(sub, str((await self._card(server))["id"]), self.tokenizer)
-        self._load[server] = self._load.get(server, 0) + prompts
-        try:
-            resp = await self._calls.call(server, "POST", "/v1/completions", body=body)
-        finally:
-            self._load[server] -= prompts
+        resp = await self._calls.call(server, "POST", "/v1/completions", body=body)
         version = self.versions.get(server, 0)
         return GenerateResponse(
             results=completion_results(resp.json(), sub, version, server),
