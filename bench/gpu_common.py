@@ -55,10 +55,33 @@ def require_modules(script: str, modules: dict[str, str]) -> None:
         raise SystemExit(2)
 
 
+def visible_gpus(indices: str, parent: str | None = None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a child that should see GPUs ``indices`` ("0", "0,1") of the
+    ones this process sees: a test written for GPUs 0 and 1 runs unchanged on GPUs 2 and 3 when
+    the GPU suite starts it with ``CUDA_VISIBLE_DEVICES=2,3`` (two test lanes on a 4-GPU host).
+    ``parent`` is this process's own setting (default: the environment's); unset, indices pass
+    through."""
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES") if parent is None else parent
+    wanted = [i.strip() for i in indices.split(",") if i.strip()]
+    if not parent:
+        return ",".join(wanted)
+    seen = [d.strip() for d in parent.split(",") if d.strip()]
+    out = []
+    for i in wanted:
+        if not i.isdigit() or int(i) >= len(seen):
+            raise ValueError(
+                f"GPU {i!r} asked for, but this process sees only CUDA_VISIBLE_DEVICES={parent!r}"
+            )
+        out.append(seen[int(i)])
+    return ",".join(out)
+
+
 def gpu_env(cuda_visible_devices: str | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a GPU child process; ``cuda_visible_devices`` counts among the GPUs this
+    process sees (``visible_gpus``)."""
     env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1", **extra}
     if cuda_visible_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+        env["CUDA_VISIBLE_DEVICES"] = visible_gpus(cuda_visible_devices)
     return env
 
 

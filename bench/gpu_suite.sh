@@ -130,25 +130,59 @@ save_tiny_model(sys.argv[1], seed=0, dtype='bfloat16', **{**s, 'vocab_size': Non
     && rm -rf "$GRPO_GPU_MODEL" && mv "$GRPO_GPU_MODEL.tmp" "$GRPO_GPU_MODEL"
 }
 
+tests_lane() {  # $1 lane number, $2 end time (epoch s), then its test files, one after another
+  local lane=$1 end=$2 rc=0 k=0 f left; shift 2
+  for f in "$@"; do
+    left=$(( end - $(date +%s) ))
+    [ "$left" -gt 20 ] || { echo "no time left for $f"; return 2; }
+    echo "== lane $lane (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all}): $f"
+    timeout -s INT -k 15 "$left" python3 -m pytest -m gpu "$f" -q -rfEs -p no:cacheprovider \
+      --junitxml="$OUT/gpu_tests.$lane.$k.xml" -o junit_family=xunit2 || rc=$?
+    k=$(( k + 1 ))
+  done
+  return $rc
+}
+export -f tests_lane
+
 step_tests() {
-  # GPU_TESTS: which tests (default all of tests/), e.g. "tests/gpu/test_ipc_sync.py".
+  # GPU_TESTS: which tests (default all of tests/), e.g. "tests/gpu/test_ipc_sync.py"; a test
+  # id (file::name) runs in a pytest process of its own.
   # One pytest process per test file: a file's in-process CUDA work (the caching allocator, an
   # in-process vLLM engine) must not hold the memory the next file's server asks for.
+  # Lanes, on a host with more GPUs than one test needs: GPU_LANES="0,1|2,3" with
+  # GPU_TESTS="a.py b.py|c.py" runs a.py then b.py on GPUs 0-1 while c.py runs on GPUs 2-3
+  # (the tests count GPUs among those they see: gpu_common.visible_gpus).
   # SIGINT a little before the step's own limit: pytest then still prints why tests failed
   # (a SIGTERM from the step's timeout would cut it before its report).
   rm -f "$OUT"/gpu_tests*.xml  # the verdict reads this run's report only
-  local end=$(( $(date +%s) + ${STEP_LIMIT:-420} - 25 )) files parts=() rc=0 k=0 f
-  files=$(python3 -m pytest -m gpu ${GPU_TESTS:-tests} -q --collect-only -p no:cacheprovider \
-    | sed -n 's/::.*//p' | awk '!seen[$0]++')  # in GPU_TESTS's order: the first ones matter most
-  [ -n "$files" ] || { echo "no gpu tests collected from ${GPU_TESTS:-tests}"; return 1; }
-  for f in $files; do
-    local left=$(( end - $(date +%s) ))
-    [ "$left" -gt 20 ] || { echo "no time left for $f"; rc=2; parts+=("$OUT/gpu_tests.$k.xml"); break; }
-    timeout -s INT -k 15 "$left" python3 -m pytest -m gpu "$f" -q -rfEs -p no:cacheprovider \
-      --junitxml="$OUT/gpu_tests.$k.xml" -o junit_family=xunit2 || rc=$?
-    parts+=("$OUT/gpu_tests.$k.xml"); k=$(( k + 1 ))
+  local end=$(( $(date +%s) + ${STEP_LIMIT:-420} - 25 )) rc=0 lane=0 files pids=() lanes tests
+  IFS='|' read -r -a lanes <<< "${GPU_LANES:-}"
+  IFS='|' read -r -a tests <<< "${GPU_TESTS:-tests}"
+  [ "${#lanes[@]}" -gt 0 ] || lanes=("")
+  [ "${#tests[@]}" -eq "${#lanes[@]}" ] \
+    || { echo "GPU_TESTS has ${#tests[@]} lane(s), GPU_LANES ${#lanes[@]}: give one list per lane"; return 1; }
+  for lane in "${!lanes[@]}"; do
+    files=""  # a file or test id as given; a folder: its files with gpu tests, in pytest's order
+    for f in ${tests[$lane]}; do
+      if [ -f "$f" ] || [[ "$f" == *::* ]]; then files="$files $f"; continue; fi
+      files="$files $(python3 -m pytest -m gpu "$f" -q --collect-only -p no:cacheprovider \
+        | sed -n 's/::.*//p' | awk '!seen[$0]++')"
+    done
+    [ -n "${files// /}" ] || { echo "no gpu tests collected from ${tests[$lane]}"; return 1; }
+    if [ -n "${lanes[$lane]}" ]; then
+      # shellcheck disable=SC2086
+      CUDA_VISIBLE_DEVICES=${lanes[$lane]} tests_lane "$lane" "$end" $files > "$LOGS/tests.lane$lane.log" 2>&1 &
+    else
+      # shellcheck disable=SC2086
+      tests_lane "$lane" "$end" $files > "$LOGS/tests.lane$lane.log" 2>&1 &
+    fi
+    pids+=($!)
   done
-  python3 bench/suite_report.py merge "$OUT/gpu_tests.xml" "${parts[@]}" && rm -f "${parts[@]}"
+  for lane in "${!pids[@]}"; do
+    wait "${pids[$lane]}" || rc=$?
+    cat "$LOGS/tests.lane$lane.log"
+  done
+  python3 bench/suite_report.py merge "$OUT/gpu_tests.xml" "$OUT"/gpu_tests.*.xml && rm -f "$OUT"/gpu_tests.*.xml
   return $rc
 }
 

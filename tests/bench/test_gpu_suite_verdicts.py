@@ -262,3 +262,54 @@ def test_native_sync_needs_both_sides_of_every_transport(tmp_path: Path) -> None
     assert suite_report.step_verdict("native_sync", 0, tmp_path, tmp_path) == ("ok", "")
     assert suite_report.main(["join-native", str(dest)]) == 0  # nothing ran
     assert suite_report.step_verdict("native_sync", 0, tmp_path, tmp_path)[0] == "failed"
+
+
+LANE_TEST = """
+import os, sys, time
+from pathlib import Path
+import pytest
+sys.path.insert(0, {bench!r})
+from gpu_common import visible_gpus
+pytestmark = pytest.mark.gpu
+MARKS = Path({marks!r})
+
+def test_lane():
+    me, other = {me!r}, {other!r}
+    (MARKS / me).write_text(os.environ["CUDA_VISIBLE_DEVICES"] + " " + visible_gpus("{index}"))
+    deadline = time.monotonic() + 60
+    while not (MARKS / other).exists():  # both lanes run at once, or this one times out
+        assert time.monotonic() < deadline, "the other lane never ran beside this one"
+        time.sleep(0.1)
+"""
+
+
+def test_test_lanes_run_side_by_side_each_on_its_gpus(tmp_path: Path) -> None:
+    """GPU_LANES="4,5|6": the two lanes' pytest processes run at once, each seeing its own
+    CUDA_VISIBLE_DEVICES, and a test's "GPU 1" is the second GPU of its lane; the merged report
+    counts both."""
+    out, work, marks = tmp_path / "out", tmp_path / "work", tmp_path / "marks"
+    marks.mkdir()
+    for me, other, index in (("a", "b", "1"), ("b", "a", "0")):
+        (tmp_path / f"test_{me}.py").write_text(
+            LANE_TEST.format(bench=str(BENCH), marks=str(marks), me=me, other=other, index=index)
+        )
+    env = {**_venv_env(), "OUT": str(out), "WORK": str(work), "SUITE_STEPS": "tests",
+           "SUITE_BUDGET_S": "300", "GPU_LANES": "4,5|6",
+           "GPU_TESTS": f"{tmp_path / 'test_a.py'}|{tmp_path / 'test_b.py'}"}  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(BENCH / "gpu_suite.sh")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + (work / "logs" / "tests.log").read_text()
+    assert (marks / "a").read_text() == "4,5 5"
+    assert (marks / "b").read_text() == "6 6"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tests"]["passed"] == 2, summary
+
+
+def test_a_gpu_beyond_the_lane_is_refused_by_name() -> None:
+    from gpu_common import visible_gpus
+
+    assert visible_gpus("0,1", parent="") == "0,1"
+    assert visible_gpus("1,0", parent="2,3") == "3,2"
+    with pytest.raises(ValueError, match=r"GPU '2' asked for.*CUDA_VISIBLE_DEVICES='2,3'"):
+        visible_gpus("0,2", parent="2,3")

@@ -10,7 +10,6 @@ transformers engine (float32, so the bf16 weights are cast for the sync): two st
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ def test_zero3_grpo_run_saves_a_full_trained_final_model(tmp_path):
     pytest.importorskip("deepspeed")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    from gpu_common import gpu_env
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -43,7 +43,7 @@ def test_zero3_grpo_run_saves_a_full_trained_final_model(tmp_path):
             "--run-dir", str(run_dir), "--set", f"run.steps={steps}",
             "--set", "run.progress_bar=false", *extra,
         ]  # fmt: skip
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
+        env = gpu_env("0")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-4000:]
         return proc

@@ -5,7 +5,6 @@ fused with the LM head, for a GRPO step and for an SFT step (the chunked NLL).""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,9 @@ def _run(model_dir: Path, world: int, fused: bool, task: str) -> dict[str, Any]:
         str(ROOT / "tests/gpu/zero3_step.py"), str(model_dir), *(["--fused"] if fused else []),
         *(["--sft"] if task == "sft" else []), "--updates", str(updates),
     ]  # fmt: skip
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(world))}
+    from gpu_common import gpu_env
+
+    env = gpu_env(",".join(str(i) for i in range(world)))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("{")][-1]
