@@ -11,8 +11,12 @@ Import-safe without vLLM or a GPU: vLLM's objects are only reached through the w
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import time
+import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,6 +25,49 @@ from rollout_server.nccl_wire import Bucket, bucket_layout, unflatten
 from rollout_server.weight_digest import COMMON_PACKED, flat_checksum
 
 log = logging.getLogger(__name__)
+
+# vLLM's LoRA support (``--enable-lora``) wraps every layer an adapter may target: ``X.weight``
+# becomes ``X.base_layer.weight``, a name no checkpoint (and no full update) carries.
+_LORA_WRAPPER = re.compile(r"(^|\.)base_layer\.")
+
+
+def checkpoint_name(name: str) -> str:
+    """A parameter's name as a checkpoint spells it: without LoRA's ``base_layer`` segment."""
+    return _LORA_WRAPPER.sub(r"\1", name)
+
+
+def checkpoint_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s parameters by their checkpoint names (``checkpoint_name``)."""
+    return {checkpoint_name(n): p for n, p in model.named_parameters()}
+
+
+def _checkpoint_named_parameters(
+    self: torch.nn.Module, *args: Any, **kwargs: Any
+) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    for name, p in type(self).named_parameters(self, *args, **kwargs):
+        yield checkpoint_name(name), p
+
+
+@contextlib.contextmanager
+def checkpoint_names(model: torch.nn.Module) -> Iterator[None]:
+    """While it is open, every module of ``model`` lists its parameters by checkpoint name.
+
+    A model's own ``load_weights`` looks parameters up by the (fused) checkpoint names
+    (``layers.0.mlp.gate_up_proj.weight``); on a LoRA-enabled server that lookup fails
+    (``KeyError``) and no full update could load. The wrapped layer's ``base_layer`` parameter
+    is the one the adapters add to, so loading into it is what a full update means. Only
+    the instances are patched (nothing else in the process sees it), only for the load."""
+    if not any(_LORA_WRAPPER.search(n) for n, _ in model.named_parameters()):
+        yield
+        return
+    modules = list(model.modules())
+    for module in modules:
+        module.named_parameters = types.MethodType(_checkpoint_named_parameters, module)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.__dict__.pop("named_parameters", None)
 
 
 def refuse_non_finite(
@@ -62,8 +109,9 @@ class WorkerLoader:
         return (self.plans or {}).get(key)
 
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            self.model().load_weights(weights=weights)
+        model = self.model()
+        with torch.no_grad(), checkpoint_names(model):
+            model.load_weights(weights=weights)
         torch.cuda.synchronize()
 
     def load_update(
@@ -119,7 +167,7 @@ class WorkerLoader:
         hf = getattr(config.model_config, "hf_config", None)
         tied = bool(getattr(hf, "tie_word_embeddings", False))
         return direct_load.plan_copies(
-            dict(model.named_parameters()),
+            checkpoint_parameters(model),
             [(n, s, d) for n, s, d in key],
             getattr(model, "packed_modules_mapping", None)
             or COMMON_PACKED,  # verify decides whether these fusions are right
