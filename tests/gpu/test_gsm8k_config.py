@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+# over the suite's 300 s per test: the colocated run is allowed 480 s
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 
 

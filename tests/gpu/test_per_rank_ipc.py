@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+# over the suite's 300 s per test: two colocated servers' start and the run, allowed 560 s
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(700)]
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 

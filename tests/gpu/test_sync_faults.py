@@ -72,26 +72,34 @@ def _answer(proc: subprocess.Popen, timeout_s: float) -> dict:
     return json.loads(lines[-1]) if lines else {"rc": proc.returncode}
 
 
-def _waiting(server) -> float:
+def _gauge(server, name: str) -> float:
     text = server.get("/metrics").text
-    line = next(x for x in text.splitlines() if x.startswith("rollout_generate_waiting "))
+    line = next(x for x in text.splitlines() if x.startswith(f"{name} "))
     return float(line.split()[1])
 
 
-def _hold_until_the_sync_waits(server, sender: subprocess.Popen, timeout_s: float = 300) -> None:
-    """Keep a long generation in flight (a new one every 2 s) until one queues behind the
-    sender's weight load."""
+def _sync_held_in_the_server(server, start_sender, timeout_s: float = 300) -> subprocess.Popen:
+    """Start a long generation, and only once it runs the sender (``start_sender()``; an IPC
+    update that arrived first would load at once, before anything held it); then keep a long
+    generation in flight (a new one every 2 s) until one queues behind the sender's weight
+    load. Returns the sender."""
 
     def hold() -> None:
         with contextlib.suppress(Exception):  # the server may be killed under it
             server.post("/generate", HOLD)
 
     deadline = time.monotonic() + timeout_s
-    while _waiting(server) < 1:
+    threading.Thread(target=hold, daemon=True).start()
+    while _gauge(server, "rollout_generate_in_flight") < 1:
+        assert time.monotonic() < deadline, "the holding generation never started"
+        time.sleep(0.1)
+    sender = start_sender()
+    while _gauge(server, "rollout_generate_waiting") < 1:
         assert sender.poll() is None, "the sender ended before its sync waited in the server"
         assert time.monotonic() < deadline, "the sync never reached the server"
         threading.Thread(target=hold, daemon=True).start()
         time.sleep(2.0)
+    return sender
 
 
 def _settled(server) -> tuple[int, float]:
@@ -111,8 +119,9 @@ def test_a_sender_killed_while_its_sync_waits_leaves_the_server_whole(
     server = _server(qwen3_dir, transport, log_dir, "sender-killed")
     try:
         version, checksum = _settled(server)
-        sender = _sender(server, qwen3_dir, transport, log_dir, "--perturb-seed", "11")
-        _hold_until_the_sync_waits(server, sender)
+        sender = _sync_held_in_the_server(
+            server, lambda: _sender(server, qwen3_dir, transport, log_dir, "--perturb-seed", "11")
+        )
         sender.kill()
         sender.wait()
         after, served = _settled(server)
@@ -139,8 +148,9 @@ def test_a_server_killed_while_a_sync_waits_in_it_ends_the_sender_in_bounded_tim
     server = _server(qwen3_dir, transport, log_dir, "server-killed")
     try:
         _settled(server)
-        sender = _sender(server, qwen3_dir, transport, log_dir, "--perturb-seed", "12")
-        _hold_until_the_sync_waits(server, sender)
+        sender = _sync_held_in_the_server(
+            server, lambda: _sender(server, qwen3_dir, transport, log_dir, "--perturb-seed", "12")
+        )
         os.killpg(os.getpgid(server.proc.pid), signal.SIGKILL)  # vLLM's workers with it
         t0 = time.monotonic()
         out = _answer(sender, 120)  # --timeout-s 20: the group's, and the HTTP call fails

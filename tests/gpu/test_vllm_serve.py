@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+# over the suite's 300 s per test: a stock vLLM server's start and a run allowed 900 s
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1000)]
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
 PROBES = [[100 + 7 * i + j for j in range(12)] for i in range(4)]
