@@ -128,17 +128,21 @@ def test_every_rank_serves_exactly_the_learners_weights(qwen3_text_dir, log_dir,
         str(driver), str(_config(qwen3_text_dir, tmp_path)),
     ]  # fmt: skip
     env = gpu_env("0,1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=560, cwd=ROOT)
+    learner_log, stdout = log_dir / "test_per_rank_ipc.learner.log", tmp_path / "stdout.txt"
     run_dir = tmp_path / "run"
-    for k in range(2):  # the servers' logs next to the suite's
-        log = run_dir / f"rollout_server.rank{k}.log"
-        if log.exists():
-            (log_dir / f"test_per_rank_ipc.server{k}.log").write_text(log.read_text())
-    (log_dir / "test_per_rank_ipc.learner.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"rank"')]
+    try:  # written as it runs: a run cut by a timeout leaves its log
+        with learner_log.open("w") as err, stdout.open("w") as out:
+            proc = subprocess.run(cmd, env=env, stdout=out, stderr=err, timeout=560, cwd=ROOT)
+    finally:
+        for k in range(2):  # the servers' logs next to the suite's
+            log = run_dir / f"rollout_server.rank{k}.log"
+            if log.exists():
+                (log_dir / f"test_per_rank_ipc.server{k}.log").write_text(log.read_text())
+    assert proc.returncode == 0, learner_log.read_text()[-4000:]
+    text = stdout.read_text()
+    lines = [json.loads(x) for x in text.splitlines() if x.startswith('{"rank"')]
     by_rank = {line["rank"]: line["checks"] for line in lines}
-    assert sorted(by_rank) == [0, 1], proc.stdout[-3000:]
+    assert sorted(by_rank) == [0, 1], text[-3000:]
     assert by_rank[0][0]["server"] != by_rank[1][0]["server"], "the ranks share a server"
     for rank, checks in by_rank.items():
         assert [c["step"] for c in checks] == list(range(STEPS + 1)), checks

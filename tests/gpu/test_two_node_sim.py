@@ -124,13 +124,15 @@ def _one_machine(model: Path, server_url: str, run_dir: Path, log_dir: Path) -> 
     from grpo_common.net import free_port
 
     cmd, env = _launch("0,1", "--num_machines", "1", "--main_process_port", str(free_port()))
-    proc = subprocess.run(
-        cmd + _learner_args(model, server_url, run_dir),
-        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,
-    )  # fmt: skip
-    (log_dir / "test_two_node_sim.one_machine.log").write_text(proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "process 1 of 2 (local 1 of 2)" in proc.stderr
+    log = log_dir / "test_two_node_sim.one_machine.log"
+    with log.open("w") as out:  # written as it runs: a run cut by a timeout leaves its log
+        proc = subprocess.run(
+            cmd + _learner_args(model, server_url, run_dir),
+            env=env, stdout=out, stderr=out, timeout=900, cwd=ROOT,
+        )  # fmt: skip
+    text = log.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    assert "process 1 of 2 (local 1 of 2)" in text
 
 
 def test_two_simulated_machines_train_like_one(server, qwen3_text_dir, tmp_path, log_dir):

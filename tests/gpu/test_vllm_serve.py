@@ -48,9 +48,9 @@ def _run(
     cmd = [sys.executable, "-m", "learner", "--config", str(ROOT / "learner/configs/demo.toml"),
            "--run-dir", str(run_dir), *(a for s in sets for a in ("--set", s))]  # fmt: skip
     env = gpu_env(gpus, ROLLOUT_API_KEY=API_KEY)  # our server's key; vllm serve has none
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    log.write_text(proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    with log.open("w") as out:  # written as it runs: a run cut by a timeout leaves its log
+        proc = subprocess.run(cmd, env=env, stdout=out, stderr=out, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, log.read_text()[-4000:]
 
 
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
