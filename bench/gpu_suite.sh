@@ -6,7 +6,8 @@
 #
 # Steps: setup (vLLM bundle from /tmp/parts into /tmp/site, project installed editable),
 # model (random-weight Qwen3-0.6B-shaped model, kept in $WORK while the machine stays up),
-# tests (pytest -m gpu), bench_rollout (bench/bench_rollout_gpu.py), bench_loss
+# tests (pytest -m gpu; GPU_TESTS picks files, GPU_LANES="0,1|2,3" with one GPU_TESTS list per
+# lane, split by |, runs the lanes side by side), bench_rollout (bench/bench_rollout_gpu.py), bench_loss
 # (bench/bench_loss_gpu.py), e2e_colocated (end-to-end GRPO steps on GPU 0: TRL's GRPOTrainer
 # with colocated vLLM, then ours colocated; ours only with E2E_TRL=0), e2e_split (ours over
 # 2 GPUs: split synchronous, then split with rollout.max_staleness 1; E2E_ARGS="--modes split
