@@ -38,7 +38,12 @@ def _run(
         f'rollout.sync={{type = "vllm", backend = "{backend}"}}',
         f"run.steps={STEPS}",
         "run.progress_bar=false",
-        'rewards=[{name="length", kwargs={unit="chars", target=100}}]',
+        # no cliff: 32 tokens of the longest (16-character) added token stay under 2 x target
+        'rewards=[{name="length", kwargs={unit="chars", target=300}}]',
+        # the demo's 3e-3 suits its hidden-64 model; at this width it collapses the policy onto
+        # one long added token within three steps (every reward then equal). 1e-4 still moves
+        # the bf16 weights the server holds in 5 steps
+        "optim.lr=1e-4",
         "sampling.max_tokens=32",
         "grpo.tis_cap=2.0",
         "eval.max_prompts=4",
