@@ -21,6 +21,8 @@ class PauseGate:
         self._writers_waiting = 0
         self._readers_waiting = 0
         self._held = False  # paused by the trainer (/pause) until /resume
+        self._abortable: set[asyncio.Task] = set()  # generations a /pause?mode=abort may cancel
+        self._aborted: set[asyncio.Task] = set()  # cancelled by it, until they take the news
 
     @property
     def readers(self) -> int:
@@ -40,11 +42,17 @@ class PauseGate:
     def held(self) -> bool:
         return self._held
 
-    async def hold(self, *, wait: bool) -> None:
+    async def hold(self, *, wait: bool, abort: bool = False) -> None:
         """Keep new generations from starting until ``release_hold`` (a trainer's /pause);
-        weight loads still go through. ``wait``: return once the generations in flight ended."""
+        weight loads still go through. ``wait``: return once the generations in flight ended.
+        ``abort``: cancel the abortable ones in flight first (``read(abortable=True)``; each
+        learns it from ``take_aborted``)."""
         async with self._cond:
             self._held = True
+            if abort:
+                for task in self._abortable:
+                    self._aborted.add(task)
+                    task.cancel()
             if wait:
                 try:
                     await self._cond.wait_for(lambda: self._readers == 0)
@@ -58,8 +66,17 @@ class PauseGate:
             self._held = False
             self._cond.notify_all()
 
+    def take_aborted(self, task: asyncio.Task | None) -> bool:
+        """Whether ``task`` was cancelled by ``hold(abort=True)`` (asked once: forgotten after)."""
+        if task is None or task not in self._aborted:
+            return False
+        self._aborted.discard(task)
+        return True
+
     @asynccontextmanager
-    async def read(self) -> AsyncIterator[None]:
+    async def read(self, *, abortable: bool = False) -> AsyncIterator[None]:
+        """The read side, for one generation (or anything that must see one weight version).
+        ``abortable``: a ``/pause?mode=abort`` may cancel the calling task inside the block."""
         async with self._cond:
             self._readers_waiting += 1
             try:
@@ -67,9 +84,14 @@ class PauseGate:
             finally:
                 self._readers_waiting -= 1
             self._readers += 1
+        task = asyncio.current_task() if abortable else None
+        if task is not None:
+            self._abortable.add(task)
         try:
             yield
         finally:
+            if task is not None:
+                self._abortable.discard(task)  # before the await below: never cancelled there
             # Shielded: a cancelled request must still give its slot back, or writers hang.
             await asyncio.shield(self._release_read())
 

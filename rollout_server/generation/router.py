@@ -25,7 +25,11 @@ GENERATION_ERRORS = {
         "description": "NaN/inf log-probs: the served weights hold NaN/inf, or they or the "
         "request's sampling values overflow (the message says which it could be)",
     },
-    503: {"model": ErrorResponse, "description": "loading, asleep, or weights discarded"},
+    503: {
+        "model": ErrorResponse,
+        "description": "loading, asleep, weights discarded, or aborted by /pause?mode=abort "
+        "(send it again)",
+    },
 }
 
 

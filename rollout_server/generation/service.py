@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from rollout_server.engine.base import EngineError, UnsupportedError
-from rollout_server.errors import BadRequest, NonFiniteWeights, ServiceError
+from rollout_server.errors import BadRequest, NonFiniteWeights, ServiceError, Unavailable
 from rollout_server.protocol import (
     GenerateRequest,
     GenerateResponse,
@@ -121,13 +121,23 @@ class GenerationService:
         self.check_tools(req)
         prompt_ids = await asyncio.to_thread(self._tokenize, req)
         params = req.sampling()
-        async with core.gate.read():
+        async with core.gate.read(abortable=True):
             core.require_ready()
             version = core.version
             start = time.perf_counter()
-            outputs = await core.engine.generate(prompt_ids, req.n, params)
-            if params.logprobs:  # under the gate: the weights checked are those that sampled
-                await self._check_finite_logprobs(outputs, version, params)
+            try:
+                outputs = await core.engine.generate(prompt_ids, req.n, params)
+                if params.logprobs:  # under the gate: the weights checked are those that sampled
+                    await self._check_finite_logprobs(outputs, version, params)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not core.gate.take_aborted(task) or task is None:
+                    raise  # the client left, or the server stops
+                task.uncancel()
+                raise Unavailable(
+                    "generation aborted by POST /pause?mode=abort (a trainer's weight update): "
+                    "send the request again; it starts once the server is resumed"
+                ) from None
         results = [
             PromptResult(
                 prompt_token_ids=ids,

@@ -52,9 +52,11 @@ _UNSUPPORTED = {
 
 @router.post("/pause", response_model=PauseStatus)
 async def pause(service: NativeDep, mode: PauseMode = Query("abort")) -> PauseStatus:
-    """New generations wait (they queue, none fails) until ``/resume``; answers once the
-    generations in flight finished. ``abort`` and ``keep`` wait for them too on this server:
-    none is cut short. Weight updates still load while paused."""
+    """New generations wait (they queue, none fails) until ``/resume``; answers once no
+    generation is in flight. ``abort`` (the default, as in vLLM) cancels the ones in flight:
+    each answers 503, to be sent again after ``/resume``. ``wait`` lets them finish, and so does
+    ``keep`` on this server (it cannot freeze them mid-decode). Weight updates still load while
+    paused."""
     await service.pause(mode)
     return PauseStatus(status="paused")
 

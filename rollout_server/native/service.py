@@ -74,10 +74,11 @@ class NativeService:
     # --- pause ----------------------------------------------------------------------------
 
     async def pause(self, mode: PauseMode) -> None:
-        """New generations wait until ``resume``; every mode returns once the generations in
-        flight finished (abort and keep wait for them here: none is cut short)."""
+        """New generations wait until ``resume``. ``abort`` cancels the generations in flight
+        (each answers 503, to be sent again); ``wait`` and ``keep`` let them finish (``keep``
+        cannot freeze them mid-decode here). Returns once none is in flight."""
         self.core.require_loaded()
-        await self.core.gate.hold(wait=True)
+        await self.core.gate.hold(wait=True, abort=mode == "abort")
         log.info("generation paused (mode=%s)", mode)
 
     async def resume(self) -> None:

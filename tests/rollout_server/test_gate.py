@@ -84,3 +84,34 @@ async def test_cancelled_waiters_release_the_gate():
     async with asyncio.timeout(1):
         async with gate.write():
             pass
+
+
+async def test_an_aborting_hold_cancels_only_abortable_readers_and_tells_them():
+    gate = PauseGate()
+    inside = {"generation": asyncio.Event(), "checksum": asyncio.Event()}
+    outcome: dict[str, str] = {}
+
+    async def reader(name: str, abortable: bool) -> None:
+        async with gate.read(abortable=abortable):
+            inside[name].set()
+            try:
+                await asyncio.sleep(0.3)
+                outcome[name] = "finished"
+            except asyncio.CancelledError:
+                outcome[name] = f"aborted={gate.take_aborted(asyncio.current_task())}"
+                raise
+
+    tasks = [
+        asyncio.create_task(reader("generation", True)),
+        asyncio.create_task(reader("checksum", False)),
+    ]
+    await asyncio.gather(*(e.wait() for e in inside.values()))
+    await gate.hold(wait=True, abort=True)  # returns once no reader is left
+    assert gate.readers == 0 and gate.held
+    assert outcome == {"generation": "aborted=True", "checksum": "finished"}
+    assert not gate.take_aborted(tasks[0])  # told once
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(results[0], asyncio.CancelledError) and results[1] is None
+    await gate.release_hold()
+    async with gate.read(abortable=True):  # reads go on after the resume
+        pass

@@ -262,3 +262,52 @@ def test_finish_takes_the_trainers_version_and_refuses_an_older_one(http, model_
     finally:
         group.close()
     assert _served(http)[0] == version + 10
+
+
+LONG = {"prompts": [[97]], "n": 8, "max_tokens": 1500, "ignore_eos": True}
+
+
+def _in_flight(http: httpx.Client) -> float:
+    text = http.get("/metrics").text
+    return float(
+        next(x for x in text.splitlines() if x.startswith("rollout_generate_in_flight ")).split()[1]
+    )
+
+
+def _start_long(pool: ThreadPoolExecutor, http: httpx.Client) -> Future:
+    gen = pool.submit(http.post, "/generate", json=LONG)
+    deadline = time.monotonic() + 30
+    while _in_flight(http) < 1:
+        assert time.monotonic() < deadline and not gen.done(), "the generation never started"
+        time.sleep(0.05)
+    return gen
+
+
+def test_pause_abort_cancels_the_generations_in_flight_and_wait_lets_them_finish(http):
+    """vLLM's default ``/pause`` (mode=abort) cuts the generations in flight short: each answers
+    503 saying why, at once, and the server is paused; ``mode=wait`` answers only after the one in
+    flight finished, whole."""
+    with ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        gen = _start_long(pool, http)
+        r = http.post("/pause", params={"mode": "abort"})
+        aborted = time.monotonic() - t0
+        assert r.json() == {"status": "paused"}
+        answer = gen.result(timeout=30)
+        assert answer.status_code == 503, answer.text
+        assert "aborted by POST /pause?mode=abort" in answer.json()["detail"]
+        assert _in_flight(http) == 0 and http.get("/is_paused").json() == {"is_paused": True}
+        assert http.post("/resume").status_code == 200
+
+        t0 = time.monotonic()
+        gen = _start_long(pool, http)
+        assert http.post("/pause", params={"mode": "wait"}).json() == {"status": "paused"}
+        waited = time.monotonic() - t0
+        assert gen.done()  # /pause?mode=wait answered after it
+        whole = gen.result()
+        assert whole.status_code == 200, whole.text
+        assert all(len(s["token_ids"]) == 1500 for s in whole.json()["results"][0]["samples"])
+        assert http.post("/resume").status_code == 200
+    # the aborted pause did not wait for what the waiting one waited for
+    assert aborted < waited / 2, (aborted, waited)
+    assert http.post("/generate", json={"prompts": [[97]], "max_tokens": 2}).status_code == 200
