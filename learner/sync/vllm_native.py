@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from learner.config.sync import VllmSyncConfig
 
 log = logging.getLogger(__name__)
+CLOSE_WAIT_S = (
+    10.0  # how long close() waits for the group to go (a broadcast in flight may hold it)
+)
 
 
 class VllmNativeTransport(WeightTransport):
@@ -100,11 +103,16 @@ class VllmNativeTransport(WeightTransport):
 
     def close(self) -> None:
         """Drop the group. Closing it waits for a broadcast still in flight (one no server
-        receives ends only at the group's timeout), so it closes on a thread of its own."""
+        receives ends only at the group's timeout), so it closes on a thread of its own,
+        awaited for a few seconds: at the end of a run nothing is in flight and the group is
+        gone before the process exits (a Gloo group still being torn down on a daemon thread
+        at exit ended the learner with ``terminate called without an active exception``)."""
         if self.group is not None and hasattr(self.group, "close"):
-            threading.Thread(
+            closing = threading.Thread(
                 target=self.group.close, name="close-transfer-group", daemon=True
-            ).start()
+            )
+            closing.start()
+            closing.join(timeout=CLOSE_WAIT_S)
         self.group, self._servers = None, []
 
     async def push(
