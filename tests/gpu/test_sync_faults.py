@@ -73,9 +73,9 @@ def _answer(proc: subprocess.Popen, timeout_s: float) -> dict:
 
 
 def _gauge(server, name: str) -> float:
-    text = server.get("/metrics").text
-    line = next(x for x in text.splitlines() if x.startswith(f"{name} "))
-    return float(line.split()[1])
+    from tests.server_metrics import metric
+
+    return metric(server.get("/metrics").text, name)
 
 
 def _sync_held_in_the_server(server, start_sender, timeout_s: float = 300) -> subprocess.Popen:
@@ -105,7 +105,7 @@ def _sync_held_in_the_server(server, start_sender, timeout_s: float = 300) -> su
 def _settled(server) -> tuple[int, float]:
     """The served version and checksum once no generation is in flight (one read, a pair)."""
     deadline = time.monotonic() + 120
-    while "rollout_generate_in_flight 0.0" not in server.get("/metrics").text:
+    while _gauge(server, "rollout_generate_in_flight") != 0:
         assert time.monotonic() < deadline, "the held generations never ended"
         time.sleep(0.5)
     got = server.get("/weights/checksum").json()

@@ -12,7 +12,6 @@ training so that this generation starts before the sync does."""
 from __future__ import annotations
 
 import contextlib
-import re
 import signal
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from tests.learner.demo_runs import (
     spawn_learner,
     wait_for_step,
 )
+from tests.server_metrics import metric
 
 QUIET = ("run.progress_bar=false", "run.save_final=false", "run.tensorboard=false")
 # Eight optimizer passes a step: the learner trains long enough between a step's generation
@@ -66,16 +66,13 @@ def _serve(model: Path, port: int, *args: str) -> subprocess.Popen:
 
 
 def _gauge(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    line = next(x for x in text.splitlines() if x.startswith(name + " "))
-    return float(line.split()[1])
+    return metric(httpx.get(f"{url}/metrics", timeout=5).text, name)
 
 
 def _generates(url: str) -> float:
     """``/generate`` requests the server answered."""
     text = httpx.get(f"{url}/metrics", timeout=5).text
-    found = re.findall(r'rollout_http_requests_total\{[^}]*route="/generate"[^}]*\} (\S+)', text)
-    return sum(float(v) for v in found)
+    return metric(text, "rollout_http_requests_total", route="/generate")
 
 
 def _wait(cond, what: str, proc: subprocess.Popen | None = None, timeout_s: float = 120) -> None:

@@ -16,6 +16,7 @@ import pytest
 from grpo_common.net import free_port
 from rollout_server.settings import ServerSettings
 from tests.rollout_server.cli_process import wait_ready
+from tests.server_metrics import metric
 
 # Many rows of the longest completions the default limits allow: minutes of CPU decoding.
 BIG = {"prompts": ["hello"] * 32, "n": 8, "max_tokens": 4096, "ignore_eos": True}
@@ -23,9 +24,7 @@ SMALL = {"prompts": ["hi"], "n": 1, "max_tokens": 2}
 
 
 def _in_flight(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    line = next(x for x in text.splitlines() if x.startswith("rollout_generate_in_flight "))
-    return float(line.split()[1])
+    return metric(httpx.get(f"{url}/metrics", timeout=10).text, "rollout_generate_in_flight")
 
 
 def _disconnect_after(url: str, seconds: float) -> None:

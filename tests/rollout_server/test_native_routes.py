@@ -19,6 +19,7 @@ from rollout_server.settings import ServerSettings
 from rollout_server.tiny import save_tiny_model
 from rollout_server.weight_digest import params_checksum
 from rollout_server.weight_transfer.gloo import GlooGroup, trainer_init, trainer_send_weights
+from tests.server_metrics import metric
 
 KEY = "native-routes-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -268,10 +269,7 @@ LONG = {"prompts": [[97]], "n": 8, "max_tokens": 1500, "ignore_eos": True}
 
 
 def _in_flight(http: httpx.Client) -> float:
-    text = http.get("/metrics").text
-    return float(
-        next(x for x in text.splitlines() if x.startswith("rollout_generate_in_flight ")).split()[1]
-    )
+    return metric(http.get("/metrics").text, "rollout_generate_in_flight")
 
 
 def _start_long(pool: ThreadPoolExecutor, http: httpx.Client) -> Future:
