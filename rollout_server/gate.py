@@ -66,9 +66,9 @@ class PauseGate:
             self._held = False
             self._cond.notify_all()
 
-    def take_aborted(self, task: asyncio.Task | None) -> bool:
+    def take_aborted(self, task: asyncio.Task) -> bool:
         """Whether ``task`` was cancelled by ``hold(abort=True)`` (asked once: forgotten after)."""
-        if task is None or task not in self._aborted:
+        if task not in self._aborted:
             return False
         self._aborted.discard(task)
         return True

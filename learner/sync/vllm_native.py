@@ -43,9 +43,8 @@ if TYPE_CHECKING:
     from learner.config.sync import VllmSyncConfig
 
 log = logging.getLogger(__name__)
-CLOSE_WAIT_S = (
-    10.0  # how long close() waits for the group to go (a broadcast in flight may hold it)
-)
+# how long close() waits for the group to go (a broadcast in flight may hold it longer)
+CLOSE_WAIT_S = 10.0
 
 
 class VllmNativeTransport(WeightTransport):

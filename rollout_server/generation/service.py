@@ -131,7 +131,7 @@ class GenerationService:
                     await self._check_finite_logprobs(outputs, version, params)
             except asyncio.CancelledError:
                 task = asyncio.current_task()
-                if not core.gate.take_aborted(task) or task is None:
+                if task is None or not core.gate.take_aborted(task):
                     raise  # the client left, or the server stops
                 task.uncancel()
                 raise Unavailable(
