@@ -13,8 +13,9 @@ transports (``learner.sync``), so what is timed is what a training run pays per 
 
 NCCL puts the server on GPU 1, IPC on GPU 0 beside the learner. Each side pushes ``--syncs``
 times after one warm-up push (which forms the group); the table gives the median wall time per
-push and bytes ÷ time. The two servers run one after the other on the same GPU. A missing vLLM
-or GPU fails the benchmark (exit 2).
+push and bytes ÷ time. The two servers run one after the other on the same GPU, both eager by
+default (``--enforce-eager``: a sync copies into the same weight tensors either way; the
+servers start without compiling). A missing vLLM or GPU fails the benchmark (exit 2).
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def _ours(args: argparse.Namespace, model: Any, gpu: str) -> list[float]:
 
     sync = (NcclSyncConfig(bucket_mb=args.bucket_mb) if args.transport == "nccl"
             else IpcSyncConfig(bucket_mb=args.bucket_mb))  # fmt: skip
+    eager = ["--vllm-arg", "enforce_eager=true"] if args.enforce_eager else []
     with ServerProcess(
-        args.model, gpu=gpu, gpu_memory_utilization=args.gpu_memory_utilization
+        args.model, gpu=gpu, gpu_memory_utilization=args.gpu_memory_utilization, extra_args=eager
     ) as server:
 
         async def run() -> list[float]:
@@ -76,6 +78,7 @@ def _vllm(args: argparse.Namespace, model: Any, gpu: str) -> list[float]:
     with VllmServeProcess(
         args.model, backend=args.transport, gpu=gpu,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        extra_args=["--enforce-eager"] if args.enforce_eager else [],
     ) as server:  # fmt: skip
 
         async def run() -> list[float]:
@@ -96,6 +99,10 @@ def main() -> int:
     p.add_argument("--syncs", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, default=1024, help="ours: the bucket size")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument(
+        "--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+        help="both servers without CUDA graphs or compilation (starts faster; sync unchanged)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     from gpu_common import gpu_count, require_modules
@@ -122,6 +129,7 @@ def main() -> int:
     result = {
         "benchmark": "native_sync", "transport": args.transport, "model": args.model,
         "bytes": nbytes, "syncs": args.syncs, "bucket_mb": args.bucket_mb,
+        "enforce_eager": args.enforce_eager,
         "device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
         "ours_over_vllm": rows["ours"]["median_s"] / rows["vllm"]["median_s"], **rows,
     }  # fmt: skip

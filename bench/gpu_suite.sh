@@ -31,7 +31,8 @@
 # with SUITE_BUDGET_S=580 on the same warm machine (E2E4_STEPS steps, default 8, each side;
 # E2E4_RANKS processes, default 4; E2E4_TRL_ARGS to TRL). native_sync (issue 40: our NCCL
 # and IPC sync against vLLM's native weight-transfer engine, bench/bench_native_sync.py; nccl
-# needs 2 GPUs; SUITE_STEPS="setup model native_sync"). Each step has its own time
+# needs 2 GPUs; SUITE_STEPS="setup model native_sync"; with "model4" before it and
+# NATIVE_SYNC_MODELS="$GRPO_GPU_MODEL $E2E4_MODEL", the 4B shape too). Each step has its own time
 # limit and its own log; a failing step does not stop the others; the whole run stays inside
 # SUITE_BUDGET_S (steps that no longer fit are skipped and say so). The budget counts from this
 # script's start and the machine's call limit from the call's: make the suite the whole command
@@ -292,15 +293,20 @@ step_e2e4_verl() {
 }
 
 step_native_sync() {
-  # ours against vLLM's native weight-transfer engine, NCCL (2 GPUs) and IPC, same model
-  local gpus t rc=0
+  # ours against vLLM's native weight-transfer engine, NCCL (2 GPUs) and IPC, same model; each
+  # model of NATIVE_SYNC_MODELS (default the 0.6B shape; "$GRPO_GPU_MODEL $E2E4_MODEL" after
+  # model4 for the 4B too), the result file rejoined after every run (a cut step keeps them)
+  local gpus m t rc=0
   gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-  for t in nccl ipc; do
-    [ "$t" = nccl ] && [ "$gpus" -lt 2 ] && { echo "nccl: needs 2 GPUs, skipped"; continue; }
-    python3 bench/bench_native_sync.py --model "$GRPO_GPU_MODEL" --transport "$t" \
-      --out "$WORK/native_sync_$t.json" || rc=$?
+  for m in ${NATIVE_SYNC_MODELS:-$GRPO_GPU_MODEL}; do
+    for t in nccl ipc; do
+      [ "$t" = nccl ] && [ "$gpus" -lt 2 ] && { echo "nccl: needs 2 GPUs, skipped"; continue; }
+      echo "-- $(basename "$m") $t"
+      python3 bench/bench_native_sync.py --model "$m" --transport "$t" \
+        --out "$WORK/native_sync/$(basename "$m")_$t.json" || rc=$?
+      python3 bench/suite_report.py join-native "$OUT/bench_native_sync.json" "$WORK"/native_sync/*.json
+    done
   done
-  python3 bench/suite_report.py join-native "$OUT/bench_native_sync.json" "$WORK"/native_sync_*.json
   return $rc
 }
 

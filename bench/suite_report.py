@@ -167,7 +167,7 @@ def problems_overlap(path: Path) -> list[str]:
 
 
 def problems_native_sync(path: Path) -> list[str]:
-    """Each transport run (nccl, ipc) timed both sides: ours and vLLM's engine."""
+    """Each run (model/transport) timed both sides: ours and vLLM's engine."""
     data = _json(path)
     if not data:
         return ["no transport was measured"]
@@ -333,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "join-native":
         runs = [json.loads(f.read_text()) for f in args.parts if f.is_file()]
-        args.dest.write_text(json.dumps({r["transport"]: r for r in runs}, indent=1))
+        # one entry per model and transport: "qwen3-0.6b-shape/nccl"
+        runs_by = {f"{Path(r['model']).name}/{r['transport']}": r for r in runs}
+        args.dest.write_text(json.dumps(runs_by, indent=1))
         return 0
     if args.cmd == "merge":
         merge_junit(args.parts, args.dest)

@@ -247,8 +247,13 @@ def test_reports_of_one_pytest_per_file_merge_into_pytests_totals(tmp_path: Path
 def test_native_sync_needs_both_sides_of_every_transport(tmp_path: Path) -> None:
     """bench_native_sync's runs joined by transport: a transport whose vLLM side never got a
     time (its server did not start) fails the step; both sides timed, it is ok."""
-    run = {"transport": "nccl", "ours": {"median_s": 0.4}, "vllm": {"median_s": 0.5}}
-    half = {"transport": "ipc", "ours": {"median_s": 0.2}}
+    run = {
+        "transport": "nccl",
+        "model": "/w/m",
+        "ours": {"median_s": 0.4},
+        "vllm": {"median_s": 0.5},
+    }
+    half = {"transport": "ipc", "model": "/w/m", "ours": {"median_s": 0.2}}
     parts = []
     for name, data in (("n", run), ("i", half)):
         parts.append(tmp_path / f"{name}.json")
@@ -256,7 +261,7 @@ def test_native_sync_needs_both_sides_of_every_transport(tmp_path: Path) -> None
     dest = tmp_path / "bench_native_sync.json"
     assert suite_report.main(["join-native", str(dest), *map(str, parts)]) == 0
     assert suite_report.step_verdict("native_sync", 0, tmp_path, tmp_path) == (
-        "failed", "ipc: vllm not measured"
+        "failed", "m/ipc: vllm not measured"
     )  # fmt: skip
     assert suite_report.main(["join-native", str(dest), str(parts[0])]) == 0
     assert suite_report.step_verdict("native_sync", 0, tmp_path, tmp_path) == ("ok", "")
