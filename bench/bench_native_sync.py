@@ -32,19 +32,22 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-async def _pushes(transport: Any, model: Any, syncs: int) -> list[float]:
+async def _pushes(transport: Any, model: Any, syncs: int, prepared: bool = False) -> list[float]:
+    """Wall seconds of each of ``syncs`` pushes after a warm-up one; ``prepared``: each push
+    follows a ``prepare`` (untimed: the learner overlaps it with its optimizer step)."""
     await transport.connect()
     await transport.push(model)  # warm-up: the first layout, caches, the group
     times = []
     for _ in range(syncs):
+        if prepared:
+            await transport.prepare(model)
         start = time.perf_counter()
         await transport.push(model)
         times.append(time.perf_counter() - start)
-    transport.close()
     return times
 
 
-def _ours(args: argparse.Namespace, model: Any, gpu: str) -> list[float]:
+def _ours(args: argparse.Namespace, model: Any, gpu: str) -> dict[str, list[float]]:
     from gpu_common import API_KEY, ServerProcess
 
     from learner.config.rollout import RolloutConfig
@@ -59,15 +62,24 @@ def _ours(args: argparse.Namespace, model: Any, gpu: str) -> list[float]:
         args.model, gpu=gpu, gpu_memory_utilization=args.gpu_memory_utilization, extra_args=eager
     ) as server:
 
-        async def run() -> list[float]:
+        async def run() -> dict[str, list[float]]:
             async with RolloutClient(server.url, api_key=API_KEY) as client:
                 rollout = RolloutConfig(servers=[server.url], sync=sync)
-                return await _pushes(make_transport(rollout, client, device=0), model, args.syncs)
+                transport = make_transport(rollout, client, device=0)
+                try:
+                    times = {"ours": await _pushes(transport, model, args.syncs)}
+                    if args.transport == "nccl":  # the learner's path: receives queued early
+                        times["ours_prepared"] = await _pushes(
+                            transport, model, args.syncs, prepared=True
+                        )
+                    return times
+                finally:
+                    transport.close()
 
         return asyncio.run(run())
 
 
-def _vllm(args: argparse.Namespace, model: Any, gpu: str) -> list[float]:
+def _vllm(args: argparse.Namespace, model: Any, gpu: str) -> dict[str, list[float]]:
     from gpu_common import VllmServeProcess
 
     from learner.config.rollout import RolloutConfig
@@ -81,13 +93,17 @@ def _vllm(args: argparse.Namespace, model: Any, gpu: str) -> list[float]:
         extra_args=["--enforce-eager"] if args.enforce_eager else [],
     ) as server:  # fmt: skip
 
-        async def run() -> list[float]:
+        async def run() -> dict[str, list[float]]:
             facts = {"dtype": "bfloat16", "vocab_size": model.config.vocab_size,
                      "eos_token_ids": []}  # fmt: skip
             async with VllmServeClient(server.url, **facts) as client:
                 sync = VllmSyncConfig(backend=args.transport)
                 rollout = RolloutConfig(servers=[server.url], server_api="vllm", sync=sync)
-                return await _pushes(make_transport(rollout, client, device=0), model, args.syncs)
+                transport = make_transport(rollout, client, device=0)
+                try:
+                    return {"vllm": await _pushes(transport, model, args.syncs)}
+                finally:
+                    transport.close()
 
         return asyncio.run(run())
 
@@ -119,13 +135,13 @@ def main() -> int:
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     gpu = "1" if args.transport == "nccl" else "0"
     rows = {}
-    for name, side in (("ours", _ours), ("vllm", _vllm)):
-        times = side(args, model, gpu)
-        median = statistics.median(times)
-        rows[name] = {"times_s": times, "median_s": median, "gb_per_s": nbytes / median / 1e9}
-    print(f"{'side':<6} {'s/sync':>8} {'GB/s':>8}   ({args.transport}, {nbytes / 1e9:.2f} GB)")
+    for side in (_ours, _vllm):
+        for name, times in side(args, model, gpu).items():
+            median = statistics.median(times)
+            rows[name] = {"times_s": times, "median_s": median, "gb_per_s": nbytes / median / 1e9}
+    print(f"{'side':<14} {'s/sync':>8} {'GB/s':>8}   ({args.transport}, {nbytes / 1e9:.2f} GB)")
     for name, r in rows.items():
-        print(f"{name:<6} {r['median_s']:>8.3f} {r['gb_per_s']:>8.1f}")
+        print(f"{name:<14} {r['median_s']:>8.3f} {r['gb_per_s']:>8.1f}")
     result = {
         "benchmark": "native_sync", "transport": args.transport, "model": args.model,
         "bytes": nbytes, "syncs": args.syncs, "bucket_mb": args.bucket_mb,
