@@ -10,8 +10,9 @@ SIGKILL: a SIGTERMed uvicorn first finishes the generation in flight, which kept
 on the CPU or GPU (the memory a resumed colocated learner needs) for as long as that generation
 ran, measured 9 s on the CPU demo with 1024-token samples.
 
-With ``rollout.embedded.per_rank`` every learner process starts one (``rank_env``: on that
-process's GPU alone, outside the launcher's process group), so each rank's share of the prompts
+Under a launcher of several processes the server is outside the launcher's process group
+(``server_env``). With ``rollout.embedded.per_rank`` every learner process starts one
+(``rank_env``: on that process's GPU alone), so each rank's share of the prompts
 is generated on the GPU it trains on.
 """
 
@@ -74,6 +75,37 @@ def _watch_learner(fd: int) -> None:
     os.killpg(0, signal.SIGKILL)
 
 
+#: What ``torchrun`` (``accelerate launch`` of several processes) tells a learner process about
+#: its place in the launch. A server is no part of it: vLLM would read a rank of the learner's
+#: group as its own, and with ``TORCHELASTIC_USE_AGENT_STORE`` its engine's own one-process
+#: group waits, as a client, for a store nobody serves (seen: a per-rank vLLM server on 2 GPUs
+#: never started).
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
+                 "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
+
+
+def server_env(env: dict[str, str | None] | None, api_key: str | None) -> dict[str, str]:
+    """An embedded server's environment: the learner's, less the launcher's variables and the
+    learner's key for external servers, with ``env``'s changes (None: unset) and ``api_key``."""
+    child_env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in LAUNCHER_VARS and not name.startswith(LAUNCHER_PREFIXES)
+    }
+    child_env["PYTHONUNBUFFERED"] = "1"
+    for name, value in (env or {}).items():
+        if value is None:
+            child_env.pop(name, None)
+        else:
+            child_env[name] = value
+    child_env.pop(API_KEY_ENV, None)  # the learner's key for external servers is not this one's
+    if api_key is not None:
+        child_env[API_KEY_ENV] = api_key
+    return child_env
+
+
 @contextlib.contextmanager
 def embedded_server(
     model: str,
@@ -113,21 +145,12 @@ def embedded_server(
     ]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = log_path.open("ab")
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name, value in (env or {}).items():
-        if value is None:
-            child_env.pop(name, None)
-        else:
-            child_env[name] = value
-    child_env.pop(API_KEY_ENV, None)  # the learner's key for external servers is not this one's
-    if api_key is not None:
-        child_env[API_KEY_ENV] = api_key
     try:
         proc = subprocess.Popen(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=child_env,
+            env=server_env(env, api_key),
             pass_fds=(watch_fd,),
             start_new_session=True,  # its own process group: stopped with its children
         )
@@ -234,19 +257,13 @@ def embedded_for(
     )
 
 
-#: What ``torchrun`` tells a learner process about its place in the launch: a server is no
-#: part of it (vLLM would read a rank of the learner's group as its own).
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
-
-
 def rank_env(device: Any) -> dict[str, str | None]:
-    """The environment changes for a learner process's own server: the launcher's variables
-    unset, and on a GPU ``device`` that GPU alone (``CUDA_VISIBLE_DEVICES`` names it, and the
-    server sees it as its first: vLLM and the transformers engine both take that one)."""
+    """The environment changes for a learner process's own server: on a GPU ``device`` that GPU
+    alone (``CUDA_VISIBLE_DEVICES`` names it, and the server sees it as its first: vLLM and the
+    transformers engine both take that one)."""
     import torch
 
-    env: dict[str, str | None] = dict.fromkeys(LAUNCHER_VARS)
+    env: dict[str, str | None] = {}
     dev = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
     if dev.type != "cuda":
         return env
