@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from grpo_common.net import free_port
 from grpo_common.threads import run_in_daemon_thread
+from learner.run.runtime import SetupError
 from learner.sync.base import WeightTransport
 from learner.sync.tensors import in_dtype, sync_specs, sync_tensors
 from rollout_server.client import RolloutClient, WeightSyncError
@@ -66,6 +67,7 @@ class VllmNativeTransport(WeightTransport):
         """Form the transfer group with every server's workers (nccl, gloo); ipc needs none."""
         if self.cfg.backend == "ipc":
             _one_learner_process()
+            _ipc_engine()  # before the first push: a missing dependency is a setup error
             return
         servers = list(self.client.servers)
         sizes = [await self.client.world_size(s) for s in servers]
@@ -184,7 +186,7 @@ class VllmNativeTransport(WeightTransport):
     def _send_ipc(self, servers: list[str], tensors: Any, loop: asyncio.AbstractEventLoop) -> None:
         """vLLM's IPC sender, its update posted to every server through this client (its
         own ``send_mode="http"`` posts without the API key)."""
-        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+        engine = _ipc_engine()
 
         def post(update_info: Any) -> None:
             fields = {k: v for k, v in vars(update_info).items() if k != "ipc_handles"}
@@ -196,9 +198,7 @@ class VllmNativeTransport(WeightTransport):
                     self.client.native(s, "update_weights", {"update_info": fields}), loop
                 ).result()
 
-        IPCWeightTransferEngine.trainer_send_weights(
-            iter(tensors), {"send_mode": post, "packed": self.packed}
-        )
+        engine.trainer_send_weights(iter(tensors), {"send_mode": post, "packed": self.packed})
 
     async def _answers(
         self, servers: list[str], version: int | None, count: int, seconds: float
@@ -218,13 +218,27 @@ class VllmNativeTransport(WeightTransport):
         return out
 
 
+def _ipc_engine() -> Any:
+    """vLLM's ``IPCWeightTransferEngine``. Its module imports ``ray`` (vLLM 0.24), which a
+    plain ``pip install vllm`` does not bring: named here as a setting to change."""
+    try:
+        from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+    except ModuleNotFoundError as e:
+        raise SetupError(
+            f'[rollout.sync] type = "vllm" with backend = "ipc": vLLM\'s IPC engine needs the '
+            f"{e.name!r} package, not installed here (pip install {e.name}, on the learner and "
+            'the server), or use type = "ipc" with our server'
+        ) from e
+    return IPCWeightTransferEngine
+
+
 def _one_learner_process() -> None:
     """vLLM's IPC sender all-gathers the handles over every process of torch.distributed's
     default group, which only the learner's main process enters here."""
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError(
+        raise SetupError(
             '[rollout.sync] type = "vllm" with backend = "ipc" takes one learner process '
             f'(this run has {dist.get_world_size()}): use backend = "nccl", or type = "ipc" '
             "with our server"

@@ -4,13 +4,22 @@ its transport."""
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from pathlib import Path
 
 import pytest
 
 from learner.config import ConfigError, load_config
 from learner.config.rollout import RolloutConfig
-from learner.config.sync import FileSyncConfig, HttpSyncConfig, IpcSyncConfig, NcclSyncConfig
+from learner.config.sync import (
+    FileSyncConfig,
+    HttpSyncConfig,
+    IpcSyncConfig,
+    NcclSyncConfig,
+    VllmSyncConfig,
+)
+from learner.run.runtime import SetupError
 from learner.sync import make_transport
 from rollout_server.client import RolloutClient
 
@@ -98,3 +107,18 @@ def test_errors_name_the_field_as_written_and_the_fix(overrides, fragment) -> No
     with pytest.raises(ConfigError) as e:
         load_config(DEMO, overrides)
     assert fragment in str(e.value), str(e.value)
+
+
+def test_vllms_ipc_engine_without_its_dependency_is_a_setup_error(monkeypatch) -> None:
+    """vLLM 0.24's IPC engine module imports ray (seen on the GPU machine: a stock vllm serve
+    with the ipc backend died at start on it). The learner says so at connect, naming the
+    package and the alternative, instead of failing at its first push."""
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ModuleNotFoundError
+    monkeypatch.delitem(sys.modules, "vllm.distributed.weight_transfer.ipc_engine", raising=False)
+    rollout = RolloutConfig(
+        servers=["http://127.0.0.1:1"], server_api="vllm", sync=VllmSyncConfig(backend="ipc")
+    )
+    transport = make_transport(rollout, RolloutClient("http://127.0.0.1:1"))
+    with pytest.raises(SetupError, match=r"pip install (ray|vllm)") as err:
+        asyncio.run(transport.connect())
+    assert 'type = "ipc" with our server' in str(err.value)
