@@ -103,12 +103,34 @@ step_setup() {
   if ls .dev/extra/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .dev/extra/*.whl || return 1
   fi
+  # Wheels over the device tool's carry limit (ray, which vLLM's IPC weight-transfer engine
+  # imports), split into parts carried by one call each (.dev/big1, .dev/big2, each call:
+  # mkdir -p /tmp/big && cp .dev/bigK/* /tmp/big/) with their small dependencies: joined here
+  # and installed into /tmp/site where that package does not import yet
+  local part whl mod
+  for part in /tmp/big/*.whl.part-00; do
+    [ -f "$part" ] || continue
+    whl=${part%.part-00}
+    [ -f "$whl" ] || cat "$whl".part-* > "$whl" || return 1
+  done
+  for whl in /tmp/big/*.whl; do
+    [ -f "$whl" ] || continue
+    mod=$(basename "$whl"); mod=${mod%%-*}
+    python3 -c "import $mod" 2>/dev/null \
+      || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$whl" \
+      || echo "could not install $(basename "$whl"): what needs it will fail"
+  done
   nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv
   nvidia-smi topo -m 2>/dev/null | head -20
   python3 - <<'EOF'
 import torch, vllm, fastapi, pydantic, uvicorn
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
 print("vllm", vllm.__version__, "fastapi", fastapi.__version__, "pydantic", pydantic.__version__)
+try:
+    import ray
+    print("ray", ray.__version__)
+except Exception as e:
+    print("ray unavailable (vLLM's IPC weight-transfer engine needs it):", e)
 try:
     import deepspeed
     print("deepspeed", deepspeed.__version__)
