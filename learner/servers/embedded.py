@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import runpy
 import secrets
@@ -45,7 +46,10 @@ class EmbeddedServerError(RuntimeError):
     pass
 
 
+logger = logging.getLogger(__name__)
+
 ORPHAN_GRACE_S = 5.0  # after SIGTERM, for a clean shutdown (vLLM's engine processes)
+WAIT_NOTE_S = 30.0  # while a server starts: how often the learner says it still waits, and on what
 _PR_SET_PDEATHSIG = 1
 # The child's command: import this module, watch the learner, then run the rollout server. Not a
 # preexec_fn: that is unsafe in a process with threads, and the learner has some by then.
@@ -183,9 +187,17 @@ def embedded_server(
 def _wait_ready(
     proc: subprocess.Popen[bytes], url: str, timeout_s: float, log_path: Path, api_key: str | None
 ) -> None:
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline, next_note = start + timeout_s, start + WAIT_NOTE_S
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     while time.monotonic() < deadline:
+        if time.monotonic() >= next_note:  # a silent wait of minutes looks like a hang
+            next_note += WAIT_NOTE_S
+            logger.info(
+                "waiting for the embedded rollout server: %.0f s of %.0f s "
+                "(rollout.embedded.startup_timeout_s); its log (%s) ends: %s",
+                time.monotonic() - start, timeout_s, log_path, _last_line(log_path),
+            )  # fmt: skip
         if proc.poll() is not None:
             raise EmbeddedServerError(
                 f"the embedded rollout server exited ({_exit_status(proc)}); "
@@ -210,6 +222,18 @@ def _exit_status(proc: subprocess.Popen[bytes]) -> str:
 
 def _tail(log_path: Path) -> str:
     return log_path.read_text(errors="replace")[-2000:]
+
+
+def _last_line(log_path: Path) -> str:
+    """The log's last non-empty line (progress bars' carriage returns split it), shortened."""
+    with contextlib.suppress(OSError):
+        with log_path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            text = f.read().decode(errors="replace")
+        lines = [x.strip() for x in text.replace("\r", "\n").splitlines() if x.strip()]
+        if lines:
+            return lines[-1][-300:]
+    return "(nothing yet)"
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
