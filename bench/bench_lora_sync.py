@@ -114,6 +114,8 @@ async def _measure(url: str, policy: Any, transport: str, mode: str, a: argparse
         "sync_wall_s": statistics.median(walls),
         "server_load_s": statistics.median(loads),
         "gen_tokens_per_s": statistics.median(rates),
+        "sync_wall_s_each": walls,  # the spread behind the medians
+        "gen_tokens_per_s_each": rates,
         "served_lora_rank": info.lora_rank,
         "engine": info.engine,
         "device": info.device,
@@ -162,7 +164,8 @@ def main() -> None:
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         setup = {k: v for k, v in vars(a).items() if k not in ("out", "sync_dir")}
-        a.out.write_text(json.dumps({"setup": setup | {"model": model}, "rows": rows}, indent=2))
+        setup |= {"model": model, "date": time.strftime("%Y-%m-%d")}
+        a.out.write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
