@@ -123,7 +123,10 @@ def main() -> int:
     args = p.parse_args()
     from gpu_common import gpu_count, require_modules
 
-    require_modules("bench_native_sync", {"vllm": "vllm", "torch": "torch"})
+    needed = {"vllm": "vllm", "torch": "torch"}
+    if args.transport == "ipc":  # vLLM 0.24's IPC weight-transfer engine imports it
+        needed["ray"] = "ray"
+    require_modules("bench_native_sync", needed)
     need = 2 if args.transport == "nccl" else 1
     if gpu_count() < need:
         print(f"bench_native_sync: {args.transport} needs {need} GPU(s), found {gpu_count()}")

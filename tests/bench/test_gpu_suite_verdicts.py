@@ -122,12 +122,17 @@ def _venv_env() -> dict[str, str]:
         ("bench_rollout_gpu.py", ["--out", "r.json"], ["vllm"]),
         ("bench_loss_gpu.py", ["--out-dir", "."], ["trl==1.16.0", "liger-kernel"]),
         ("bench_native_sync.py", ["--model", ".", "--out", "n.json"], ["vllm"]),
+        (
+            "bench_native_sync.py",
+            ["--model", ".", "--transport", "ipc", "--out", "n.json"],
+            ["vllm", "ray"],
+        ),
     ],
 )
 def test_benchmark_without_its_dependencies_exits_2_naming_them(
     tmp_path: Path, script: str, args: list[str], names: list[str]
 ) -> None:
-    for mod in ("vllm", "trl", "liger_kernel"):
+    for mod in ("vllm", "trl", "liger_kernel", "ray"):
         try:
             __import__(mod)
         except ImportError:
