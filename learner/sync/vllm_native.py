@@ -224,9 +224,11 @@ def _ipc_engine() -> Any:
     try:
         from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
     except ModuleNotFoundError as e:
+        # the distribution to install: "ray", or "vllm" for any vllm module (none, or too old)
+        package = (e.name or "vllm").partition(".")[0]
         raise SetupError(
             f'[rollout.sync] type = "vllm" with backend = "ipc": vLLM\'s IPC engine needs the '
-            f"{e.name!r} package, not installed here (pip install {e.name}, on the learner and "
+            f"{package!r} package, not installed here (pip install {package}, on the learner and "
             'the server), or use type = "ipc" with our server'
         ) from e
     return IPCWeightTransferEngine
