@@ -331,12 +331,15 @@ class ServerProcess:
 
 class VllmServeProcess(ServerProcess):
     """A stock ``vllm serve`` (vLLM's own CLI, none of our server's code) on ``gpu``, with its
-    RL routes on (``VLLM_SERVER_DEV_MODE=1``) and ``backend``'s weight-transfer engine."""
+    RL routes on (``VLLM_SERVER_DEV_MODE=1``) and ``backend``'s weight-transfer engine. The IPC
+    engine's handles arrive pickled over HTTP, which vLLM refuses to unpickle unless started
+    with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: set for ``backend="ipc"``."""
 
     ready_path = "/health"
 
     def __init__(self, model: Path | str, *, backend: str = "nccl", **kw: Any) -> None:
         super().__init__(model, **kw)
+        self.backend = backend
         extra = self.argv[self.argv.index("--max-model-len") + 2 :]
         self.argv = [
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
@@ -347,11 +350,15 @@ class VllmServeProcess(ServerProcess):
         ]  # fmt: skip
 
     def start(self, ready_timeout_s: float = 420.0) -> ServerProcess:
-        os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # inherited by the server (gpu_env copies it)
+        env = {"VLLM_SERVER_DEV_MODE": "1"}  # inherited by the server (gpu_env copies it)
+        if self.backend == "ipc":
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        os.environ.update(env)
         try:
             return super().start(ready_timeout_s)
         finally:
-            del os.environ["VLLM_SERVER_DEV_MODE"]
+            for name in env:
+                del os.environ[name]
 
     def greedy(self, prompts: list[list[int]], max_tokens: int = 24) -> Greedy:
         body = {"prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0,

@@ -44,6 +44,9 @@ if TYPE_CHECKING:
     from learner.config.sync import VllmSyncConfig
 
 log = logging.getLogger(__name__)
+
+#: What vLLM's server says (and must be started with) to unpickle the IPC engine's handles.
+INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 # how long close() waits for the group to go (a broadcast in flight may hold it longer)
 CLOSE_WAIT_S = 10.0
 
@@ -147,6 +150,8 @@ class VllmNativeTransport(WeightTransport):
             )
         except Exception as e:
             self.close()  # a broken group is formed again at the next push
+            if (setup := refused_pickles(servers, e)) is not None:
+                raise setup from e
             raise WeightSyncError(",".join(servers), f"vLLM weight update failed: {e}") from e
         finally:
             await self.client.resume()
@@ -216,6 +221,19 @@ class VllmNativeTransport(WeightTransport):
             out.append(WeightUpdateResponse(weight_version=served, num_tensors=count,
                                             num_bytes=0, seconds=seconds))  # fmt: skip
         return out
+
+
+def refused_pickles(servers: list[str], e: BaseException) -> SetupError | None:
+    """A stock ``vllm serve`` refuses the IPC engine's handles, which travel pickled, unless
+    started with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (vLLM 0.24 answers 500 naming it, and
+    its engine core then stops): a setting to change, not a sync to retry."""
+    if INSECURE_SERIALIZATION not in str(e):
+        return None
+    return SetupError(
+        f"{','.join(servers)} refused the CUDA IPC handles of vLLM's IPC engine, which travel "
+        f"pickled: start vllm serve with {INSECURE_SERIALIZATION}=1 (and keep it on a private "
+        'network), or use type = "ipc" with our server'
+    )
 
 
 def _ipc_engine() -> Any:

@@ -122,3 +122,23 @@ def test_vllms_ipc_engine_without_its_dependency_is_a_setup_error(monkeypatch) -
     with pytest.raises(SetupError, match=r"pip install (ray|vllm)") as err:
         asyncio.run(transport.connect())
     assert 'type = "ipc" with our server' in str(err.value)
+
+
+def test_a_stock_server_refusing_pickled_ipc_handles_is_a_setup_error() -> None:
+    """vLLM 0.24's answer to the IPC engine's update when started without
+    VLLM_ALLOW_INSECURE_SERIALIZATION (seen on the GPU machine): the learner names the variable
+    to set instead of retrying a sync that cannot succeed; other failures stay sync errors."""
+    from learner.sync.vllm_native import refused_pickles
+    from rollout_server.client_http import RolloutHTTPError
+
+    server = "http://127.0.0.1:8000"
+    detail = {"error": {"message": "Call to collective_rpc method failed: Refusing to deserialize "
+                        "`ipc_handles_pickled` without VLLM_ALLOW_INSECURE_SERIALIZATION=1",
+                        "type": "InternalServerError", "code": 500}}  # fmt: skip
+    refused = RolloutHTTPError(server, "POST", "/update_weights", 500, detail)
+    setup = refused_pickles([server], refused)
+    assert isinstance(setup, SetupError)
+    assert "start vllm serve with VLLM_ALLOW_INSECURE_SERIALIZATION=1" in str(setup)
+    assert server in str(setup)
+    other = RolloutHTTPError(server, "POST", "/update_weights", 500, {"error": "CUDA OOM"})
+    assert refused_pickles([server], other) is None
