@@ -17,8 +17,9 @@ from learner.config.base import FieldError, Section
 LORA_SYNC = (
     'with model.lora: "merged" sends the whole model with the adapters merged in; "adapter" '
     "sends only the adapters' tensors (MBs instead of GBs), which the servers serve on their "
-    'base weights (http and file; the vllm engine needs --enable-lora). "merged" until the '
-    "vLLM path has run on a GPU"
+    "base weights (over http, file, nccl and ipc; the vllm engine needs --enable-lora, and "
+    'serves them unmerged: slower generation). Not with type = "vllm": vLLM\'s engines sync '
+    "full weights"
 )
 
 
@@ -30,11 +31,11 @@ class _SyncSection(Section):
     @model_validator(mode="after")
     def _adapter_transport(self) -> _SyncSection:
         kind = getattr(self, "type", "")
-        if self.lora == "adapter" and kind in ("nccl", "ipc", "vllm"):
+        if self.lora == "adapter" and kind == "vllm":
             raise FieldError(
                 "lora",
-                f'"adapter" goes over type = "http" or "file"; type = "{kind}" sends merged '
-                'weights only (lora = "merged")',
+                '"adapter" goes over type = "http", "file", "nccl" or "ipc"; vLLM\'s own '
+                'weight-transfer engines (type = "vllm") send full weights (lora = "merged")',
             )
         return self
 
@@ -77,7 +78,7 @@ class NcclSyncConfig(_SyncSection):
 
     @property
     def prepares(self) -> bool:
-        return self.prepare
+        return self.prepare and self.lora == "merged"  # an adapter's MBs are not prepared
 
 
 class IpcSyncConfig(_SyncSection):

@@ -29,10 +29,15 @@ from learner.sync.nccl_buckets import (
     plan_buckets,
     update_stats,
 )
-from learner.sync.tensors import sync_specs, sync_tensors
+from learner.sync.tensors import announced_payload
 from rollout_server.client import RolloutClient
 from rollout_server.nccl_wire import bucket_layout
-from rollout_server.protocol import IpcUpdateRequest, TensorSpec, WeightUpdateResponse
+from rollout_server.protocol import (
+    IpcUpdateRequest,
+    LoraAdapterSpec,
+    TensorSpec,
+    WeightUpdateResponse,
+)
 from rollout_server.weight_digest import flat_checksum
 
 if TYPE_CHECKING:
@@ -64,10 +69,12 @@ class IpcWeightSender:
         bucket_bytes: int = 1 << 30,
         version: int | None = None,
         checksum: bool = False,
+        adapter: LoraAdapterSpec | None = None,
     ) -> list[WeightUpdateResponse]:
         """One update; ``tensor_iter`` yields the tensors of ``specs`` in order (consumed to
         the end even on failure, so ZeRO-3 ranks stay in step). Raises ``WeightSyncError`` if
-        a server did not load it (it keeps its previous weights)."""
+        a server did not load it (it keeps its previous weights). ``adapter``: the tensors are
+        that LoRA adapter's, served on the base weights."""
         import torch
 
         from rollout_server.cuda_ipc import gpu_uuid, share
@@ -102,6 +109,7 @@ class IpcWeightSender:
                     checksum=checksum,
                     handles=[share(f) for f in flats],
                     gpu_uuid=gpu_uuid(self.device),
+                    adapter=adapter,
                 )
         except BaseException:
             drain(it, quiet=True)
@@ -149,9 +157,7 @@ class IpcTransport(WeightTransport):
     ) -> list[WeightUpdateResponse]:
         if self._sender is None:
             self._sender = IpcWeightSender(self.client, self.device)  # refuses without a GPU
+        specs, tensors, adapter = announced_payload(model, self.cfg.lora, await self.server_dtype())
         return await self._sender.send(
-            sync_specs(model, await self.server_dtype()),
-            sync_tensors(model),
-            bucket_bytes=self.cfg.bucket_mb << 20,
-            version=version,
+            specs, tensors, bucket_bytes=self.cfg.bucket_mb << 20, version=version, adapter=adapter
         )

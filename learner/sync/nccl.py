@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from grpo_common.net import free_port
 from learner.sync.base import WeightTransport
 from learner.sync.nccl_sender import NcclWeightSender
-from learner.sync.tensors import sync_specs, sync_tensors
+from learner.sync.tensors import announced_payload
 
 if TYPE_CHECKING:
     from torch import nn
@@ -59,21 +59,21 @@ class NcclTransport(WeightTransport):
 
     async def prepare(self, model: nn.Module) -> bool:
         """Have the servers queue the next ``push``'s receives now (they hold generation paused
-        until it). Call it while the learner trains and nothing is asked of the servers."""
+        until it). Call it while the learner trains and nothing is asked of the servers. An
+        adapter sync (MBs) is never prepared."""
+        if self.cfg.lora == "adapter":
+            return False
         sender = await self._joined()
-        return await sender.prepare(
-            sync_specs(model, await self.server_dtype()), bucket_bytes=self.cfg.bucket_mb << 20
-        )
+        specs, _, _ = announced_payload(model, "merged", await self.server_dtype())
+        return await sender.prepare(specs, bucket_bytes=self.cfg.bucket_mb << 20)
 
     async def push(
         self, model: nn.Module, version: int | None = None
     ) -> list[WeightUpdateResponse]:
         sender = await self._joined()
+        specs, tensors, adapter = announced_payload(model, self.cfg.lora, await self.server_dtype())
         responses = await sender.send(
-            sync_specs(model, await self.server_dtype()),
-            sync_tensors(model),
-            bucket_bytes=self.cfg.bucket_mb << 20,
-            version=version,
+            specs, tensors, bucket_bytes=self.cfg.bucket_mb << 20, version=version, adapter=adapter
         )
         assert responses is not None  # send waits for the answers unless told otherwise
         return responses

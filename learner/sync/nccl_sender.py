@@ -62,6 +62,7 @@ from rollout_server.nccl_wire import (
     bucket_layout,
 )
 from rollout_server.protocol import (
+    LoraAdapterSpec,
     NcclPrepared,
     NcclUpdateRequest,
     TensorSpec,
@@ -154,6 +155,7 @@ class NcclWeightSender:
         version: int | None,
         checksum: bool,
         segment_bytes: int,
+        adapter: LoraAdapterSpec | None = None,
     ) -> NcclUpdateRequest:
         plan = plan_buckets(specs, bucket_bytes)
         return NcclUpdateRequest(
@@ -164,6 +166,7 @@ class NcclWeightSender:
             checksum=checksum,
             segment_bytes=segment_bytes,
             ack=True,
+            adapter=adapter,
         )
 
     async def prepare(
@@ -230,6 +233,7 @@ class NcclWeightSender:
         segment_bytes: int = SEGMENT_BYTES,
         on_bucket: Callable[[int], None] | None = None,
         wait_answers: bool = True,
+        adapter: LoraAdapterSpec | None = None,
     ) -> list[WeightUpdateResponse] | None:
         """Send one update. ``tensor_iter`` yields the tensors of ``specs`` in that order; each
         is cast to its spec's dtype while it is copied into the bucket.
@@ -242,7 +246,8 @@ class NcclWeightSender:
         waits for them. Otherwise it returns the answers.
 
         Raises ``WeightSyncError`` if any server did not load it (those keep their previous
-        weights). ``on_bucket(b)`` runs once bucket ``b`` has left this GPU."""
+        weights). ``on_bucket(b)`` runs once bucket ``b`` has left this GPU. ``adapter``: the
+        tensors are that LoRA adapter's (never prepared), served on the base weights."""
         begun = time.perf_counter(), time.time()  # the sync's time counts from here
         if self._client is None:
             raise RuntimeError("NcclWeightSender.send before init()")
@@ -251,6 +256,8 @@ class NcclWeightSender:
             begun = time.perf_counter(), time.time()
         specs = list(specs)
         key = _update_key(specs, bucket_bytes, version, checksum, segment_bytes)
+        if adapter is not None:
+            key = (*key, "adapter")  # never the prepared update's
         if self._prepared is not None and self._prepared.key != key:
             log.warning("the update differs from the prepared one; announcing it instead")
             await self._abandon()
@@ -258,7 +265,7 @@ class NcclWeightSender:
         if prepared is not None:
             request = prepared.request
         else:
-            request = self._request(specs, bucket_bytes, version, checksum, segment_bytes)
+            request = self._request(specs, bucket_bytes, version, checksum, segment_bytes, adapter)
         if not self._broadcaster.ready:  # a failed update aborted the group: form it again
             await self.init(self._client, **self._init_args)
         try:

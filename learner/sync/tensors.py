@@ -132,6 +132,22 @@ def sync_payload(model: nn.Module, lora: str) -> tuple[Iterator[tuple[str, Any]]
     return adapter_tensors(model), adapter_spec(model)
 
 
+def announced_payload(model: nn.Module, lora: str, dtype: str) -> tuple[list[Any], Any, Any]:
+    """(specs in the servers' ``dtype``, tensors, adapter spec or None) of one NCCL or CUDA
+    IPC push: with ``lora = "adapter"`` the active adapter alone (MBs, held as a list), served
+    on the servers' base weights; else ``sync_specs`` and ``sync_tensors`` (shapes only until
+    the tensors are consumed)."""
+    from rollout_server.protocol import TensorSpec
+
+    if lora != "adapter":
+        return sync_specs(model, dtype), sync_tensors(model), None
+    if not is_peft(model):
+        raise ValueError('rollout.sync.lora = "adapter" needs a LoRA model (model.lora)')
+    tensors = list(adapter_tensors(model))
+    specs = [TensorSpec(name=n, dtype=dtype, shape=list(t.shape)) for n, t in tensors]
+    return specs, tensors, adapter_spec(model)
+
+
 def sync_specs(model: nn.Module, dtype: str | None) -> list[Any]:
     if not is_peft(model):
         return param_specs(model, dtype=dtype)

@@ -208,6 +208,11 @@ class Engine(abc.ABC):
         weights alone again."""
         raise UnsupportedError(f"the {self.name} engine cannot serve LoRA adapters")
 
+    def check_adapter(self, spec: LoraAdapterSpec) -> None:
+        """Refuse, before anything is paused or received, an adapter this engine cannot serve
+        (an announced update's: its bytes would otherwise be sent for nothing)."""
+        raise UnsupportedError(f"the {self.name} engine cannot serve LoRA adapters")
+
     def served_lora_rank(self) -> int | None:
         """The rank of the LoRA adapter served on the base weights, None without one."""
         return None

@@ -75,6 +75,7 @@ class _Pending:
     copied: torch.cuda.Event | None = None  # with overlap: the last segment's copy
     ack: bool = False  # the learner waits for the load's acknowledgement after the word
     cancel: CancelFlag | None = None  # raised by the server: stop waiting for the bytes
+    adapter_dir: str | None = None  # a LoRA adapter: written there, not loaded
 
 
 def _stage_on_gpu(layout: list[Bucket], device: torch.device) -> bool:
@@ -165,6 +166,7 @@ class NcclReceiver:
         prepared: bool = False,
         ack: bool = False,
         cancel_path: str | None = None,
+        adapter_dir: str | None = None,
     ) -> float:
         """Queue the receive of every segment of every bucket and of the commit word, and
         return: staged on the GPU, the bytes arrive while the engine does other work (resets its
@@ -178,7 +180,9 @@ class NcclReceiver:
         it does not commit (when the GPU has room for the saved copy). ``ack``: the finish
         acknowledges the load over the group (``_ack``). ``cancel_path``: a
         ``CancelFlag`` file the server creates to end the finish's wait for the bytes (a new
-        init: they will not come). Returns the wall-clock time it started."""
+        init: they will not come). ``adapter_dir``: the update is a LoRA adapter, which the
+        finish writes there (``WorkerLoader.save_adapter``) instead of loading. Returns the
+        wall-clock time it started."""
         started = time.time()
         if self._pending is not None:  # a begin whose finish never came: state unknown
             self.close_group()
@@ -220,6 +224,7 @@ class NcclReceiver:
             copied,
             ack,
             None if cancel_path is None else CancelFlag(cancel_path, _CANCELLED),
+            adapter_dir,
         )
         return started
 
@@ -320,7 +325,9 @@ class NcclReceiver:
                     w for f, b in zip(p.staged, p.layout, strict=True) for w in unflatten(f, b)
                 ]
                 staging = _Staging(p.key, p.staged, weights, tensor_key(weights))
-            if p.overlap is not None:
+            if p.adapter_dir is not None:
+                loader = self.loader.save_adapter(staging.weights, p.adapter_dir)
+            elif p.overlap is not None:
                 loader = "direct-overlapped"  # already in the parameters
             else:
                 loader = self.loader.load_update(staging.weights, p.direct, staging.tensor_key)

@@ -289,6 +289,9 @@ class TransformersEngine(HFTokenizerMixin, Engine):
     ) -> None:
         await self._run(self._served_adapter().load, spec, tensors, version)
 
+    def check_adapter(self, spec: LoraAdapterSpec) -> None:
+        return None  # PEFT serves any adapter the validation let through
+
     def served_lora_rank(self) -> int | None:
         return self._adapter.rank if self._adapter is not None else None
 

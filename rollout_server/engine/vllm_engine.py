@@ -306,6 +306,9 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         async with self._paused():
             await self._adapters.load(self._llm, spec, tensors, version)
 
+    def check_adapter(self, spec: LoraAdapterSpec) -> None:
+        self._adapters.check(spec)
+
     def served_lora_rank(self) -> int | None:
         return self._adapters.rank
 
@@ -337,6 +340,10 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         )
 
     async def receive_nccl_update(self, request: NcclUpdateRequest) -> ReceivedUpdate:
+        if request.adapter is not None:  # the first worker writes it where vLLM loads it from
+            return await self._adapters.receive(
+                self._llm, request.adapter, lambda d: self._updates.receive_nccl(request, str(d))
+            )
         received = await self._updates.receive_nccl(request)
         await self._adapters.drop(self._llm)  # full weights: served alone
         return received
@@ -356,6 +363,10 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         await self._updates.drop_prepared()
 
     async def receive_ipc_update(self, request: IpcUpdateRequest) -> ReceivedUpdate:
+        if request.adapter is not None:
+            return await self._adapters.receive(
+                self._llm, request.adapter, lambda d: self._updates.receive_ipc(request, str(d))
+            )
         received = await self._updates.receive_ipc(request)
         await self._adapters.drop(self._llm)  # full weights: served alone
         return received

@@ -1,10 +1,11 @@
 """The LoRA adapter the vllm engine serves, through vLLM's LoRA support.
 
 vLLM loads adapters from disk (``adapter_config.json`` and ``adapter_model.safetensors``, PEFT's
-layout) by ``LoRARequest``. Each update is written to a directory of its own version and loaded
-into the engine (``add_lora``) before generation switches to it, so a refused or failed load leaves
-the previous adapter serving; generation then passes the served ``LoRARequest`` with every
-request. The engine must start with ``enable_lora`` (``--enable-lora``) and a ``max_lora_rank``
+layout) by ``LoRARequest``. Each update is written to a directory of its own (by this process for
+tensors sent over HTTP or in a file; by the first GPU worker for an adapter received over NCCL or
+CUDA IPC, ``WorkerLoader.save_adapter``) and loaded into the engine (``add_lora``) before
+generation switches to it, so a refused or failed load leaves the previous adapter serving;
+generation then passes the served ``LoRARequest`` with every request. The engine must start with ``enable_lora`` (``--enable-lora``) and a ``max_lora_rank``
 at least the adapters' rank; two adapter slots let the new one load while the old one serves.
 """
 
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rollout_server.engine.base import UnsupportedError, WeightsError
 
@@ -28,6 +31,9 @@ if TYPE_CHECKING:
     from rollout_server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+ADAPTER_FILE = "adapter_model.safetensors"
 
 
 def lora_engine_kwargs(settings: ServerSettings) -> dict[str, Any]:
@@ -62,6 +68,7 @@ class VllmAdapters:
         self.spec: LoraAdapterSpec | None = None
         self._root: Path | None = None
         self._next_id = 1  # vLLM's adapter ids: positive, never reused
+        self._dirs = itertools.count(1)  # one directory per update, never reused
 
     @property
     def rank(self) -> int | None:
@@ -80,18 +87,22 @@ class VllmAdapters:
                 f"{self.settings.max_lora_rank}; restart it with a larger one"
             )
 
-    def write(self, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor], version: int) -> Path:
-        """The adapter in PEFT's layout, in a directory of its own for this version."""
-        from safetensors.torch import save_file
-
+    def directory(self, spec: LoraAdapterSpec) -> Path:
+        """A new directory for one update, holding its ``adapter_config.json``; the tensors go
+        beside it as ``ADAPTER_FILE``."""
         if self._root is None:
             self._root = Path(tempfile.mkdtemp(prefix="grpo-lora-"))
-        path = self._root / f"v{version}"
-        path.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {k: t.contiguous() for k, t in tensors.items()}, path / "adapter_model.safetensors"
-        )
+        path = self._root / f"update-{next(self._dirs)}"
+        path.mkdir(parents=True)
         (path / "adapter_config.json").write_text(json.dumps(adapter_config(spec)))
+        return path
+
+    def write(self, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor]) -> Path:
+        """The adapter in PEFT's layout, in a directory of its own."""
+        from safetensors.torch import save_file
+
+        path = self.directory(spec)
+        save_file({k: t.contiguous() for k, t in tensors.items()}, path / ADAPTER_FILE)
         return path
 
     async def load(
@@ -99,15 +110,38 @@ class VllmAdapters:
     ) -> None:
         """Write, load into the engine, then switch: requests from now on use it; the old
         adapter is removed from the engine and the disk."""
+        self.check(spec)
+        path = await asyncio.to_thread(self.write, spec, tensors)
+        await self._switch(llm, spec, path, f"v{version}")
+
+    async def receive(
+        self, llm: Any, spec: LoraAdapterSpec, receive: Callable[[Path], Awaitable[T]]
+    ) -> T:
+        """An adapter the GPU workers receive (NCCL, CUDA IPC): ``receive(path)`` has them
+        write its tensors into a new directory, then it is loaded and switched to as ``load``
+        does. Returns what ``receive`` returned."""
+        self.check(spec)
+        path = await asyncio.to_thread(self.directory, spec)
+        try:
+            received = await receive(path)
+            if not (path / ADAPTER_FILE).is_file():
+                raise WeightsError(f"the workers wrote no adapter tensors into {path}")
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        await self._switch(llm, spec, path, path.name)
+        return received
+
+    async def _switch(self, llm: Any, spec: LoraAdapterSpec, path: Path, name: str) -> None:
+        """Load the adapter at ``path`` into the engine, then serve it (its directory is
+        removed if vLLM refuses it)."""
         from vllm.lora.request import LoRARequest
 
-        self.check(spec)
-        path = await asyncio.to_thread(self.write, spec, tensors, version)
-        request = LoRARequest(f"v{version}", self._next_id, str(path))
+        request = LoRARequest(name, self._next_id, str(path))
         self._next_id += 1
         try:
             if not await llm.add_lora(request):
-                raise WeightsError(f"vLLM did not load the adapter of version {version}")
+                raise WeightsError(f"vLLM did not load the adapter {name}")
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise

@@ -26,19 +26,25 @@ Rpc = Callable[..., Awaitable[list[Any]]]
 
 
 def begin_update_args(
-    request: NcclUpdateRequest, direct: bool, prepared: bool, cancel_path: str | None = None
+    request: NcclUpdateRequest,
+    direct: bool,
+    prepared: bool,
+    cancel_path: str | None = None,
+    adapter_dir: str | None = None,
 ) -> tuple[Any, ...]:
-    """``grpo_begin_update``'s arguments after the specs, in its order."""
+    """``grpo_begin_update``'s arguments after the specs, in its order. ``adapter_dir``: the
+    update is a LoRA adapter, written there (never copied into the parameters)."""
     segment = request.segment_bytes
     return (
         request.buckets,
         request.bucket_dtypes,
         request.checksum,
-        direct,
+        direct and adapter_dir is None,
         segment,
         prepared,
         request.ack,
         cancel_path,
+        adapter_dir,
     )
 
 
@@ -59,13 +65,16 @@ class AnnouncedUpdates:
         self._direct = direct
         self._cancel: CancelFlag | None = None  # the prepared update's, if any
 
-    async def receive_nccl(self, request: NcclUpdateRequest) -> ReceivedUpdate:
+    async def receive_nccl(
+        self, request: NcclUpdateRequest, adapter_dir: str | None = None
+    ) -> ReceivedUpdate:
         """The workers queue every receive (``grpo_begin_update``); while the bytes arrive the
         prefix cache is reset (vLLM walks every KV block: milliseconds); then the workers
-        wait and load (``grpo_finish_update``)."""
+        wait and load (``grpo_finish_update``), or with ``adapter_dir`` write the adapter
+        there."""
 
         async def receive(specs: list[dict[str, Any]], timeline: dict[str, float]) -> list[Any]:
-            queued = begin_update_args(request, self._direct, False)
+            queued = begin_update_args(request, self._direct, False, None, adapter_dir)
             begun = await self._rpc("grpo_begin_update", specs, *queued)
             timeline["worker_begin"] = min(begun)
             timeline["queued"] = time.time()
@@ -138,13 +147,19 @@ class AnnouncedUpdates:
         reset.result()  # raises if the reset failed
         return results
 
-    async def receive_ipc(self, request: IpcUpdateRequest) -> ReceivedUpdate:
+    async def receive_ipc(
+        self, request: IpcUpdateRequest, adapter_dir: str | None = None
+    ) -> ReceivedUpdate:
+        """The workers load from the learner's CUDA IPC buckets, or with ``adapter_dir`` write
+        the adapter there."""
         handles = [h.model_dump() for h in request.handles]
 
         async def receive(specs: list[dict[str, Any]], timeline: dict[str, float]) -> list[Any]:
             args = (request.buckets, request.bucket_dtypes, request.checksum, handles)
-            direct = self._direct
-            results = await self._rpc("grpo_receive_ipc", specs, *args, request.gpu_uuid, direct)
+            direct = self._direct and adapter_dir is None
+            results = await self._rpc(
+                "grpo_receive_ipc", specs, *args, request.gpu_uuid, direct, adapter_dir
+            )
             timeline["finished"] = time.time()
             return results
 

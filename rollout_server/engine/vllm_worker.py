@@ -101,10 +101,12 @@ class WeightSyncWorkerExtension:
         handles: list[dict[str, Any]],
         gpu_uuid: str,
         direct: bool = True,
+        adapter_dir: str | None = None,
     ) -> dict[str, Any]:
-        """Load an update from the colocated learner's CUDA IPC buckets (``load_ipc``)."""
+        """Load an update from the colocated learner's CUDA IPC buckets (``load_ipc``); with
+        ``adapter_dir``, a LoRA adapter written there."""
         return self._grpo_loader().load_ipc(
-            tensors, buckets, bucket_dtypes, checksum, handles, gpu_uuid, direct
+            tensors, buckets, bucket_dtypes, checksum, handles, gpu_uuid, direct, adapter_dir
         )
 
     def grpo_load_file(self, path: str) -> int:
@@ -147,6 +149,7 @@ class WeightSyncWorkerExtension:
         prepared: bool = False,
         ack: bool = False,
         cancel_path: str | None = None,
+        adapter_dir: str | None = None,
     ) -> float:
         """Queue an update's receives (``NcclReceiver.begin``); ``grpo_finish_update`` must
         follow. Returns the wall-clock time it started."""
@@ -160,6 +163,7 @@ class WeightSyncWorkerExtension:
             prepared,
             ack,
             cancel_path,
+            adapter_dir,
         )
 
     def grpo_finish_update(self) -> dict[str, Any]:

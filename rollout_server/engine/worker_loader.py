@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import time
 import types
@@ -183,9 +184,11 @@ class WorkerLoader:
         handles: list[dict[str, Any]],
         gpu_uuid: str,
         direct: bool = True,
+        adapter_dir: str | None = None,
     ) -> dict[str, Any]:
         """Open every bucket's IPC handle (all of them before loading anything), then load
-        straight from the learner's memory. The learner keeps the buffers until we answer."""
+        straight from the learner's memory (``adapter_dir``: write the LoRA adapter there). The
+        learner keeps the buffers until we answer."""
         from rollout_server.cuda_ipc import local_device, open_handle
         from rollout_server.protocol import IpcHandle
 
@@ -207,7 +210,10 @@ class WorkerLoader:
             received_s = time.perf_counter() - start
             weights = [w for f, b in zip(flats, layout, strict=True) for w in unflatten(f, b)]
             # synchronizes: the learner may free its buffers after
-            loader = self.load_update(weights, direct)
+            if adapter_dir is not None:
+                loader = self.save_adapter(weights, adapter_dir)
+            else:
+                loader = self.load_update(weights, direct)
             del weights
         finally:
             del flats
@@ -218,6 +224,22 @@ class WorkerLoader:
             "staged_on": "learner's gpu (ipc)",
             "loader": loader,
         }
+
+    def save_adapter(self, weights: list[tuple[str, torch.Tensor]], directory: str) -> str:
+        """A LoRA adapter received whole (PEFT's names), written into ``directory`` for vLLM to
+        load it from (``vllm_lora``; vLLM loads adapters from disk only). Every worker received
+        the same bytes; the first one writes them (the engine's RPC returns once all have
+        answered). Returns how it was "loaded"."""
+        from safetensors.torch import save_file
+
+        from rollout_server.engine.vllm_lora import ADAPTER_FILE
+
+        if int(getattr(self.worker, "rank", 0)) == 0:
+            tensors = {name: t.detach().to("cpu", copy=True) for name, t in weights}
+            part = os.path.join(directory, f".{ADAPTER_FILE}.part")
+            save_file(tensors, part)
+            os.replace(part, os.path.join(directory, ADAPTER_FILE))  # whole, or not there
+        return "adapter-file"
 
     def load_file(self, path: str) -> int:
         """Load every tensor of a safetensors file (read whole before loading: all or none)."""

@@ -117,6 +117,11 @@ class NcclUpdateRequest(WireModel):
         "sum all-reduce: a worker adds 1 once the update is in its parameters (0 if it failed "
         "to load it), so the learner knows the weights are loaded without the HTTP answer",
     )
+    adapter: LoraAdapterSpec | None = Field(
+        None,
+        description="the buckets hold a LoRA adapter (PEFT's tensor names), served on the base "
+        "weights (the vllm engine: --enable-lora); not with /weights/nccl/prepare",
+    )
 
 
 class NcclPrepared(WireModel):

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from rollout_server.errors import Conflict, NonFiniteWeights
+from rollout_server.errors import BadRequest, Conflict, NonFiniteWeights
 from rollout_server.protocol import (
     INT64_MAX,
     NcclCommitRequest,
@@ -193,6 +193,10 @@ class WeightsService:
         as behind any load) until the commit, which then only waits for the bytes and loads.
         Dropped (and the pause lifted) if not committed within the group's timeout."""
         self.prepared.refuse("preparing another update")
+        if request.adapter is not None:
+            raise BadRequest(
+                "a LoRA adapter update is not prepared: announce it with POST /weights/nccl/update"
+            )
         num_bytes = self._check_announce(validate_nccl_announce, request)
         return await self.prepared.prepare(request, num_bytes)
 
@@ -231,6 +235,8 @@ class WeightsService:
         self.core.require_weights_awake()
         self.prepared.refuse("another weight update")
         num_bytes = validate(request, self.core.engine.weight_metadata(), _ITEMSIZE)
+        if request.adapter is not None:
+            self.core.engine.check_adapter(request.adapter)
         self._next_version(request.version)
         return num_bytes
 
@@ -256,7 +262,9 @@ class WeightsService:
             if not got.prefix_cache_reset:
                 await core.engine.reset_prefix_cache()
             seconds = time.perf_counter() - start
-            core.set_version(new_version, (t.name for t in request.tensors))
+            # an adapter leaves the base weights as they were
+            changed = () if request.adapter is not None else (t.name for t in request.tensors)
+            core.set_version(new_version, changed)
         response = self._record_update(
             transport, len(request.tensors), num_bytes, seconds, got.checksum
         )

@@ -112,15 +112,23 @@ def validate_tensors(
 def validate_nccl_announce(
     request: NcclUpdateRequest, metadata: Mapping[str, TensorMeta], itemsize: Mapping[str, int]
 ) -> int:
-    """Check an NCCL announce (names, dtypes, shapes, bucket layout); return its bytes."""
+    """Check an NCCL announce (names, dtypes, shapes, bucket layout; an adapter's as
+    ``validate_adapter`` does, its values once received); return its bytes."""
     specs = request.tensors
     if not specs:
         raise WeightsError("the update carries no tensors")
-    problems = [
-        p
-        for s in specs
-        if (p := _check(s.name, s.dtype, tuple(s.shape), metadata.get(s.name), metadata))
-    ]
+    if request.adapter is not None:
+        shapes = {s.name: (s.dtype, tuple(s.shape)) for s in specs}
+        if len(shapes) != len(specs):
+            raise WeightsError("the adapter update announces a tensor twice")
+        validate_adapter_shapes(shapes, request.adapter, metadata)
+        problems = []
+    else:
+        problems = [
+            p
+            for s in specs
+            if (p := _check(s.name, s.dtype, tuple(s.shape), metadata.get(s.name), metadata))
+        ]
     if len(request.bucket_dtypes) != len(request.buckets):
         problems.append(
             f"bucket_dtypes has {len(request.bucket_dtypes)} entries for {len(request.buckets)} buckets"
@@ -242,13 +250,33 @@ def validate_adapter(
 ) -> int:
     """A whole adapter update: options the servers can serve, every tensor valid, both halves
     of every targeted linear module there; returns its bytes."""
+    if not tensors:
+        raise WeightsError("the update carries no tensors")
+    shapes = {name: (_dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()}
+    validate_adapter_shapes(shapes, spec, metadata)
+    if check_values:
+        _raise_problems([p for name, t in tensors.items() if (p := non_finite_tensor(name, t))])
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def validate_adapter_shapes(
+    shapes: Mapping[str, tuple[str, tuple[int, ...]]],
+    spec: LoraAdapterSpec,
+    metadata: Mapping[str, TensorMeta],
+) -> None:
+    """An adapter update by its tensors' (dtype, shape): options the servers can serve, every
+    tensor a lora_A/lora_B of the rank's shape, both halves of every targeted module there."""
     cfg = spec.peft_config
     off = [k for k, v in _UNSERVABLE.items() if cfg.get(k, v) not in (v, None, {}, False)]
     if off:
         raise WeightsError(f"the adapter's PEFT config sets {off}, which the server cannot serve")
-    if not tensors:
-        raise WeightsError("the update carries no tensors")
-    validate_adapter_tensors(tensors, spec, metadata)
+    _raise_problems(
+        [
+            p
+            for name, (dtype, shape) in shapes.items()
+            if (p := _adapter_problem(name, dtype, shape, spec, metadata))
+        ]
+    )
     wanted = {
         name[: -len(".weight")]
         for name, meta in metadata.items()
@@ -261,9 +289,6 @@ def validate_adapter(
         f"{PEFT_PREFIX}{m}.{part}.weight"
         for m in sorted(wanted)
         for part in ("lora_A", "lora_B")
-        if f"{PEFT_PREFIX}{m}.{part}.weight" not in tensors
+        if f"{PEFT_PREFIX}{m}.{part}.weight" not in shapes
     ]
     _raise_problems([f"the adapter lacks tensor {n!r}" for n in missing])
-    if check_values:
-        _raise_problems([p for name, t in tensors.items() if (p := non_finite_tensor(name, t))])
-    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -87,12 +87,8 @@ ADAPTER = 'rollout.sync={type = "http", lora = "adapter"}'
         (["model.lora.r=4", 'model.lora.quantization="nf4"', ADAPTER], "with QLoRA"),
         (["model.lora.r=4", "rollout.sleep_while_training=2", ADAPTER], "level 2 discards"),
         (
-            ["model.lora.r=4", 'rollout.sync={type = "nccl", lora = "adapter"}'],
-            'rollout.sync.lora: "adapter" goes over type = "http" or "file"',
-        ),
-        (
-            ["model.lora.r=4", 'rollout.sync={type = "ipc", lora = "adapter"}'],
-            'rollout.sync.lora: "adapter" goes over type = "http" or "file"',
+            ["model.lora.r=4", 'rollout.sync={type = "vllm", lora = "adapter"}'],
+            'rollout.sync.lora: "adapter" goes over type = "http", "file", "nccl" or "ipc"',
         ),
         (
             [
@@ -113,8 +109,11 @@ def test_adapter_sync_is_refused_where_it_cannot_serve_the_learners_policy(overr
     assert fragment in str(e.value), str(e.value)
 
 
-def test_adapter_sync_is_accepted_with_lora_over_http_and_file(tmp_path):
-    for sync in ('type = "http"', f'type = "file", dir = "{tmp_path}"'):
+def test_adapter_sync_is_accepted_with_lora_over_every_transport_of_ours(tmp_path):
+    syncs = ('type = "http"', f'type = "file", dir = "{tmp_path}"', 'type = "nccl"', 'type = "ipc"')
+    for sync in syncs:
         cfg = load_config(DEMO, ["model.lora.r=4", f'rollout.sync={{{sync}, lora = "adapter"}}'])
         assert cfg.rollout.sync.lora == "adapter"
+        assert not cfg.rollout.sync.prepares  # an adapter's MBs are never prepared
     assert load_config(DEMO).rollout.sync.lora == "merged"
+    assert load_config(DEMO, ['rollout.sync={type = "nccl"}']).rollout.sync.prepares

@@ -239,8 +239,8 @@ def test_the_vllm_adapter_directory_and_engine_arguments(tiny_model_dir):
     assert lora_engine_kwargs(on) == {"enable_lora": True, "max_lora_rank": 16, "max_loras": 2}
     adapters = VllmAdapters(on)
     try:
-        path = adapters.write(spec, tensors, version=3)
-        assert path.name == "v3"
+        path = adapters.write(spec, tensors)
+        assert adapters.write(spec, tensors) != path  # every update a directory of its own
         config = json.loads((path / "adapter_config.json").read_text())
         assert config["r"] == 4 and config["lora_alpha"] == 8 and config["peft_type"] == "LORA"
         assert config["target_modules"] == sorted(
@@ -259,3 +259,91 @@ def test_the_vllm_adapter_directory_and_engine_arguments(tiny_model_dir):
     small = ServerSettings(model=str(tiny_model_dir), enable_lora=True, max_lora_rank=2)
     with pytest.raises(WeightsError, match="--max-lora-rank 2"):
         VllmAdapters(small).check(spec)
+
+
+def _announce(policy, **changes) -> dict:
+    """An NCCL announce of ``policy``'s adapter as the learner makes it (one float32 bucket)."""
+    from learner.sync.tensors import announced_payload
+
+    specs, _, spec = announced_payload(policy, "adapter", "float32")
+    body = {
+        "tensors": [s.model_dump() for s in specs],
+        "buckets": [list(range(len(specs)))],
+        "bucket_dtypes": ["float32"],
+        "adapter": spec.model_dump(mode="json"),
+    }
+    return {**body, **changes}
+
+
+async def test_an_adapter_announced_over_nccl_is_validated_before_anything_is_received(
+    client, tiny_model_dir
+):
+    """The adapter's announce is checked as an adapter (names, rank, every targeted module) and
+    refused with a 400 naming the tensor before a byte is broadcast; a sound one reaches the
+    engine (only the vllm engine receives NCCL: 501 here); prepare refuses adapters; nothing
+    moves the version."""
+    policy = _peft_model(tiny_model_dir, seed=5)
+    version = (await client.info())[0].weight_version
+    good = _announce(policy)
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    bad_shape = [
+        {**t, "shape": [5, t["shape"][1]]} if t["name"] == name else t for t in good["tensors"]
+    ]
+    missing = [t for t in good["tensors"] if t["name"] != name]
+    base_name = [{**good["tensors"][0], "name": "model.norm.weight"}, *good["tensors"][1:]]
+    async with httpx.AsyncClient(base_url=client.servers[0], timeout=60) as http:
+        r = await http.post("/weights/nccl/update", json=good)
+        assert r.status_code == 501 and "NCCL" in r.json()["detail"], r.text
+        r = await http.post("/weights/nccl/update", json={**good, "tensors": bad_shape})
+        assert r.status_code == 400 and "rank 4 on" in r.json()["detail"], r.text
+        body = {**good, "tensors": missing, "buckets": [list(range(len(missing)))]}
+        r = await http.post("/weights/nccl/update", json=body)
+        assert r.status_code == 400 and f"the adapter lacks tensor {name!r}" in r.text, r.text
+        r = await http.post("/weights/nccl/update", json={**good, "tensors": base_name})
+        assert r.status_code == 400 and "is not a LoRA adapter tensor" in r.text, r.text
+        r = await http.post("/weights/nccl/prepare", json=good)
+        assert r.status_code == 400 and "/weights/nccl/update" in r.json()["detail"], r.text
+    assert (await client.info())[0].weight_version == version
+
+
+def test_an_adapter_the_workers_write_loads_as_the_learners_policy(tiny_model_dir, tmp_path):
+    """An adapter received over NCCL or CUDA IPC: the first GPU worker writes the received
+    tensors (views into a flat bucket, as the receiver holds them) into the directory the
+    engine made with the adapter's config; PEFT loads that directory as the learner's own
+    policy (vLLM reads the same layout); other workers write nothing."""
+    from types import SimpleNamespace
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from learner.sync.nccl_buckets import plan_buckets
+    from learner.sync.tensors import announced_payload
+    from rollout_server.engine.vllm_lora import ADAPTER_FILE, VllmAdapters
+    from rollout_server.engine.worker_loader import WorkerLoader
+    from rollout_server.nccl_wire import bucket_layout, unflatten
+
+    policy = _peft_model(tiny_model_dir, seed=6)
+    specs, tensors, spec = announced_payload(policy, "adapter", "float32")
+    plan = plan_buckets(specs, 1 << 20)
+    layout = bucket_layout([s.model_dump() for s in specs], plan.buckets, plan.dtypes)
+    by_name = dict(tensors)
+    received = []
+    for bucket in layout:  # what the receiver holds: views into flat buckets
+        flat = torch.cat([by_name[e.name].detach().reshape(-1) for e in bucket.entries])
+        received += unflatten(flat, bucket)
+    adapters = VllmAdapters(ServerSettings(model=str(tiny_model_dir), enable_lora=True))
+    try:
+        other = adapters.directory(spec)
+        assert WorkerLoader(SimpleNamespace(rank=1)).save_adapter(received, str(other))
+        assert not (other / ADAPTER_FILE).exists()
+        path = adapters.directory(spec)
+        loader = WorkerLoader(SimpleNamespace(rank=0))
+        assert loader.save_adapter(received, str(path)) == "adapter-file"
+        assert sorted(p.name for p in path.iterdir()) == ["adapter_config.json", ADAPTER_FILE]
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        served = PeftModel.from_pretrained(base, str(path)).eval()
+        prompt, tokens = [1, 2, 3, 4], [5, 6, 7, 8, 9]
+        want = _logprobs_of(policy, prompt, tokens)
+        assert torch.allclose(_logprobs_of(served, prompt, tokens), want, atol=1e-6)
+    finally:
+        adapters.close()

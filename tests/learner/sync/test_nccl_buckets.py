@@ -281,7 +281,15 @@ def test_the_engine_queues_updates_with_the_workers_argument_order() -> None:
         "prepared": True,
         "ack": True,
         "cancel_path": "/tmp/flag",
+        "adapter_dir": None,
     }
+    # an adapter is written where the engine loads it from, never copied into the parameters
+    adapter = dict(zip(names[2:], begin_update_args(request, True, False, None, "/a"), strict=True))
+    assert adapter["adapter_dir"] == "/a" and adapter["direct"] is False
+    # the worker hands them on to the receiver in the same order
+    from rollout_server.engine.nccl_receiver import NcclReceiver
+
+    assert list(inspect.signature(NcclReceiver.begin).parameters)[1:] == names[1:]
     assert NcclUpdateRequest(tensors=[], buckets=[], bucket_dtypes=[]).ack is False
 
 
