@@ -2,14 +2,16 @@
 server's generation throughput with what each sync left it serving.
 
     python bench/bench_lora_sync.py --out bench/results/lora_sync_cpu.json
-    python bench/bench_lora_sync.py --model /models/Qwen3-4B --server-arg=--engine=vllm \
+    CUDA_VISIBLE_DEVICES=0,1 python bench/bench_lora_sync.py --model /models/Qwen3-4B \
+        --device cuda:0 --server-gpu 1 --transports nccl,http --server-arg=--engine=vllm \
         --server-arg=--enable-lora --server-arg=--max-lora-rank=64 --r 64 --out ...
 
 Method: one rollout server (``python -m rollout_server``, its flags from ``--server-arg``) serves
 ``--model`` (default: the tiny random Qwen3, CPU). The learner's side is in this process: the
-model wrapped in PEFT LoRA (rank ``--r``, every linear layer, random adapters) and the learner's
-own transports (``learner.sync``, http and file) with ``rollout.sync.lora`` = "merged" and
-"adapter". Each (transport, mode) pushes ``--syncs`` times; bytes are the server's count of
+model wrapped in PEFT LoRA (rank ``--r``, every linear layer, random adapters; on ``--device``)
+and the learner's own transports (``learner.sync.make_transport``: http, file, nccl, ipc; the
+server on GPU ``--server-gpu`` for nccl, on the learner's for ipc) with ``rollout.sync.lora`` =
+"merged" and "adapter". Each (transport, mode) pushes ``--syncs`` times; bytes are the server's count of
 what it loaded, times the median of the learner's wall time per push and of the server's load
 time. After the pushes, the server generates ``--prompts`` prompts of ``--tokens`` tokens each
 (seeded sampling, EOS ignored) ``--repeats`` times: tokens per second, median.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -36,12 +39,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(model: str, args: list[str], weights_dir: str) -> tuple[subprocess.Popen, str]:
+def _start_server(
+    model: str, args: list[str], weights_dir: str, gpu: str | None
+) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = _free_port()
     cmd = [sys.executable, "-m", "rollout_server", "--model", model, "--port", str(port)]
-    proc = subprocess.Popen([*cmd, "--weights-dir", weights_dir, *args])
+    env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+    proc = subprocess.Popen([*cmd, "--weights-dir", weights_dir, *args], env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -57,7 +63,7 @@ def _start_server(model: str, args: list[str], weights_dir: str) -> tuple[subpro
     raise SystemExit("the rollout server did not get ready in 900 s")
 
 
-def _policy(model: str, r: int, dtype: str) -> Any:
+def _policy(model: str, r: int, dtype: str, device: str) -> Any:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -65,33 +71,39 @@ def _policy(model: str, r: int, dtype: str) -> Any:
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
     config = LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", init_lora_weights=False)
-    return get_peft_model(base, config).eval()
+    return get_peft_model(base, config).to(device).eval()
 
 
-def _sync_config(transport: str, mode: str, sync_dir: str) -> Any:
-    from learner.config.sync import FileSyncConfig, HttpSyncConfig
+def _transport(url: str, client: Any, transport: str, mode: str, a: argparse.Namespace) -> Any:
+    """The learner's own transport for ``[rollout.sync] type = transport, lora = mode``."""
+    from learner.config import RolloutConfig
+    from learner.config.sync import SYNC_SECTIONS
+    from learner.sync import make_transport
 
+    fields: dict[str, Any] = {"lora": mode}
     if transport == "file":
-        return FileSyncConfig(dir=sync_dir, lora=mode)
-    return HttpSyncConfig(lora=mode)
+        fields["dir"] = a.sync_dir
+    sync = SYNC_SECTIONS[transport](**fields)
+    return make_transport(RolloutConfig(servers=[url], sync=sync), client, device=a.device)
 
 
 async def _measure(url: str, policy: Any, transport: str, mode: str, a: argparse.Namespace) -> dict:
-    from learner.sync.file import FileTransport
-    from learner.sync.http import HttpTransport
     from rollout_server.client import RolloutClient
     from rollout_server.protocol import GenerateRequest
 
-    cls = FileTransport if transport == "file" else HttpTransport
     async with RolloutClient(url) as client:
-        sync = cls(_sync_config(transport, mode, a.sync_dir), client, ready_timeout_s=60.0)
+        sync = _transport(url, client, transport, mode, a)
         walls, loads, sizes = [], [], []
-        for _ in range(a.syncs):
-            start = time.perf_counter()
-            (answer,) = await sync.push(policy)
-            walls.append(time.perf_counter() - start)
-            loads.append(answer.seconds)
-            sizes.append(answer.num_bytes)
+        try:
+            await sync.connect()  # NCCL forms its group here, outside the timed pushes
+            for _ in range(a.syncs):
+                start = time.perf_counter()
+                (answer,) = await sync.push(policy)
+                walls.append(time.perf_counter() - start)
+                loads.append(answer.seconds)
+                sizes.append(answer.num_bytes)
+        finally:
+            sync.close()
         (info,) = await client.info()
         request = GenerateRequest(
             prompts=[f"prompt {i}" for i in range(a.prompts)],
@@ -131,7 +143,9 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--transports", default="http,file")
+    p.add_argument("--transports", default="http,file", help="of http, file, nccl, ipc")
+    p.add_argument("--device", default="cpu", help="the learner's device (nccl, ipc: a GPU)")
+    p.add_argument("--server-gpu", help="the server's CUDA_VISIBLE_DEVICES (nccl: another GPU)")
     p.add_argument("--server-arg", action="append", default=[], help="a rollout-server flag")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     a = p.parse_args()
@@ -142,8 +156,8 @@ def main() -> None:
             from rollout_server.tiny import save_tiny_model
 
             model = str(save_tiny_model(Path(tmp) / "tiny", seed=0))
-        policy = _policy(model, a.r, a.dtype)
-        server, url = _start_server(model, a.server_arg, tmp)
+        policy = _policy(model, a.r, a.dtype, a.device)
+        server, url = _start_server(model, a.server_arg, tmp, a.server_gpu)
         try:
             rows = [
                 asyncio.run(_measure(url, policy, transport, mode, a))
