@@ -46,7 +46,10 @@ def _start_server(
 
     port = _free_port()
     cmd = [sys.executable, "-m", "rollout_server", "--model", model, "--port", str(port)]
-    env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
+    env = dict(os.environ)
+    if gpu is not None:  # counted among this process's GPUs, as --device is
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[int(gpu)] if visible else gpu
     proc = subprocess.Popen([*cmd, "--weights-dir", weights_dir, *args], env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
@@ -145,7 +148,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transports", default="http,file", help="of http, file, nccl, ipc")
     p.add_argument("--device", default="cpu", help="the learner's device (nccl, ipc: a GPU)")
-    p.add_argument("--server-gpu", help="the server's CUDA_VISIBLE_DEVICES (nccl: another GPU)")
+    p.add_argument("--server-gpu", help="the server's GPU, among this process's (nccl: another)")
     p.add_argument("--server-arg", action="append", default=[], help="a rollout-server flag")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     a = p.parse_args()

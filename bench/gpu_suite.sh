@@ -32,7 +32,9 @@
 # E2E4_RANKS processes, default 4; E2E4_TRL_ARGS to TRL). native_sync (issue 40: our NCCL
 # and IPC sync against vLLM's native weight-transfer engine, bench/bench_native_sync.py; nccl
 # needs 2 GPUs; SUITE_STEPS="setup model native_sync"; with "model4" before it and
-# NATIVE_SYNC_MODELS="$GRPO_GPU_MODEL $E2E4_MODEL", the 4B shape too). Each step has its own time
+# NATIVE_SYNC_MODELS="$GRPO_GPU_MODEL $E2E4_MODEL", the 4B shape too). lora_sync (issue 40:
+# LoRA adapter against merged sync on the model4 shape, bench/bench_lora_sync.py, 2 GPUs;
+# SUITE_STEPS="setup model4 lora_sync"). Each step has its own time
 # limit and its own log; a failing step does not stop the others; the whole run stays inside
 # SUITE_BUDGET_S (steps that no longer fit are skipped and say so). The budget counts from this
 # script's start and the machine's call limit from the call's: make the suite the whole command
@@ -332,6 +334,19 @@ step_native_sync() {
   return $rc
 }
 
+step_lora_sync() {
+  # issue 40: LoRA adapter against merged weight sync (bench/bench_lora_sync.py): bytes and time
+  # per sync and the server's generation tok/s, the learner on GPU 0, a vLLM server with
+  # --enable-lora on GPU 1; LORA_SYNC_MODEL (default the model4 shape), LORA_SYNC_TRANSPORTS
+  # (default nccl,http), LORA_SYNC_R (default 64)
+  python3 bench/bench_lora_sync.py --model "${LORA_SYNC_MODEL:-$E2E4_MODEL}" --dtype bfloat16 \
+    --r "${LORA_SYNC_R:-64}" --device cuda:0 --server-gpu 1 \
+    --transports "${LORA_SYNC_TRANSPORTS:-nccl,http}" --syncs 3 --prompts 64 --tokens 128 \
+    --repeats 3 --server-arg=--engine=vllm --server-arg=--enable-lora \
+    --server-arg=--max-lora-rank=64 --server-arg=--gpu-memory-utilization=0.5 \
+    --server-arg=--dtype=bfloat16 --out "$OUT/bench_lora_sync.json"
+}
+
 step_memory() {
   # Peak learner memory (max_memory_allocated) and step time per memory option, one learner
   # step of the real code path on a fixed synthetic batch, a fresh process per configuration;
@@ -400,6 +415,7 @@ limit_for() {  # seconds allowed for a step: its own limit, capped by what is le
     e2e4_verl) own=${T_E2E4_VERL:-120} ;;
     overlap) own=${T_OVERLAP:-420} ;;
     native_sync) own=${T_NATIVE_SYNC:-480} ;;
+    lora_sync) own=${T_LORA_SYNC:-480} ;;
     *) own=60 ;;
   esac
   local left=$(( SUITE_BUDGET_S - ($(date +%s) - START) - 15 ))

@@ -43,6 +43,7 @@ def result_files(out: Path, work: Path) -> dict[str, Path]:
         "memory": out / "bench_memory_options.json",
         "overlap": out / "bench_overlap.json",
         "native_sync": out / "bench_native_sync.json",
+        "lora_sync": out / "bench_lora_sync.json",
     }
 
 
@@ -175,7 +176,23 @@ def problems_native_sync(path: Path) -> list[str]:
             for side in ("ours", "vllm") if "median_s" not in run.get(side, {})]  # fmt: skip
 
 
+def problems_lora_sync(path: Path) -> list[str]:
+    """Both modes measured on every transport, the adapter served by the server."""
+    rows = _json(path).get("rows", [])
+    if not rows:
+        return ["no transport was measured"]
+    modes = {
+        t: {r["mode"] for r in rows if r["transport"] == t} for t in {r["transport"] for r in rows}
+    }
+    out = [f"{t}: {sorted({'merged', 'adapter'} - m)} not measured" for t, m in modes.items()
+           if m != {"merged", "adapter"}]  # fmt: skip
+    out += [f"{r['transport']}: the server served no adapter after the adapter syncs"
+            for r in rows if r["mode"] == "adapter" and not r.get("served_lora_rank")]  # fmt: skip
+    return out
+
+
 PROBLEMS: dict[str, Callable[[Path], list[str]]] = {
+    "lora_sync": problems_lora_sync,
     "native_sync": problems_native_sync,
     "tests": problems_tests,
     "bench_rollout": problems_bench_rollout,

@@ -249,6 +249,26 @@ def test_reports_of_one_pytest_per_file_merge_into_pytests_totals(tmp_path: Path
     assert status == "failed" and "1 interrupted" in why, why
 
 
+def test_lora_sync_needs_both_modes_of_every_transport_and_a_served_adapter(
+    tmp_path: Path,
+) -> None:
+    """bench_lora_sync's rows: a transport whose merged row is missing (its push failed) or
+    whose adapter rows left the server with no adapter fails the step; a whole run is ok."""
+    row = {"transport": "nccl", "mode": "merged", "served_lora_rank": None}
+    adapter = {"transport": "nccl", "mode": "adapter", "served_lora_rank": 64}
+    path = tmp_path / "bench_lora_sync.json"
+
+    def verdict(rows: list[dict]) -> tuple[str, str]:
+        path.write_text(json.dumps({"setup": {}, "rows": rows}))
+        return suite_report.step_verdict("lora_sync", 0, tmp_path, tmp_path)
+
+    assert verdict([row, adapter]) == ("ok", "")
+    assert verdict([adapter])[0] == "failed" and "['merged'] not measured" in verdict([adapter])[1]
+    unserved = {**adapter, "served_lora_rank": None}
+    assert "served no adapter" in verdict([row, unserved])[1]
+    assert verdict([]) == ("failed", "no transport was measured")
+
+
 def test_native_sync_needs_both_sides_of_every_transport(tmp_path: Path) -> None:
     """bench_native_sync's runs joined by transport: a transport whose vLLM side never got a
     time (its server did not start) fails the step; both sides timed, it is ok."""

@@ -1,11 +1,14 @@
 """LoRA adapters served by the vllm engine (``--enable-lora``): a real ``rollout-server --engine
-vllm`` on GPU 0 serving the random-weight Qwen3-0.6B-shaped model, adapters sent over HTTP as
-the learner sends them (``rollout.sync.lora = "adapter"``).
+vllm`` on GPU 0 serving the random-weight Qwen3-0.6B-shaped model, adapters sent as the learner
+sends them (``rollout.sync.lora = "adapter"``) over HTTP, and over NCCL (from GPU 1) and CUDA IPC
+(from GPU 0) through the learner's own transports.
 
 Covered: an adapter update serves the policy of the learner's merged model (the same server's
 generations after a merged-weight sync of that policy agree with it), a second version switches
 (the version moves once; a smaller rank too), a bad adapter is a 400 and the previous one serves
-on, sleep level 1 keeps the adapter, and a full update serves the base weights alone again.
+on, sleep level 1 keeps the adapter, and a full update serves the base weights alone again. Over
+NCCL and CUDA IPC: only the adapter's bytes travel, and the server then serves the policy a
+merged-weight sync of it serves.
 """
 
 from __future__ import annotations
@@ -141,3 +144,52 @@ def test_sleep_level_1_keeps_the_adapter(server, qwen3_dir) -> None:
     assert server.info()["lora_rank"] == RANK
     after = greedy(server, PROMPTS)
     assert after.matches(before), after.mismatch(before)
+
+
+async def _push_over(server, policy, transport: str, device: str):
+    """One push of ``policy``'s adapter through the learner's own ``transport``; its answer."""
+    import torch
+    from gpu_common import API_KEY
+
+    from learner.config import RolloutConfig
+    from learner.config.sync import SYNC_SECTIONS
+    from learner.sync import make_transport
+    from rollout_server.client import RolloutClient
+
+    sync_config = SYNC_SECTIONS[transport](lora="adapter")
+    async with RolloutClient(server.url, api_key=API_KEY) as client:
+        rollout = RolloutConfig(servers=[server.url], sync=sync_config)
+        sync = make_transport(rollout, client, device=torch.device(device))
+        try:
+            await sync.connect()  # NCCL: the group of this process and the server's worker
+            (answer,) = await sync.push(policy)
+        finally:
+            sync.close()
+    return answer
+
+
+@pytest.mark.parametrize("transport", ["nccl", "ipc"])
+def test_an_adapter_over_nccl_or_ipc_serves_the_merged_policy(server, qwen3_dir, transport):
+    from gpu_common import gpu_count, greedy
+
+    from learner.sync.tensors import adapter_tensors
+
+    if transport == "nccl" and gpu_count() < 2:
+        pytest.skip("the NCCL sender needs a GPU of its own")
+    device = "cuda:1" if transport == "nccl" else "cuda:0"  # IPC: the server's GPU
+    policy = _policy(qwen3_dir, seed=5 if transport == "nccl" else 6)
+    adapter_bytes = sum(t.numel() * 2 for _, t in adapter_tensors(policy))  # in bf16
+    before = server.info()["weight_version"]
+    answer = asyncio.run(_push_over(server, policy, transport, device))
+    assert answer.weight_version == before + 1
+    assert answer.num_bytes == adapter_bytes  # the adapter alone: MBs, not the model's GBs
+    assert server.info()["lora_rank"] == RANK
+    served = greedy(server, PROMPTS)
+    assert _push_merged(server, policy) == before + 2  # the same policy, merged, over HTTP
+    assert server.info()["lora_rank"] is None
+    merged = greedy(server, PROMPTS)
+    assert served.matches(merged), served.mismatch(merged)
+    # another adapter over the same transport: switched to at once
+    second = asyncio.run(_push_over(server, _policy(qwen3_dir, seed=7, r=4), transport, device))
+    assert second.weight_version == before + 3 and server.info()["lora_rank"] == 4
+    assert not greedy(server, PROMPTS).matches(merged)
