@@ -146,6 +146,15 @@ def test_sleep_level_1_keeps_the_adapter(server, qwen3_dir) -> None:
     assert after.matches(before), after.mismatch(before)
 
 
+def _push_base(server, model_dir) -> int:
+    """The base weights the policies adapt, served again (over HTTP, merged: no adapter)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    return _push(server, ((n, p.detach()) for n, p in base.named_parameters()))
+
+
 async def _push_over(server, policy, transport: str, device: str):
     """One push of ``policy``'s adapter through the learner's own ``transport``; its answer."""
     import torch
@@ -178,6 +187,7 @@ def test_an_adapter_over_nccl_or_ipc_serves_the_merged_policy(server, qwen3_dir,
         pytest.skip("the NCCL sender needs a GPU of its own")
     device = "cuda:1" if transport == "nccl" else "cuda:0"  # IPC: the server's GPU
     policy = _policy(qwen3_dir, seed=5 if transport == "nccl" else 6)
+    _push_base(server, qwen3_dir)  # earlier tests left another policy merged into the base
     adapter_bytes = sum(t.numel() * 2 for _, t in adapter_tensors(policy))  # in bf16
     before = server.info()["weight_version"]
     answer = asyncio.run(_push_over(server, policy, transport, device))
