@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from accelerate import Accelerator
 
 from learner.config import LearnerConfig
 from learner.model.export import save_model
+from learner.run.drift import DriftWatch
 from learner.run.metrics import MetricsLogger, Trackers
 from learner.run.perf import profiled, train_flops
 from learner.run.runtime import SetupError, StopOnSigterm, TrainingStopped
@@ -52,6 +54,8 @@ from learner.step.update import (
 from learner.sync import make_transport
 from learner.trainer_setup import Run, setup
 
+logger = logging.getLogger(__name__)
+
 
 def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     """Run GRPO as configured; returns the last step's metrics (main process)."""
@@ -60,6 +64,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     metrics_log = open_metrics_log(run)
     inflight: InFlightRollouts | None = None
     last: dict[str, float] = {}
+    drift = DriftWatch()  # says so when the servers stop serving the learner's policy
     stopped = False
     try:
         with (
@@ -78,6 +83,9 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 if metrics is None:  # a restarted server: the step's prompts go again
                     continue
                 last = metrics
+                warning = drift.check(run.state.step, metrics)
+                if warning is not None and run.accelerator.is_main_process:
+                    logger.warning(warning)
                 if run.evaluator is not None and run.evaluator.due(run.state.step):
                     last.update(evaluate(run, conn, run.state.step))  # the weights just synced
                 if metrics_log is not None:
