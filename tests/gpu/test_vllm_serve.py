@@ -106,8 +106,9 @@ def test_grpo_against_a_stock_vllm_serve(qwen3_text_dir, log_dir, tmp_path, back
 def test_our_server_delegates_to_vllms_nccl_engine(qwen3_text_dir, log_dir, tmp_path, sleep_mode):
     """Our server started with ``--weight-transfer-backend nccl`` hands vLLM's RL routes to
     vLLM's own engine (and versions each update): the same 5-step run over ``type = "vllm"``
-    ends with its weights those of the saved model, its version the learner's. With and
-    without vLLM's sleep mode (our server's default is on; a stock ``vllm serve``'s off)."""
+    ends with its weights those of the saved model (the served weights' checksum, and greedy
+    continuations), its version the learner's, and each step's importance weight near 1. With
+    and without vLLM's sleep mode (our server's default is on; a stock ``vllm serve``'s off)."""
     from gpu_common import ServerProcess, gpu_count, greedy
 
     from learner.run.metrics import read_metrics
@@ -126,6 +127,7 @@ def test_our_server_delegates_to_vllms_nccl_engine(qwen3_text_dir, log_dir, tmp_
         log = log_dir / f"test_vllm_serve.{name}.log"
         _run(qwen3_text_dir, server.url, "nccl", "0", run_dir, log, api="rollout-server")
         served, info = greedy(server, PROBES), server.info()
+        served_sum = server.get("/weights/checksum").json()["checksum"]
     records = read_metrics(run_dir)
     drift = [abs(r["is_weight"] - 1) for r in records]
     print(f"{name}: step times {[round(r['time/step'], 2) for r in records]} s, "
@@ -135,8 +137,14 @@ def test_our_server_delegates_to_vllms_nccl_engine(qwen3_text_dir, log_dir, tmp_
         log_path=log_dir / f"test_vllm_serve.{name}.reference.log",
     ) as ours:  # fmt: skip
         want = greedy(ours, PROBES)
-    print(f"{name}: greedy against the saved final model: {served.mismatch(want) or 'same'}")
+        want_sum = ours.get("/weights/checksum").json()["checksum"]
+    # which half fails, if one does: the weights the server holds, or what it generates with them
+    print(f"{name}: served weights' checksum {served_sum!r}, the saved final model's {want_sum!r}; "
+          f"greedy against the saved final model: {served.mismatch(want) or 'same'}")  # fmt: skip
     assert info["weight_version"] == STEPS and info["weight_transfer_backend"] == "nccl"
     assert all(r["reward/std"] > 0 for r in records), "a step whose rewards were all equal"
+    assert served_sum == pytest.approx(want_sum, rel=1e-9), (
+        "the served weights are not the final model"
+    )
     assert max(drift) <= IS_WEIGHT_TOL, drift
     assert served.matches(want), served.mismatch(want)
