@@ -11,9 +11,9 @@ Method: one rollout server (``python -m rollout_server``, its flags from ``--ser
 model wrapped in PEFT LoRA (rank ``--r``, every linear layer, random adapters; on ``--device``)
 and the learner's own transports (``learner.sync.make_transport``: http, file, nccl, ipc; the
 server on GPU ``--server-gpu`` for nccl, on the learner's for ipc) with ``rollout.sync.lora`` =
-"merged" and "adapter". Each (transport, mode) pushes ``--syncs`` times; bytes are the server's count of
-what it loaded, times the median of the learner's wall time per push and of the server's load
-time. After the pushes, the server generates ``--prompts`` prompts of ``--tokens`` tokens each
+"merged" and "adapter". Each (transport, mode) pushes ``--syncs`` times; bytes are the server's
+count of what it loaded, times the median of the learner's wall time per push and of the
+server's load time. After the pushes, the server generates ``--prompts`` prompts of ``--tokens`` tokens each
 (seeded sampling, EOS ignored) ``--repeats`` times: tokens per second, median.
 """
 

@@ -5,8 +5,9 @@ layout) by ``LoRARequest``. Each update is written to a directory of its own (by
 tensors sent over HTTP or in a file; by the first GPU worker for an adapter received over NCCL or
 CUDA IPC, ``WorkerLoader.save_adapter``) and loaded into the engine (``add_lora``) before
 generation switches to it, so a refused or failed load leaves the previous adapter serving;
-generation then passes the served ``LoRARequest`` with every request. The engine must start with ``enable_lora`` (``--enable-lora``) and a ``max_lora_rank``
-at least the adapters' rank; two adapter slots let the new one load while the old one serves.
+generation then passes the served ``LoRARequest`` with every request. The engine must start
+with ``enable_lora`` (``--enable-lora``) and a ``max_lora_rank`` at least the adapters' rank;
+two adapter slots let the new one load while the old one serves.
 """
 
 from __future__ import annotations
