@@ -13,8 +13,9 @@ and the learner's own transports (``learner.sync.make_transport``: http, file, n
 server on GPU ``--server-gpu`` for nccl, on the learner's for ipc) with ``rollout.sync.lora`` =
 "merged" and "adapter". Each (transport, mode) pushes ``--syncs`` times; bytes are the server's
 count of what it loaded, times the median of the learner's wall time per push and of the
-server's load time. After the pushes, the server generates ``--prompts`` prompts of ``--tokens`` tokens each
-(seeded sampling, EOS ignored) ``--repeats`` times: tokens per second, median.
+server's load time. After the pushes, the server generates ``--prompts`` prompts of
+``--tokens`` tokens each (seeded sampling, EOS ignored) ``--repeats`` times: tokens per second,
+median.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,23 +33,19 @@ from pathlib import Path
 from typing import Any
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server(
     model: str, args: list[str], weights_dir: str, gpu: str | None
 ) -> tuple[subprocess.Popen, str]:
     import httpx
+    from gpu_common import visible_gpus
 
-    port = _free_port()
+    from grpo_common.net import free_port
+
+    port = free_port()
     cmd = [sys.executable, "-m", "rollout_server", "--model", model, "--port", str(port)]
     env = dict(os.environ)
     if gpu is not None:  # counted among this process's GPUs, as --device is
-        visible = env.get("CUDA_VISIBLE_DEVICES")
-        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[int(gpu)] if visible else gpu
+        env["CUDA_VISIBLE_DEVICES"] = visible_gpus(gpu)
     proc = subprocess.Popen([*cmd, "--weights-dir", weights_dir, *args], env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from grpo_common.net import free_port
 from learner.sync.base import WeightTransport
 from learner.sync.nccl_sender import NcclWeightSender
-from learner.sync.tensors import announced_payload
+from learner.sync.tensors import announced_payload, sync_specs
 
 if TYPE_CHECKING:
     from torch import nn
@@ -64,8 +64,9 @@ class NcclTransport(WeightTransport):
         if self.cfg.lora == "adapter":
             return False
         sender = await self._joined()
-        specs, _, _ = announced_payload(model, "merged", await self.server_dtype())
-        return await sender.prepare(specs, bucket_bytes=self.cfg.bucket_mb << 20)
+        return await sender.prepare(
+            sync_specs(model, await self.server_dtype()), bucket_bytes=self.cfg.bucket_mb << 20
+        )
 
     async def push(
         self, model: nn.Module, version: int | None = None

@@ -123,8 +123,8 @@ def adapter_spec(model: nn.Module) -> LoraAdapterSpec:
 
 
 def sync_payload(model: nn.Module, lora: str) -> tuple[Iterator[tuple[str, Any]], Any]:
-    """(tensors, adapter spec or None) of one sync over http or file: with ``lora =
-    "adapter"`` the adapter alone, else ``sync_tensors``."""
+    """(tensors, adapter spec or None) of one sync: with ``lora = "adapter"`` the adapter
+    alone, else ``sync_tensors``."""
     if lora != "adapter":
         return sync_tensors(model), None
     if not is_peft(model):
@@ -139,13 +139,12 @@ def announced_payload(model: nn.Module, lora: str, dtype: str) -> tuple[list[Any
     the tensors are consumed)."""
     from rollout_server.protocol import TensorSpec
 
-    if lora != "adapter":
-        return sync_specs(model, dtype), sync_tensors(model), None
-    if not is_peft(model):
-        raise ValueError('rollout.sync.lora = "adapter" needs a LoRA model (model.lora)')
-    tensors = list(adapter_tensors(model))
-    specs = [TensorSpec(name=n, dtype=dtype, shape=list(t.shape)) for n, t in tensors]
-    return specs, tensors, adapter_spec(model)
+    tensors, adapter = sync_payload(model, lora)
+    if adapter is None:
+        return sync_specs(model, dtype), tensors, None
+    held = list(tensors)
+    specs = [TensorSpec(name=n, dtype=dtype, shape=list(t.shape)) for n, t in held]
+    return specs, held, adapter
 
 
 def sync_specs(model: nn.Module, dtype: str | None) -> list[Any]:

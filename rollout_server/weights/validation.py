@@ -232,11 +232,23 @@ def validate_adapter_tensors(
 ) -> None:
     """Each tensor (a bucket's) is a lora_A/lora_B of a targeted linear module, of the rank's
     shape and the model's dtype; ``WeightsError`` naming every bad one."""
+    _raise_adapter_problems(_shapes(tensors), spec, metadata)
+
+
+def _shapes(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {name: (_dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()}
+
+
+def _raise_adapter_problems(
+    shapes: Mapping[str, tuple[str, tuple[int, ...]]],
+    spec: LoraAdapterSpec,
+    metadata: Mapping[str, TensorMeta],
+) -> None:
     _raise_problems(
         [
             p
-            for name, t in tensors.items()
-            if (p := _adapter_problem(name, _dtype_name(t.dtype), tuple(t.shape), spec, metadata))
+            for name, (dtype, shape) in shapes.items()
+            if (p := _adapter_problem(name, dtype, shape, spec, metadata))
         ]
     )
 
@@ -252,8 +264,7 @@ def validate_adapter(
     of every targeted linear module there; returns its bytes."""
     if not tensors:
         raise WeightsError("the update carries no tensors")
-    shapes = {name: (_dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()}
-    validate_adapter_shapes(shapes, spec, metadata)
+    validate_adapter_shapes(_shapes(tensors), spec, metadata)
     if check_values:
         _raise_problems([p for name, t in tensors.items() if (p := non_finite_tensor(name, t))])
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -270,13 +281,7 @@ def validate_adapter_shapes(
     off = [k for k, v in _UNSERVABLE.items() if cfg.get(k, v) not in (v, None, {}, False)]
     if off:
         raise WeightsError(f"the adapter's PEFT config sets {off}, which the server cannot serve")
-    _raise_problems(
-        [
-            p
-            for name, (dtype, shape) in shapes.items()
-            if (p := _adapter_problem(name, dtype, shape, spec, metadata))
-        ]
-    )
+    _raise_adapter_problems(shapes, spec, metadata)
     wanted = {
         name[: -len(".weight")]
         for name, meta in metadata.items()
