@@ -348,7 +348,9 @@ class MetricSums:
 
     def means(self, accelerator: Accelerator, tokens: int, passes: int) -> dict[str, float]:
         """Token means over every rank's trained tokens (``tokens``: this rank's; a rank may
-        train few or none of its own), and the loss, averaged over the ``passes``."""
+        train few or none of its own), and the loss, averaged over the ``passes``. A step that
+        trained no token (every group's advantage zero, say) has no token means: they are left
+        out, not reported as 0 (an ``is_weight`` of 0 would read as servers off the policy)."""
         keys = sorted(self.sums)
         totals = torch.tensor(
             [float(self.sums[k]) for k in keys] + [float(tokens)],
@@ -358,7 +360,9 @@ class MetricSums:
         if accelerator.num_processes > 1:
             totals = accelerator.reduce(totals, reduction="sum")
         *values, total_tokens = totals.tolist()
-        out = {k: v / (max(1.0, total_tokens) * passes) for k, v in zip(keys, values, strict=True)}
+        out = {}
+        if total_tokens > 0:
+            out = {k: v / (total_tokens * passes) for k, v in zip(keys, values, strict=True)}
         out["loss"] = float(self.loss) / passes
         return out
 

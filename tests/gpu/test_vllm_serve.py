@@ -4,7 +4,8 @@ a server on its own GPU and with its IPC engine to one on the learner's GPU (col
 
 Each run trains 5 steps. After every sync the server serves the learner's weights: the samples'
 truncated importance weights (``is_weight``: exp(learner log-prob − server log-prob), clamped)
-stay at 1 within bf16 noise every step, where a server a sync missed would drift from it. After
+stay at 1 within bf16 noise every step that trains, where a server a sync missed would drift
+from it (a step whose groups all drew equal rewards trains no token and has none). After
 the last one the stock server's greedy continuations are those of our own vLLM server loading the
 learner's saved final model from disk, and not those of the base model it started from.
 """
@@ -24,6 +25,20 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 5
 PROBES = [[100 + 7 * i + j for j in range(12)] for i in range(4)]
 IS_WEIGHT_TOL = 0.05  # |is_weight - 1| per step: bf16 logits of vLLM and of the learner
+# printed per step by the delegation test, to tell a sync that did not load from a policy change
+DIAGNOSTICS = ("is_weight", "ratio_mean", "loss", "grad_norm", "entropy", "completion/len_mean",
+               "completion/truncated_frac", "reward/mean", "reward/std", "staleness",
+               "weight_version")  # fmt: skip
+MIN_TRAINED_STEPS = 3  # of the STEPS: the policy must move (and the syncs carry it) for a while
+
+
+def _drift(records: list[dict]) -> list[float]:
+    """|is_weight - 1| of every step that trained a token. A step whose groups all drew equal
+    rewards trains none and has no ``is_weight`` (the policy collapsed onto one completion: it
+    happened at step 4 of a run at this learning rate); at least MIN_TRAINED_STEPS must train."""
+    trained = [r for r in records if "is_weight" in r]
+    assert len(trained) >= MIN_TRAINED_STEPS, [r.get("reward/std") for r in records]
+    return [abs(r["is_weight"] - 1) for r in trained]
 
 
 def _run(
@@ -86,8 +101,7 @@ def test_grpo_against_a_stock_vllm_serve(qwen3_text_dir, log_dir, tmp_path, back
         served = server.greedy(PROBES)
     records = read_metrics(run_dir)
     assert [r["weight_version"] for r in records] == list(range(1, STEPS + 1))
-    assert all(r["reward/std"] > 0 for r in records), "a step whose rewards were all equal"
-    drift = [abs(r["is_weight"] - 1) for r in records]
+    drift = _drift(records)
     print(f"{backend}: step times {[round(r['time/step'], 2) for r in records]} s, "
           f"|is_weight - 1| {[round(d, 4) for d in drift]}")  # fmt: skip
     assert max(drift) <= IS_WEIGHT_TOL, drift
@@ -129,9 +143,12 @@ def test_our_server_delegates_to_vllms_nccl_engine(qwen3_text_dir, log_dir, tmp_
         served, info = greedy(server, PROBES), server.info()
         served_sum = server.get("/weights/checksum").json()["checksum"]
     records = read_metrics(run_dir)
-    drift = [abs(r["is_weight"] - 1) for r in records]
+    drift = [abs(r["is_weight"] - 1) if "is_weight" in r else None for r in records]
     print(f"{name}: step times {[round(r['time/step'], 2) for r in records]} s, "
-          f"|is_weight - 1| {[round(d, 4) for d in drift]}")  # fmt: skip
+          f"|is_weight - 1| {[d if d is None else round(d, 4) for d in drift]}")  # fmt: skip
+    for r in records:  # what else moved in a step whose importance weight did
+        print(f"{name}: step {r['step']}: " + ", ".join(
+            f"{k} {r[k]:.4g}" for k in DIAGNOSTICS if isinstance(r.get(k), int | float)))  # fmt: skip
     with ServerProcess(
         run_dir / "final", gpu="1", gpu_memory_utilization=0.3,
         log_path=log_dir / f"test_vllm_serve.{name}.reference.log",
@@ -142,9 +159,8 @@ def test_our_server_delegates_to_vllms_nccl_engine(qwen3_text_dir, log_dir, tmp_
     print(f"{name}: served weights' checksum {served_sum!r}, the saved final model's {want_sum!r}; "
           f"greedy against the saved final model: {served.mismatch(want) or 'same'}")  # fmt: skip
     assert info["weight_version"] == STEPS and info["weight_transfer_backend"] == "nccl"
-    assert all(r["reward/std"] > 0 for r in records), "a step whose rewards were all equal"
     assert served_sum == pytest.approx(want_sum, rel=1e-9), (
         "the served weights are not the final model"
     )
-    assert max(drift) <= IS_WEIGHT_TOL, drift
+    assert max(_drift(records)) <= IS_WEIGHT_TOL, drift
     assert served.matches(want), served.mismatch(want)

@@ -23,3 +23,12 @@ def test_no_importance_weight_no_warning() -> None:
     watch = DriftWatch(patience=1)
     assert all(watch.check(s, {"loss": 0.0}) is None for s in range(1, 5))
     assert watch.off_steps == 0
+
+
+def test_a_step_that_trained_no_token_neither_counts_nor_resets() -> None:
+    """Every group's advantage zero: the step has no ``is_weight`` (no token to average), so it
+    is no evidence either way."""
+    watch = DriftWatch(patience=2)
+    assert watch.check(1, {"is_weight": 0.0}) is None
+    assert watch.check(2, {"loss": 0.0, "tokens/trained": 0.0}) is None
+    assert watch.check(3, {"is_weight": 0.0}) is not None

@@ -150,6 +150,8 @@ def test_a_step_without_loss_tokens_runs(tiny_model_dir, skip):
     m, delta, _ = _step(tiny_model_dir, rollouts, LossConfig(), skip=skip, micro_batch_size=2)
     assert m["loss"] == 0.0 and m["grad_norm"] == 0.0 and m["tokens/trained"] == 0
     assert all(not d.any() for d in delta.values())
+    # no token means of no tokens: an is_weight of 0 would read as servers off the policy
+    assert not {"ratio_mean", "clip_region", "is_weight"} & set(m), sorted(m)
 
 
 def test_all_zero_advantage_still_steps_the_optimizer(tiny_model_dir):
@@ -173,6 +175,8 @@ def test_all_zero_advantage_still_steps_the_optimizer(tiny_model_dir):
     (n_all, m_all, p_all), (n_skip, m_skip, p_skip) = out
     assert (n_all, n_skip) == (3, 1)
     assert m_skip["tokens/trained"] == 0 and m_skip["grad_norm"] == m_all["grad_norm"] == 0.0
+    # the step without skipping trained its zero-advantage tokens: their means are its own
+    assert "ratio_mean" in m_all and "ratio_mean" not in m_skip
     for a, b in zip(p_all, p_skip, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
