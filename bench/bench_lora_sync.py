@@ -92,7 +92,7 @@ async def _measure(url: str, policy: Any, transport: str, mode: str, a: argparse
 
     async with RolloutClient(url) as client:
         sync = _transport(url, client, transport, mode, a)
-        walls, loads, sizes = [], [], []
+        walls, loads, sizes, stages = [], [], [], []
         try:
             await sync.connect()  # NCCL forms its group here, outside the timed pushes
             for _ in range(a.syncs):
@@ -101,6 +101,7 @@ async def _measure(url: str, policy: Any, transport: str, mode: str, a: argparse
                 walls.append(time.perf_counter() - start)
                 loads.append(answer.seconds)
                 sizes.append(answer.num_bytes)
+                stages.append(_stages(answer))
         finally:
             sync.close()
         (info,) = await client.info()
@@ -125,12 +126,36 @@ async def _measure(url: str, policy: Any, transport: str, mode: str, a: argparse
         "sync_wall_s": statistics.median(walls),
         "server_load_s": statistics.median(loads),
         "gen_tokens_per_s": statistics.median(rates),
+        "received_s": _median_of(stages, "received_s"),
+        "loaded_s": _median_of(stages, "loaded_s"),
         "sync_wall_s_each": walls,  # the spread behind the medians
         "gen_tokens_per_s_each": rates,
+        "server_stages_each": stages,  # where each push's server time went (NCCL, CUDA IPC)
         "served_lora_rank": info.lora_rank,
         "engine": info.engine,
         "device": info.device,
     }
+
+
+def _stages(answer: Any) -> dict[str, Any]:
+    """The server's account of one push: the receive and the load (or, for an adapter, the
+    write for vLLM) as the NCCL and CUDA IPC transports report them, how it loaded, and each
+    stage of its timeline in seconds after the first."""
+    timeline = answer.timeline or {}
+    first = min(timeline.values(), default=0.0)
+    return {
+        "received_s": answer.received_s,
+        "loaded_s": answer.loaded_s,
+        "loader": answer.loader,
+        "timeline_s": {
+            k: round(t - first, 4) for k, t in sorted(timeline.items(), key=lambda kv: kv[1])
+        },
+    }
+
+
+def _median_of(stages: list[dict[str, Any]], key: str) -> float | None:
+    values = [s[key] for s in stages if s[key] is not None]
+    return statistics.median(values) if values else None
 
 
 def main() -> None:
@@ -167,12 +192,16 @@ def main() -> None:
             server.terminate()
             server.wait(timeout=60)
     print(
-        f"{'transport':9} {'mode':8} {'MB/sync':>10} {'sync s':>8} {'load s':>8} {'gen tok/s':>10}"
+        f"{'transport':9} {'mode':8} {'MB/sync':>10} {'sync s':>8} {'load s':>8} "
+        f"{'recv s':>8} {'loaded s':>8} {'gen tok/s':>10}"
     )
     for row in rows:
+        split = [f"{row[k]:8.3f}" if row[k] is not None else f"{'-':>8}" for k in
+                 ("received_s", "loaded_s")]  # fmt: skip
         print(
             f"{row['transport']:9} {row['mode']:8} {row['bytes_per_sync'] / 1e6:10.3f} "
-            f"{row['sync_wall_s']:8.3f} {row['server_load_s']:8.3f} {row['gen_tokens_per_s']:10.1f}"
+            f"{row['sync_wall_s']:8.3f} {row['server_load_s']:8.3f} {' '.join(split)} "
+            f"{row['gen_tokens_per_s']:10.1f}"
         )
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
