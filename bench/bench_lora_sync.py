@@ -87,6 +87,8 @@ def _transport(url: str, client: Any, transport: str, mode: str, a: argparse.Nam
 
 
 async def _measure(url: str, policy: Any, transport: str, mode: str, a: argparse.Namespace) -> dict:
+    from e2e_common import median_of
+
     from rollout_server.client import RolloutClient
     from rollout_server.protocol import GenerateRequest
 
@@ -126,8 +128,8 @@ async def _measure(url: str, policy: Any, transport: str, mode: str, a: argparse
         "sync_wall_s": statistics.median(walls),
         "server_load_s": statistics.median(loads),
         "gen_tokens_per_s": statistics.median(rates),
-        "received_s": _median_of(stages, "received_s"),
-        "loaded_s": _median_of(stages, "loaded_s"),
+        "received_s": median_of(stages, "received_s"),
+        "loaded_s": median_of(stages, "loaded_s"),
         "sync_wall_s_each": walls,  # the spread behind the medians
         "gen_tokens_per_s_each": rates,
         "server_stages_each": stages,  # where each push's server time went (NCCL, CUDA IPC)
@@ -138,24 +140,19 @@ async def _measure(url: str, policy: Any, transport: str, mode: str, a: argparse
 
 
 def _stages(answer: Any) -> dict[str, Any]:
-    """The server's account of one push: the receive and the load (or, for an adapter, the
-    write for vLLM) as the NCCL and CUDA IPC transports report them, how it loaded, and each
-    stage of its timeline in seconds after the first."""
-    timeline = answer.timeline or {}
-    first = min(timeline.values(), default=0.0)
+    """The server's account of one push, as the NCCL and CUDA IPC transports report it: the
+    receive and the load (or, for an adapter, the write for vLLM), how it loaded, and each
+    stage of its timeline in seconds after the first. Empty for HTTP and file pushes."""
+    if answer.timeline is None:
+        return {}
+    first = min(answer.timeline.values())
+    stages = sorted(answer.timeline.items(), key=lambda kv: kv[1])
     return {
         "received_s": answer.received_s,
         "loaded_s": answer.loaded_s,
         "loader": answer.loader,
-        "timeline_s": {
-            k: round(t - first, 4) for k, t in sorted(timeline.items(), key=lambda kv: kv[1])
-        },
+        "timeline_s": {k: round(t - first, 4) for k, t in stages},
     }
-
-
-def _median_of(stages: list[dict[str, Any]], key: str) -> float | None:
-    values = [s[key] for s in stages if s[key] is not None]
-    return statistics.median(values) if values else None
 
 
 def main() -> None:

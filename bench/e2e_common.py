@@ -110,7 +110,8 @@ def seconds_stats(xs: Sequence[float]) -> dict[str, float]:
     }
 
 
-def _median_of(records: Sequence[dict[str, Any]], key: str) -> float | None:
+def median_of(records: Sequence[dict[str, Any]], key: str) -> float | None:
+    """The median of ``key`` over the records that have it, None if none does."""
     values = [float(r[key]) for r in records if key in r]
     return statistics.median(values) if values else None
 
@@ -146,12 +147,12 @@ def summarize_learner(records: Sequence[dict[str, Any]], warmup: int) -> dict[st
         for i in range(max(warmup, 1), len(records))
         if "time" in records[i] and "time" in records[i - 1]
     ]
-    phases = {k.removeprefix("time/"): _median_of(measured, k) for k in PHASES}
-    phases |= {f"train/{k}": _median_of(measured, f"time/train/{k}") for k in TRAIN_PHASES}
+    phases = {k.removeprefix("time/"): median_of(measured, k) for k in PHASES}
+    phases |= {f"train/{k}": median_of(measured, f"time/train/{k}") for k in TRAIN_PHASES}
     phases["other"] = statistics.median(other)
-    gen_tokens = _median_of(measured, "tokens/generated")
+    gen_tokens = median_of(measured, "tokens/generated")
     step_median = statistics.median(steps)
-    trained = _median_of(measured, "tokens/trained")
+    trained = median_of(measured, "tokens/trained")
     return {
         "steps_logged": len(records),
         "warmup": warmup,
@@ -163,9 +164,9 @@ def summarize_learner(records: Sequence[dict[str, Any]], warmup: int) -> dict[st
         "tokens_generated_per_step": gen_tokens,
         "generated_tokens_per_step_s": gen_tokens / step_median if gen_tokens else None,
         "tokens_trained_per_step": trained,
-        "gen_tokens_per_s": _median_of(measured, "throughput/gen_tokens_per_s"),
-        "train_tokens_per_s": _median_of(measured, "throughput/train_tokens_per_s"),
-        "mfu": _median_of(measured, "mfu"),
+        "gen_tokens_per_s": median_of(measured, "throughput/gen_tokens_per_s"),
+        "train_tokens_per_s": median_of(measured, "throughput/train_tokens_per_s"),
+        "mfu": median_of(measured, "mfu"),
         "reward_mean": _mean_of(measured, "reward/mean"),
         "staleness_mean": _mean_of(measured, "staleness"),
     }

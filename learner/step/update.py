@@ -360,9 +360,8 @@ class MetricSums:
         if accelerator.num_processes > 1:
             totals = accelerator.reduce(totals, reduction="sum")
         *values, total_tokens = totals.tolist()
-        out = {}
-        if total_tokens > 0:
-            out = {k: v / (total_tokens * passes) for k, v in zip(keys, values, strict=True)}
+        means = zip(keys, (v / (total_tokens * passes) for v in values), strict=True)
+        out = dict(means) if total_tokens > 0 else {}
         out["loss"] = float(self.loss) / passes
         return out
 
