@@ -103,7 +103,7 @@ async def _measure(url: str, policy: Any, transport: str, mode: str, a: argparse
                 walls.append(time.perf_counter() - start)
                 loads.append(answer.seconds)
                 sizes.append(answer.num_bytes)
-                stages.append(_stages(answer))
+                stages.append(_stages(answer) | _sender_stages(sync.last_stats))
         finally:
             sync.close()
         (info,) = await client.info()
@@ -152,6 +152,19 @@ def _stages(answer: Any) -> dict[str, Any]:
         "loaded_s": answer.loaded_s,
         "loader": answer.loader,
         "timeline_s": {k: round(t - first, 4) for k, t in stages},
+    }
+
+
+def _sender_stages(stats: dict[str, Any]) -> dict[str, Any]:
+    """The learner side of one push, where the transport keeps an account (NCCL: the
+    broadcast thread's marks in ms since the push began, and when every worker acknowledged
+    the load); empty otherwise."""
+    if not stats:
+        return {}
+    marks = stats.get("sender_ms") or {}
+    return {
+        "sender_loaded_s": stats.get("loaded_s"),
+        "sender_ms": {k: round(v, 1) for k, v in marks.items() if not k.startswith("launched")},
     }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from learner.sync.tensors import follow
 
@@ -57,6 +57,12 @@ class WeightTransport(ABC):
     ) -> list[WeightUpdateResponse]:
         """Main process only. ``model`` is the HF model (under ZeRO-3: still partitioned);
         ``version``: the weight version the servers are to serve (default: theirs + 1)."""
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        """The learner side's account of the last push (its phases' seconds), where the
+        transport keeps one (NCCL, CUDA IPC); empty otherwise."""
+        return {}
 
     def follow(self, model: nn.Module) -> None:
         """Non-main ranks, where the main process pushes: the same ZeRO-3 gathers."""

@@ -161,3 +161,7 @@ class IpcTransport(WeightTransport):
         return await self._sender.send(
             specs, tensors, bucket_bytes=self.cfg.bucket_mb << 20, version=version, adapter=adapter
         )
+
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        return {} if self._sender is None else dict(self._sender.last_stats)

@@ -79,6 +79,10 @@ class NcclTransport(WeightTransport):
         assert responses is not None  # send waits for the answers unless told otherwise
         return responses
 
+    @property
+    def last_stats(self) -> dict[str, Any]:
+        return {} if self._sender is None else dict(self._sender.last_stats)
+
     def close(self) -> None:
         if self._sender is not None:
             self._sender.close()
