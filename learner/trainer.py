@@ -28,6 +28,7 @@ from accelerate import Accelerator
 from learner.config import LearnerConfig
 from learner.model.export import save_model
 from learner.run.drift import DriftWatch
+from learner.run.idle import IdleWatch
 from learner.run.metrics import MetricsLogger, Trackers
 from learner.run.perf import profiled, train_flops
 from learner.run.runtime import SetupError, StopOnSigterm, TrainingStopped
@@ -65,6 +66,7 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
     inflight: InFlightRollouts | None = None
     last: dict[str, float] = {}
     drift = DriftWatch()  # says so when the servers stop serving the learner's policy
+    idle = IdleWatch(cfg.grpo.prompts_per_step // run.accelerator.num_processes)
     stopped = False
     try:
         with (
@@ -82,10 +84,10 @@ def train(cfg: LearnerConfig, *, resume: bool = False) -> dict[str, float]:
                 metrics = train_step(run, conn, inflight)
                 if metrics is None:  # a restarted server: the step's prompts go again
                     continue
-                last = metrics
-                warning = drift.check(run.state.step, metrics)
-                if warning is not None and run.accelerator.is_main_process:
-                    logger.warning(warning)
+                last, step = metrics, run.state.step
+                for warning in (drift.check(step, metrics), idle.check(step, metrics)):
+                    if warning is not None and run.accelerator.is_main_process:
+                        logger.warning(warning)
                 if run.evaluator is not None and run.evaluator.due(run.state.step):
                     last.update(evaluate(run, conn, run.state.step))  # the weights just synced
                 if metrics_log is not None:

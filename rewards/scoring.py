@@ -14,11 +14,18 @@ built-in code reward then kills its sandbox subprocess). Abandoned calls that ne
 pile up, one more each step, so past ``max_abandoned`` of one function still running the runner
 stops with ``RewardStuckError`` whatever the policy. Spec kwargs are checked against the
 function's parameters when the runner is built, so a misspelt one is not silently ignored.
+
+Each call gets its own copy of the prompts, completions, columns and kwargs: a function that
+changes them (``completions.clear()``) changes only what it sees, never what the others score.
+Scores that are finite but so large that the batch's statistics overflow float32 (where the
+advantages are computed: 1e308, or 1e20 beside 0) are bad output like NaN: the function that
+contributes them fails, under the policy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import difflib
 import inspect
 import logging
@@ -38,6 +45,9 @@ logger = logging.getLogger(__name__)
 FailurePolicy = Literal["raise", "none", "zero"]
 """What a failing reward function does: raise ``RewardFunctionError``, score the batch as None
 (abstain), or score it as 0.0. The last two are counted in ``reward/<name>/failures``."""
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""The rewards become a float32 tensor; their group means and stds must stay below this."""
 
 MAX_ABANDONED_CALLS = 4
 """How many timed-out calls of one reward function may still be running, abandoned in their
@@ -124,12 +134,50 @@ def check_output(function: str, out: Any, n: int) -> list[float | None]:
             raise RewardOutputError(
                 function, f"score {i} is {v!r} ({type(v).__name__}); use a float, or None"
             )
-        if not math.isfinite(float(v)):
+        try:
+            shown = float(v)
+        except OverflowError:  # an int beyond any float
             raise RewardOutputError(
-                function, f"score {i} is {float(v)}; scores must be finite (None to abstain)"
+                function, f"score {i} is an int too large for a float; scores must be finite"
+            ) from None
+        if not math.isfinite(shown):
+            raise RewardOutputError(
+                function, f"score {i} is {shown}; scores must be finite (None to abstain)"
             )
         scores.append(float(v))
     return scores
+
+
+def overflow(values: Sequence[float]) -> str | None:
+    """Why a batch's rewards would overflow the float32 arithmetic of its advantages (a sum of
+    magnitudes or of squared deviations from the mean beyond ``FLOAT32_MAX``), or None. Every
+    group's sums are at most the batch's, so a batch that passes has finite group statistics."""
+    if not values:
+        return None
+    if not all(math.isfinite(v) for v in values):
+        return "weighted, they overflow to inf"
+    largest = max(abs(v) for v in values)
+    if largest > FLOAT32_MAX:
+        return f"a score of {largest:.4g} is beyond float32's range ({FLOAT32_MAX:.4g})"
+    magnitudes = math.fsum(abs(v) for v in values)  # finite: each below 3.5e38
+    mean = math.fsum(values) / len(values)
+    squares = math.fsum((v - mean) * (v - mean) for v in values)
+    if magnitudes > FLOAT32_MAX:
+        return f"their sum of magnitudes ({magnitudes:.4g}) is beyond float32's range"
+    if squares > FLOAT32_MAX:
+        return (
+            f"their squared deviations from the mean add up to {squares:.4g}, beyond float32's "
+            f"range ({FLOAT32_MAX:.4g}): the std of the advantages would be inf"
+        )
+    return None
+
+
+def _own_copy(value: Any) -> Any:
+    """A copy of an argument for one reward call, so that what it changes no other call sees."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # not deep-copyable (a lock, a client): a list at least is copied
+        return list(value) if isinstance(value, list) else value
 
 
 def _accepted(fn: Callable, columns: dict[str, Any]) -> dict[str, Any]:
@@ -222,7 +270,7 @@ def _being_cancelled() -> bool:
 
 def _stats(values: list[float]) -> tuple[float, float]:
     mean = sum(values) / len(values)
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    return mean, math.sqrt(sum((v - mean) * (v - mean) for v in values) / len(values))
 
 
 class RewardRunner:
@@ -298,7 +346,8 @@ class RewardRunner:
     ) -> list[float | None]:
         fn = self.funcs[spec.key]
         kwargs = {**_accepted(fn, columns), **spec.kwargs}  # no clash: checked in score()
-        call = start_in_daemon_thread(fn, prompts, completions, **kwargs)
+        kwargs = {k: _own_copy(v) for k, v in kwargs.items()}
+        call = start_in_daemon_thread(fn, _own_copy(prompts), list(completions), **kwargs)
         deadline = asyncio.timeout(self.timeout_s)
         try:
             async with deadline:
@@ -321,6 +370,36 @@ class RewardRunner:
             if call.future.cancelled():  # timed out or cancelled; its thread may run on
                 self._abandoned.add(spec.key, call.thread)
         return check_output(spec.key, out, len(completions))
+
+    def _failed(
+        self, error: RewardFunctionError, n: int, failures: dict[str, str]
+    ) -> list[float | None]:
+        """A failed call under the policy: raised, or recorded and scored as None or 0.0."""
+        if self.policy == "raise":
+            raise error
+        self.failure_counts[error.function] += 1
+        failures[error.function] = str(error)
+        logger.warning("%s; scored as %s (policy=%r)", error, self.policy, self.policy)
+        return [None] * n if self.policy == "none" else [0.0] * n
+
+    def _totals(self, per_function: dict[str, list[float | None]], n: int) -> list[float]:
+        """Each completion's weighted sum of the non-None scores."""
+        return [
+            sum(s.weight * v for s in self.specs if (v := per_function[s.key][i]) is not None)
+            for i in range(n)
+        ]
+
+    def _overflow_culprit(
+        self, per_function: dict[str, list[float | None]], failures: dict[str, str]
+    ) -> RewardSpec:
+        """The function with the largest weighted score (among those that did not fail): the
+        one to blame for a total that overflows."""
+
+        def largest(spec: RewardSpec) -> float:
+            values = [abs(spec.weight * v) for v in per_function[spec.key] if v is not None]
+            return max(values, default=0.0)
+
+        return max((s for s in self.specs if s.key not in failures), key=largest)
 
     async def score(
         self, prompts: list, completions: list[str], columns: dict[str, list] | None = None
@@ -359,17 +438,23 @@ class RewardRunner:
         outcomes = await asyncio.gather(*(timed(s) for s in self.specs))
         per_function: dict[str, list[float | None]] = {}
         failures: dict[str, str] = {}
+        seconds = {s.key: t for s, (_, t) in zip(self.specs, outcomes, strict=True)}
+        for spec, (res, _) in zip(self.specs, outcomes, strict=True):
+            per_function[spec.key] = (
+                self._failed(res, n, failures) if isinstance(res, RewardFunctionError) else res
+            )
+        while (why := overflow(self._totals(per_function, n))) is not None:
+            culprit = self._overflow_culprit(per_function, failures)
+            error = RewardOutputError(
+                culprit.key,
+                f"its scores (weight {culprit.weight:g}) make the batch's rewards overflow: "
+                f"{why}. Every group's advantages would be 0 or NaN; scale the scores down "
+                "(rewards in [0, 1] or [-1, 1] train best)",
+            )
+            per_function[culprit.key] = self._failed(error, n, failures)
         metrics: dict[str, float] = {}
-        for spec, (res, seconds) in zip(self.specs, outcomes, strict=True):
-            key = spec.key
-            if isinstance(res, RewardFunctionError):
-                if self.policy == "raise":
-                    raise res
-                self.failure_counts[key] += 1
-                failures[key] = str(res)
-                logger.warning("%s; scored as %s (policy=%r)", res, self.policy, self.policy)
-                res = [None] * n if self.policy == "none" else [0.0] * n
-            per_function[key] = res
+        for spec in self.specs:
+            key, res = spec.key, per_function[spec.key]
             values = [v for v in res if v is not None]
             if n and not values and key not in failures and key not in self._warned_all_none:
                 self._warned_all_none.add(key)
@@ -385,11 +470,8 @@ class RewardRunner:
                 metrics[f"reward/{key}/mean"], metrics[f"reward/{key}/std"] = _stats(values)
             metrics[f"reward/{key}/none_frac"] = (n - len(values)) / n if n else 0.0
             metrics[f"reward/{key}/failures"] = float(key in failures)
-            metrics[f"reward/{key}/seconds"] = seconds
-        total = [
-            sum(s.weight * v for s in self.specs if (v := per_function[s.key][i]) is not None)
-            for i in range(n)
-        ]
+            metrics[f"reward/{key}/seconds"] = seconds[key]
+        total = self._totals(per_function, n)
         if total:
             metrics["reward/total/mean"], metrics["reward/total/std"] = _stats(total)
         return ScoreResult(
