@@ -174,6 +174,8 @@ def _read(source: str, path_setting: str, split: str, subset: str | None) -> lis
     try:
         return datasets.load_dataset(builder, cache_dir=cache_dir, **kwargs).to_list()
     except Exception as e:  # datasets raises many kinds; each becomes one line naming the fix
+        if path.is_file() and _decode_failed(e):  # which line: datasets does not say
+            _check_utf8(path)
         raise DataError(_load_error(source, path, path_setting, section, e)) from e
     finally:
         if cache_dir is not None:
@@ -199,8 +201,9 @@ def _load_error(source: str, path: Path, path_setting: str, section: str, e: Exc
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:  # bytes: each line decoded as UTF-8 whatever the locale says
+        for lineno, raw in enumerate(f, 1):
+            line = _utf8_line(path, lineno, raw)
             if not line.strip():
                 continue
             try:
@@ -211,6 +214,40 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
                 raise DataError(f"{path}:{lineno} must be a JSON object, got {type(row).__name__}")
             rows.append(row)
     return rows
+
+
+def _utf8_line(path: Path, lineno: int, raw: bytes) -> str:
+    """One line of a text file (a byte-order mark at the start of the file dropped), or a
+    ``DataError`` naming the file, the line and the byte that is not UTF-8."""
+    try:
+        return raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        column = len(raw[: e.start].decode("utf-8", errors="replace")) + 1
+        raise DataError(
+            f"{path}:{lineno} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column {column}): "
+            f"{path.suffix.lstrip('.').upper() or 'the data'} must be UTF-8; convert the file, "
+            "e.g. `iconv -f latin1 -t utf-8 FILE > NEW` for Latin-1 text"
+        ) from None
+
+
+def _check_utf8(path: Path) -> None:
+    """A ``DataError`` naming the first line of ``path`` that is not UTF-8, if one is."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            _utf8_line(path, lineno, raw)
+
+
+def _decode_failed(e: BaseException) -> bool:
+    """Whether ``e`` or an error it came from is a failure to decode UTF-8 (a
+    ``UnicodeDecodeError``, or pyarrow's ``Invalid octet in UTF-8 sequence``)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, UnicodeDecodeError) or "utf-8" in str(cur).lower():
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def data_columns(rows: list[dict[str, Any]], prompt_column: str) -> list[str]:
