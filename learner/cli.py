@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -59,13 +60,32 @@ def args_config(args: argparse.Namespace) -> LearnerConfig:
 
 
 def setup_logging() -> None:
-    """INFO to the console, without httpx's line per request: the learner sends several requests
-    to each server every step, which would bury its own progress lines."""
+    """INFO to the console, without what would bury the learner's own progress lines: httpx's
+    line per request (several to each server every step), accelerate's line per file of every
+    checkpoint (the learner says itself where it resumed from), matplotlib's font cache note,
+    and accelerate's warning that a tied output embedding was left out of a checkpoint."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    for name in ("httpx", "httpcore"):
+    for name in ("httpx", "httpcore", "accelerate.accelerator", "accelerate.checkpointing",
+                 "matplotlib"):  # fmt: skip
         logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("accelerate.utils.other").addFilter(not_a_tied_embedding_notice)
+
+
+_REMOVED_SHARED = re.compile(r"Removed shared tensor \{(.*?)\} while saving")
+
+
+def not_a_tied_embedding_notice(record: logging.LogRecord) -> bool:
+    """False for accelerate's "Removed shared tensor {'model.lm_head.weight'} while saving"
+    warning, which every checkpoint of a model with tied embeddings (Qwen3 up to 4B) gives:
+    the output embedding is the input embedding, and loading ties them again. A shared tensor
+    under any other name still warns."""
+    found = _REMOVED_SHARED.search(record.getMessage())
+    if found is None:
+        return True
+    names = [n.strip().strip("'\"") for n in found.group(1).split(",")]
+    return not all(n.endswith("lm_head.weight") for n in names)
 
 
 def main(argv: list[str] | None = None) -> int:
