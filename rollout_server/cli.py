@@ -7,9 +7,12 @@ answer at once; torch, transformers and vLLM are imported when the app is built.
 from __future__ import annotations
 
 import argparse
+import errno
+import importlib.util
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -200,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"rollout-server: error: --model: {exc}", file=sys.stderr)
         return 2
+    # Checked before the model loads (minutes with vLLM), not found out after it.
+    problem = missing_engine(settings.engine) or cannot_listen(settings.host, settings.port)
+    if problem:
+        print(f"rollout-server: error: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -236,6 +244,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rollout-server: the engine failed to start: {failures[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+def missing_engine(engine: str) -> str | None:
+    """What is missing for ``--engine``, or None. Only looks for vLLM: importing it takes
+    seconds, and the engine imports it when it starts."""
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        return (
+            '--engine vllm: vLLM is not installed; install it with `pip install -e ".[vllm]"` '
+            "(on a GPU machine), or serve with --engine transformers"
+        )
+    return None
+
+
+def cannot_listen(host: str, port: int) -> str | None:
+    """Why the server could not listen on ``host:port``, or None: the address is bound as
+    uvicorn binds it (``SO_REUSEADDR``, so a port in TIME_WAIT passes) and released at once."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        return f"--host {host}: cannot resolve it ({exc.strerror})"
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"--port {port}: {host}:{port} is already in use; choose another with --port"
+            return f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})"
+    return None
 
 
 def exit_unless_gone(exc: BaseException, grace_s: float) -> None:
