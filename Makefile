@@ -1,4 +1,6 @@
-# Two commands on a fresh machine:  `make demo`  and  `make test`.
+# Two commands on a fresh machine:  `make demo`  and  `make test-all`.
+# `make demo` installs the project alone (what the learner and the server need); the test
+# targets add the [dev] extra (pytest, linters, fuzzing, the optional integrations under test).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -9,16 +11,21 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: venv demo test test-all fuzz lint format gpu-check clean
 
-$(BIN)/.installed: pyproject.toml
+# torch alone from its index (--no-deps): its own dependencies come from PyPI with the project's.
+$(BIN)/.base: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)" --index-url "$(TORCH_INDEX)"
+	$(BIN)/pip install -q --no-deps "$(TORCH)" --index-url "$(TORCH_INDEX)"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(BIN)/.installed: $(BIN)/.base
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
 venv: $(BIN)/.installed
 
-demo: venv
+demo: $(BIN)/.base
 	rm -rf runs/demo  # each demo starts afresh (a run refuses a directory holding another)
 	$(BIN)/python -m learner --config learner/configs/demo.toml --run-dir runs/demo
 	$(BIN)/python -m learner plot runs/demo
