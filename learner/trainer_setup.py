@@ -22,6 +22,7 @@ from learner.config import LearnerConfig
 from learner.data.prompts import PromptFormat, PromptStream, load_rows
 from learner.evaluate import Evaluator
 from learner.loss.grpo import LossConfig
+from learner.model.layout import plan_layout
 from learner.model.setup import build_models
 from learner.run.checkpoint import TrainerState, restore
 from learner.run.perf import peak_tflops
@@ -196,8 +197,12 @@ def load_prompts(cfg: LearnerConfig) -> Prompts:
 def build_training(
     cfg: LearnerConfig, accelerator: Accelerator, model_path: str
 ) -> tuple[torch.nn.Module, torch.nn.Module | None, torch.optim.Optimizer, Any]:
-    """The policy, its KL reference, the optimizer and the schedule, prepared for the launch."""
-    policy, ref_policy = build_models(cfg, model_path)
+    """The policy, its KL reference, the optimizer and the schedule, prepared for the launch
+    (its ZeRO stage and gradient checkpointing as ``plan_layout`` chooses)."""
+    plan = plan_layout(accelerator, cfg, model_path)
+    policy, ref_policy = build_models(
+        cfg, model_path, gradient_checkpointing=plan.gradient_checkpointing
+    )
     o = cfg.optim
     optimizer, scheduler = optimizer_and_schedule(
         policy,

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from learner.config.base import FieldError, Section
+from learner.config.deepspeed import DeepSpeedConfig
 from learner.config.rollout import RolloutConfig
 from learner.config.step import GRPOConfig, OptimConfig
 from rollout_server.protocol.generation import (
@@ -62,7 +63,19 @@ class ModelConfig(Section):
     tiny: dict[str, int] = Field(
         default_factory=dict, description="overrides for the tiny model (hidden_size, layers…)"
     )
-    gradient_checkpointing: bool = Field(True, description="recompute activations in backward")
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        "auto",
+        description="recompute activations in backward; 'auto': only where the largest "
+        "micro-batch's activations would not fit the GPU otherwise (learner.model.plan; the "
+        "learner logs its choice)",
+    )
+    memory_budget_gb: float | None = Field(
+        None,
+        gt=0,
+        description="GPU memory (GiB a GPU) the 'auto' choices of gradient_checkpointing and "
+        "deepspeed.zero_stage may plan for; none: 90 % of the GPU's total. Lower it by what a "
+        "rollout server sharing the GPU holds while the learner trains",
+    )
     activation_offloading: bool = Field(
         False, description="park saved activations in pinned CPU memory (side-stream copies)"
     )
@@ -390,6 +403,10 @@ class LearnerConfig(Section):
     )
     grpo: GRPOConfig = Field(
         default_factory=GRPOConfig, description="the GRPO batch, loss and its variants"
+    )
+    deepspeed: DeepSpeedConfig = Field(
+        default_factory=DeepSpeedConfig,
+        description="the ZeRO stage and its bucket sizes, under a DeepSpeed launch",
     )
     optim: OptimConfig = Field(
         default_factory=OptimConfig, description="the optimizer (AdamW) and learning rate"

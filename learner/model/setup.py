@@ -19,9 +19,15 @@ from learner.model.policy import PolicyLogprobs
 
 
 def build_models(
-    cfg: LearnerConfig, model_path: str
+    cfg: LearnerConfig, model_path: str, *, gradient_checkpointing: bool | None = None
 ) -> tuple[PolicyLogprobs, PolicyLogprobs | None]:
+    """The policy and its KL reference. ``gradient_checkpointing``: the planned choice
+    (``learner.model.plan``); None: the config's, where ``"auto"`` means on (no plan was made:
+    recompute is the choice that fits)."""
     from transformers import AutoModelForCausalLM
+
+    if gradient_checkpointing is None:
+        gradient_checkpointing = cfg.model.gradient_checkpointing is not False
 
     kwargs: dict[str, Any] = {}
     if cfg.model.attn_implementation:
@@ -42,7 +48,7 @@ def build_models(
     ref = None
     if cfg.grpo.beta > 0 and cfg.model.lora is None:
         ref = copy.deepcopy(model).eval().requires_grad_(False)
-    if cfg.model.gradient_checkpointing:
+    if gradient_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x's name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -63,7 +69,7 @@ def build_models(
             ),
             autocast_adapter_dtype=lc.adapter_dtype == "float32",
         )
-        if cfg.model.gradient_checkpointing:
+        if gradient_checkpointing:
             model.enable_input_require_grads()
     if cfg.model.compile:
         compile_decoder_layers(model)

@@ -84,6 +84,7 @@ def _learner_args(model: Path, server_url: str, run_dir: Path) -> list[str]:
         "optim.lr=1e-5",
         "sampling.max_tokens=32",
         "eval.max_prompts=4",
+        "deepspeed.zero_stage=launch",  # ZeRO-3 as launched, not the plan's ZeRO-2
     ]
     args = ["-m", "learner", "--config", str(ROOT / "learner/configs/demo.toml")]
     return [*args, "--run-dir", str(run_dir), *(a for s in sets for a in ("--set", s))]
