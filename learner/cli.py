@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _guarded(run: Callable[[], int]) -> int:
     """``run()``, with the errors that name a setting to change as one line (exit 2), rollout
-    servers that stayed away as one line (exit ``SERVERS_LOST_EXIT``), and a user's reward or
-    environment code that failed as its own frames (exit 1)."""
+    servers that stayed away as one line (exit ``SERVERS_LOST_EXIT``), a checkpoint or final
+    model that could not be written as one line (exit ``CHECKPOINT_WRITE_EXIT``), and a user's
+    reward or environment code that failed as its own frames (exit 1)."""
     from learner.run.runtime import StoppedBeforeTraining, TrainingStopped
 
     try:
@@ -132,6 +133,7 @@ def _guarded(run: Callable[[], int]) -> int:
         return 143  # 128 + SIGTERM, as if it had ended the process: the run is not finished
     except Exception as e:
         from learner.data.prompts import DataError
+        from learner.run.checkpoint import CHECKPOINT_WRITE_EXIT, CheckpointWriteError
         from learner.run.runtime import SetupError
         from learner.servers.pool import SERVERS_LOST_EXIT, ServersLostError
         from learner.step.rollouts import EpisodesFailedError
@@ -141,6 +143,9 @@ def _guarded(run: Callable[[], int]) -> int:
         if isinstance(e, ServersLostError):  # says which server, the setting and to --resume
             print(f"error: {e}", file=sys.stderr)
             return SERVERS_LOST_EXIT
+        if isinstance(e, CheckpointWriteError):  # a full disk: free space, then --resume
+            print(f"error: {e}", file=sys.stderr)
+            return CHECKPOINT_WRITE_EXIT
         if isinstance(e, (RewardFunctionError, EpisodesFailedError)):  # the user's code failed
             print(user_traceback(e.__cause__) + f"error: {e}", file=sys.stderr)
             return 1

@@ -37,7 +37,7 @@ from learner.loss.nll import chunked_nll
 from learner.model.export import save_model
 from learner.model.policy import PolicyLogprobs
 from learner.model.setup import build_models
-from learner.run.checkpoint import TrainerState, restore
+from learner.run.checkpoint import TrainerState, final_model_write, restore
 from learner.run.metrics import MetricsLogger, Trackers
 from learner.run.runtime import (
     StopOnSigterm,
@@ -325,7 +325,8 @@ def save_final(run: SFTRun, stopped: bool) -> None:
         accelerator.wait_for_everyone()
         accelerator.end_training()
         raise TrainingStopped(run.state.step, run.steps, run.out)
-    save_model(accelerator, run.policy, run.tokenizer, run.out / "final")
+    with final_model_write(run.out / "final"):
+        save_model(accelerator, run.policy, run.tokenizer, run.out / "final")
     accelerator.wait_for_everyone()  # no rank leaves (and tears down) while another still saves
 
 

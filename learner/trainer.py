@@ -27,6 +27,7 @@ from accelerate import Accelerator
 
 from learner.config import LearnerConfig
 from learner.model.export import save_model
+from learner.run.checkpoint import final_model_write
 from learner.run.drift import DriftWatch
 from learner.run.idle import IdleWatch
 from learner.run.metrics import MetricsLogger, Trackers
@@ -282,7 +283,8 @@ def finish(run: Run, last: dict[str, float], *, stopped: bool) -> dict[str, floa
         raise TrainingStopped(run.state.step, cfg.run.steps, run.run_dir)
     check_ranks_agree(accelerator, run.policy, run.run_dir)
     if cfg.run.save_final:  # every rank: under ZeRO-3 the parameters are gathered
-        save_model(accelerator, run.policy, run.tokenizer, run.run_dir / "final")
+        with final_model_write(run.run_dir / "final"):
+            save_model(accelerator, run.policy, run.tokenizer, run.run_dir / "final")
     # Every rank must reach the process-group teardown together: a rank that tears down while
     # another is still saving leaves that one hanging in gloo's destructor at exit.
     accelerator.wait_for_everyone()

@@ -8,6 +8,10 @@ no half-written one that ``--resume`` could pick up; the next run deletes the te
 directory. Its files and directory are fsynced before the rename and the rename after it: a host
 that crashes (power, kernel) can otherwise keep the rename but lose the data written just
 before it, leaving empty or truncated files under a complete-looking name.
+
+A write that fails (a full disk, a quota, a file size limit) deletes the unfinished directory
+and ends in ``CheckpointWriteError``: one line naming the checkpoint, the reason and the one
+``--resume`` continues from.
 """
 
 from __future__ import annotations
@@ -18,13 +22,17 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
+CHECKPOINT_WRITE_EXIT = 74  # EX_IOERR: free space, then --resume
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_RUST_IO = re.compile(r"Os \{ code: (\d+)")  # safetensors' errors carry Rust's io::Error
 _TMP_PREFIX = ".tmp-"
 log = logging.getLogger(__name__)
 
@@ -172,19 +180,73 @@ def fsync_tree(top: Path) -> None:
         fsync_path(Path(dirpath))
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, say); the unfinished one is deleted."""
+
+
+def write_failure(e: BaseException) -> str | None:
+    """Why ``e`` (or an error it came from) is a failed write to disk, in words, or None when it
+    is something else: an ``OSError``, safetensors' Rust I/O error, torch's failed file write."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError):
+            where = f" ({cur.filename})" if cur.filename else ""
+            return f"{cur.strerror or cur}{where}"
+        text = str(cur)
+        if m := _RUST_IO.search(text):
+            return os.strerror(int(m.group(1)))
+        for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            if os.strerror(code) in text:
+                return os.strerror(code)
+        if "file write failed" in text:  # torch.save: PytorchStreamWriter, no errno
+            return "a file write failed"
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _failed_anywhere(accelerator: Accelerator, failed: bool) -> bool:
+    """Whether ``failed`` is true on any rank (every rank must call it)."""
+    if accelerator.num_processes == 1:
+        return failed
+    import torch
+
+    flags = accelerator.gather(torch.tensor([float(failed)], device=accelerator.device))
+    return bool(flags.max().item() > 0)
+
+
 def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, keep: int) -> Path:
+    """Write step ``step``'s checkpoint (every rank calls it), keep the newest ``keep``. A write
+    that fails on any rank deletes the unfinished directory and raises ``CheckpointWriteError``
+    (a failed write) or the error itself, on every rank."""
     root = checkpoints_dir(run_dir)
     final = root / f"step_{step:06d}"
     tmp = root / f"{_TMP_PREFIX}step_{step:06d}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    error: Exception | None = None
+    try:  # every rank reaches every barrier below, failed or not
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+    except Exception as e:
+        error = e
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
+    try:
+        if error is None:
+            accelerator.save_state(str(tmp), safe_serialization=True)
+    except Exception as e:
+        error = e
     accelerator.wait_for_everyone()
-    if accelerator.is_local_main_process:  # one per host: its ranks' files are in its cache
-        fsync_tree(tmp)
-    accelerator.wait_for_everyone()
+    try:
+        if error is None and accelerator.is_local_main_process:  # one per host: its ranks' files
+            fsync_tree(tmp)
+    except Exception as e:
+        error = e
+    if _failed_anywhere(accelerator, error is not None):
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)  # gives the space back, too
+        accelerator.wait_for_everyone()
+        _raise_write_error(error, final, run_dir)
     if accelerator.is_main_process:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)  # the atomic step: a complete checkpoint appears at once
@@ -203,3 +265,39 @@ def save_checkpoint(accelerator: Accelerator, run_dir: Path, step: int, keep: in
             shutil.rmtree(doomed, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def _raise_write_error(error: Exception | None, final: Path, run_dir: Path) -> None:
+    """Raise the error of a checkpoint that could not be written: ``CheckpointWriteError`` for a
+    failed write (or another rank's failure), else ``error`` itself."""
+    reason = "another rank could not write its part" if error is None else write_failure(error)
+    if reason is None:
+        assert error is not None
+        raise error
+    newest = latest_checkpoint(run_dir)
+    resume = (
+        f"continues from {newest.name}" if newest is not None else "starts again from step 0"
+    )
+    raise CheckpointWriteError(
+        f"could not write the checkpoint {final} ({reason}); the unfinished one is deleted. "
+        f"Make room (free space on that disk, or lift the quota or file size limit), then run "
+        f"again with --resume, which {resume}"
+    ) from error
+
+
+@contextmanager
+def final_model_write(path: Path) -> Iterator[None]:
+    """Around writing a run's final model to ``path``: a failed write deletes the unfinished
+    directory and becomes ``CheckpointWriteError``, saying that ``--resume`` writes it again."""
+    try:
+        yield
+    except Exception as e:
+        reason = write_failure(e)
+        if reason is None:
+            raise
+        shutil.rmtree(path.with_name(f"{_TMP_PREFIX}{path.name}"), ignore_errors=True)
+        raise CheckpointWriteError(
+            f"could not write the final model {path} ({reason}); the unfinished one is deleted. "
+            "Make room (free space on that disk, or lift the quota or file size limit), then run "
+            "again with --resume, which writes it from the last checkpoint"
+        ) from e

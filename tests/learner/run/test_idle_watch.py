@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from learner.run.idle import IdleWatch
 from tests.learner.demo_runs import run_ok
 
@@ -38,6 +40,8 @@ def test_the_warning_names_the_zero_advantage_groups_and_the_failed_rewards() ->
     assert partly is not None and "no completion had a non-zero advantage" in partly
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_a_run_whose_reward_never_varies_says_it_trains_nothing(tmp_path: Path) -> None:
     """The tiny random model never writes ``<think>..</think><answer>..</answer>``: the format
     reward is 0 for every completion, so every group is zero-advantage and no step trains."""
