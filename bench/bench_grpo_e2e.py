@@ -31,11 +31,20 @@ Every run also gets its figures (e2e_common.figures): tokens/s, MFU, every GPU's
 at the start (``--no-bandwidth`` skips it).
 
 Every step's metrics come from the learner's own ``metrics.jsonl``; the first ``--warmup``
-steps are dropped and medians taken over the rest. Once the last step is logged the learner is
-stopped (its final checkpoint is not part of the benchmark). Logs, configs and metrics go to
-``--log-dir``; every process started here runs in its own session and is ended by process
-group, on success, failure, timeout or SIGTERM. With ``--engine transformers`` the same
-plumbing runs on CPU with a tiny model (the CPU test uses it); numbers from it mean nothing.
+steps are dropped and medians taken over the rest. Once the last step is logged the servers'
+weight digest is read, the learner saves its last checkpoint and final model (not part of the
+step times), and the two are compared (weights_check.py): a server that does not serve the
+learner's final weights makes the run not valid. So does a process holding one of the GPUs
+before the run or after it (gpu_holders.py: nvidia-smi per PID, recorded in the result).
+Logs, configs and metrics go to ``--log-dir``. Every process started here carries the mode's
+run marker in its environment and is ended with all it started, in whatever session
+(proc_tree.py), before its run directory is removed: on success, failure, timeout or SIGTERM.
+
+Exit code: 0 when every run is valid and every verdict holds; 3 when the measurement is valid
+but a verdict fails (a target not met); 1 when it is not valid (a run failed, a baseline is
+missing or from another run, a weight or GPU-holder check failed); 2 when it cannot start.
+With ``--engine transformers`` the same plumbing runs on CPU with a tiny model (the CPU test
+uses it); numbers from it mean nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -55,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_holders
 from e2e_common import (
     REWARD_TARGET_CHARS,
     BenchError,
@@ -63,6 +74,7 @@ from e2e_common import (
     prompt_rows,
     read_json,
     run_identity,
+    run_problems,
     summarize_learner,
     table,
     toml_text,
@@ -88,20 +100,23 @@ from e2e_layouts import (
     verl_run,
 )
 from e2e_procs import (
+    end_mode,
     gpu_names,
     ram_dir,
     start_process,
     start_servers,
-    stop_group,
     tail,
     wait_for_steps,
 )
 from gpu_common import API_KEY, ROOT, GpuMemoryPeak, ServerProcess, gpu_env
 from host_probe import host_facts
+from proc_tree import MARK_ENV, mark
+from weights_check import embedded_servers, learner_final_check, read_served
 
 from grpo_common.net import free_port
 
 MODES = ("colocated", "split", "overlap", *LAYOUTS4, *BASELINES4)
+EXIT_TARGET_MISSED = 3  # measured completely, but a verdict fails (1: not a valid measurement)
 SPLIT_LIKE = ("split", "overlap", *SPLIT4)  # servers on GPUs of their own, NCCL
 COLOCATED = ("colocated", "colocated4")  # servers asleep on the learners' GPUs
 
@@ -168,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="s per mode, from the server's /ready to the last step (a cold vLLM compile "
         "cache can take ~100 s of --server-timeout, not of this; colocated4: from the start, "
         "its learner ranks start their servers)",
+    )
+    p.add_argument(
+        "--finish-timeout",
+        type=float,
+        default=240.0,
+        help="s the learner has after its last step to save its checkpoint and final model, "
+        "whose weights are compared with the servers' (and as long again for their digest)",
     )
     return p
 
@@ -301,18 +323,20 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dic
     mode_logs.mkdir(parents=True, exist_ok=True)
     sync_dir = Path(tempfile.mkdtemp(prefix=f"grpo-e2e-{mode}-", dir=ram_dir(4 << 30)))
     data = write_jsonl(prompt_rows(512), work / "prompts.jsonl")
+    # every process of this mode carries this marker, whatever session it starts
+    tag = mark(dict(os.environ), f"{args.run_tag}-{mode}")[MARK_ENV]
     servers = []
     for i, opts in enumerate(server_specs(args, mode)):
         opts["extra_args"] += ["--weights-dir", str(sync_dir)]  # where file sync writes
         log = mode_logs / ("server.log" if i == 0 else f"server{i}.log")
-        servers.append(ServerProcess(args.model, log_path=log, **opts))
+        servers.append(ServerProcess(args.model, log_path=log, env={MARK_ENV: tag}, **opts))
     config = learner_config(args, mode, [s.url for s in servers], run_dir, data, sync_dir)
     config_path = mode_logs / "learner.toml"
     config_path.write_text(toml_text(config))
     learner_log = mode_logs / "learner.log"
     argv = learner_argv(args, mode, config_path)
     gpus = None if args.engine == "transformers" else ",".join(learner_gpus(args, mode))
-    env = gpu_env(gpus, ROLLOUT_API_KEY=API_KEY, TOKENIZERS_PARALLELISM="false")
+    env = gpu_env(gpus, ROLLOUT_API_KEY=API_KEY, TOKENIZERS_PARALLELISM="false", **{MARK_ENV: tag})
     result: dict[str, Any] = {
         "mode": mode,
         "learner_argv": argv,
@@ -322,10 +346,12 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dic
         "learner_gpu": gpus or "cpu",
         "layout": layout(args, mode),
         "config": config,
+        "processes_marked": tag,
     }
     learner: subprocess.Popen | None = None
     steps = config["run"]["steps"]
     memory = GpuMemoryPeak()
+    holders_before = gpu_holders.snapshot()
     try:
         with memory:
             if mode == "colocated":  # vLLM sizes its memory share from what is free at start
@@ -339,11 +365,18 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dic
             # the servers' start has its own limit (colocated4's servers start inside it)
             deadline = time.monotonic() + args.timeout
             result["learner_cut_short"] = wait_for_steps(learner, servers, run_dir, steps, deadline)
+            # the last step's weights are on the servers now: read them before they stop
+            urls = [(s.url, API_KEY) for s in servers] or embedded_servers(tag)
+            served = read_served(urls)
         result["wall_s"] = time.monotonic() - t_start
         records = read_metrics(run_dir)
         result["step_seconds"] = [r.get("time/step") for r in records]
         result["summary"] = summarize_learner(records, args.warmup)
         result["status"] = "ok"
+        result["weights"] = learner_final_check(
+            learner, served, run_dir / "final", cpu=args.engine == "transformers",
+            timeout_s=args.finish_timeout,
+        )  # fmt: skip
     except (BenchError, RuntimeError, TimeoutError, ValueError, KeyboardInterrupt) as e:
         result.update(status="error", error=f"{type(e).__name__}: {e}")
         result["learner_log_tail"] = tail(learner_log)
@@ -357,11 +390,16 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dic
             raise
     finally:
         result["gpu_peak_mib"] = memory.peak_mib
-        stop_group(learner, grace_s=5.0)
+        # every process of the mode, in any session, is gone before its run directory goes
+        result["processes_ended"] = end_mode(
+            tag, [learner, *(s.proc for s in servers)], grace_s=10.0
+        )
         for server in servers:
-            stop_group(server.proc, grace_s=10.0)
-            server.stop()  # closes its HTTP client; the group is already gone
-        keep = ["metrics.jsonl", "config.json"]
+            server.stop()  # closes its HTTP client; its processes are already gone
+        result["gpu_holders"] = gpu_holders.record(
+            holders_before, gpu_holders.snapshot(), on_gpus=args.engine == "vllm"
+        )
+        keep = ["metrics.jsonl", "config.json", "rank_checksums.json"]
         keep += [f.name for f in run_dir.glob("rollout_server.rank*.log")]  # colocated4
         for name in keep:
             with contextlib.suppress(OSError):
@@ -487,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run_modes(args: argparse.Namespace, modes: list[str]) -> int:
     logs = args.log_dir or args.out.parent / "e2e_logs"
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="grpo-e2e-"))
+    args.run_tag = f"bench-e2e-{os.getpid()}-{int(time.time())}"  # its processes' marker
     results: dict[str, Any] = {
         "run": run_identity(),  # the TRL result must carry the same to be compared
         "trl": read_json(args.trl_json) if args.trl_json else None,
@@ -504,7 +543,9 @@ def _run_modes(args: argparse.Namespace, modes: list[str]) -> int:
     }
     if args.engine == "vllm" and args.bandwidth and set(SPLIT_LIKE + COLOCATED) & set(modes):
         print("== NCCL bandwidth GPU 0 -> GPU 1 (the sync figures' bound)", flush=True)
-        results["bandwidth"] = measure_nccl_bandwidth()
+        from gpu_common import gpu_count
+
+        results["bandwidth"] = measure_nccl_bandwidth(gpu_count())
     else:
         results["bandwidth"] = {"status": "skipped", "why": "CPU run or --no-bandwidth"}
     try:
@@ -528,13 +569,20 @@ def _run_modes(args: argparse.Namespace, modes: list[str]) -> int:
         if key in results:
             print(results[key])
     print(f"results: {args.out}; logs: {logs}")
-    failed = [m for m in modes if (results.get(m) or {}).get("status") != "ok"]
+    invalid = [f"{m}: {why}" for m in modes for why in run_problems(results.get(m))]
     # a baseline named (--trl-json) that did not run, or ran elsewhere, fails the comparison
     if results["trl"] is not None and (
         results["trl"].get("status") != "ok" or "trl_note" in results
     ):
-        failed.append("trl")
-    return 1 if failed or "interrupted" in results else 0
+        invalid.append(f"trl: {results.get('trl_note') or results['trl'].get('error')}")
+    if invalid or "interrupted" in results:
+        print("not valid:\n  " + "\n  ".join(invalid or [str(results.get("interrupted"))]))
+        return 1
+    missed = [v["check"] for v in results["verdicts"] if v["ok"] is False]  # None: n/a here
+    if missed:
+        print(f"valid, but {len(missed)} target(s) not met: {'; '.join(missed)}")
+        return EXIT_TARGET_MISSED
+    return 0
 
 
 if __name__ == "__main__":

@@ -200,6 +200,30 @@ def median_step(result: dict[str, Any] | None) -> float | None:
     return result["summary"]["step_s"]["median"]
 
 
+def run_problems(run: dict[str, Any] | None) -> list[str]:
+    """Why one of our runs is not a valid measurement: it did not finish, its servers' weights
+    were not compared with the learner's final ones or differ, the GPU holders were not
+    recorded, or a GPU was held by another process before the run or still after it (an
+    orphan), or one of its processes outlived it."""
+    if run is None:
+        return ["never ran"]
+    if run.get("status") != "ok":
+        return [str(run.get("error") or "not ok")]
+    out = []
+    weights = run.get("weights")
+    if weights is None:
+        out.append("the served weights were not compared with the learner's")
+    elif not weights.get("match"):
+        out.append(str(weights.get("problem")))
+    if "gpu_holders" not in run:
+        out.append("no record of the GPUs' holders before and after the run")
+    out += (run.get("gpu_holders") or {}).get("problems") or []
+    left = (run.get("processes_ended") or {}).get("left")
+    if left:
+        out.append(f"processes still alive after the run: {left}")
+    return out
+
+
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload flags every end-to-end benchmark takes (ours and TRL's: one workload)."""
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")

@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_common import BenchError, figures
-from gpu_common import MODEL_SHAPES, ROOT, gpu_env, model_bytes
+from gpu_common import MODEL_SHAPES, ROOT, gpu_env, model_bytes, visible_gpus
 
 LAYOUTS4 = ("colocated4", "split4", "overlap4")
 SPLIT4 = ("split4", "overlap4")
@@ -164,18 +164,39 @@ def shape_mismatch_of(args: argparse.Namespace) -> str:
 # -- figures -----------------------------------------------------------------------------------
 
 
-def measure_nccl_bandwidth(timeout_s: float = 180.0) -> dict[str, Any]:
+def bandwidth_probe_gpus(gpus: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of the NCCL bandwidth probe: the first two of the GPUs this
+    process sees (``gpus`` of them; the probe is GPU 0 and its peer GPU 1). Fewer than two is
+    a ``BenchError`` naming what is visible."""
+    if gpus < 2:
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise BenchError(
+            f"the NCCL bandwidth probe needs 2 GPUs, {gpus} visible"
+            + (f" (CUDA_VISIBLE_DEVICES={seen!r})" if seen is not None else "")
+            + ": run it on a machine with two, or pass --no-bandwidth"
+        )
+    try:
+        return visible_gpus("0,1")
+    except ValueError as e:
+        raise BenchError(f"the NCCL bandwidth probe needs 2 GPUs: {e}") from None
+
+
+def measure_nccl_bandwidth(gpus: int, timeout_s: float = 180.0) -> dict[str, Any]:
     """bench_rollout_gpu.py's NCCL broadcast bandwidth, GPU 0 -> GPU 1 (1 GiB x 10), in a
-    process of its own: this one holds no CUDA context while the learners run."""
+    process of its own that sees both GPUs (``gpus``: how many this process sees): this one
+    holds no CUDA context while the learners run. An error record when it cannot run."""
     code = (
         "import json, sys; sys.path.insert(0, 'bench'); import bench_rollout_gpu as b; "
         "print('BANDWIDTH', json.dumps(b.measure_bandwidth()))"
     )
     try:
+        env = {**gpu_env(), "CUDA_VISIBLE_DEVICES": bandwidth_probe_gpus(gpus)}
         out = subprocess.run(
-            [sys.executable, "-c", code], env=gpu_env("0"), cwd=ROOT, capture_output=True,
-            text=True, timeout=timeout_s,
+            [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+            timeout=timeout_s,
         )  # fmt: skip
+    except BenchError as e:
+        return {"status": "error", "error": str(e)}
     except subprocess.TimeoutExpired:
         return {"status": "error", "error": f"no result in {timeout_s:.0f} s"}
     for line in out.stdout.splitlines():

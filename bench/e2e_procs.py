@@ -1,15 +1,14 @@
-"""The processes of bench_grpo_e2e.py's runs: each started in its own session (ended by process
-group, so vLLM's engine and worker processes go with it), the wait for the learner's steps
-while every server stays up, and facts about the machine.
+"""The processes of bench_grpo_e2e.py's runs: each started in its own session and marked with
+the mode's run (``proc_tree``), so that every process it starts, in whatever session, ends
+with it; the wait for the learner's steps while every server stays up, and facts about the
+machine.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -18,41 +17,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e_common import BenchError
 from gpu_common import ROOT, ServerProcess
-
-
-def stop_group(proc: subprocess.Popen | None, grace_s: float = 10.0) -> None:
-    """SIGTERM a process group (its leader started with a new session), SIGKILL what is left
-    after ``grace_s``, and wait until no member remains (so the GPU memory is free)."""
-    if proc is None:
-        return
-    pgid = proc.pid
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)  # any member of the group left?
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
+from proc_tree import end_run
 
 
 def start_process(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """``argv`` in a session of its own, output to ``log``; ``env`` carries the run's marker
+    (``proc_tree.mark``), by which ``end_run`` finds it and all it starts."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as f:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
         )
-    if pidfile := os.environ.get("GRPO_GPU_PIDFILE"):  # the GPU suite ends leftovers by pid
-        with open(pidfile, "a") as f:
-            f.write(f"{proc.pid}\n")
-    return proc
+
+
+def end_mode(tag: str, procs: list[subprocess.Popen | None], grace_s: float) -> dict:
+    """End every process of a mode's run: those marked ``tag`` in their environment and the
+    descendants of ``procs`` (torchrun's ranks and their servers each in sessions of their
+    own included), and wait until none is alive; ``procs`` are reaped."""
+    report = end_run(tag, [p.pid for p in procs if p is not None], grace_s=grace_s)
+    for p in procs:
+        if p is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+    return report
 
 
 def tail(path: Path, lines: int = 40) -> str:
@@ -109,7 +96,7 @@ def wait_for_steps(
                 raise BenchError(f"the rollout server on GPU {server.gpu} exited with code {rc}")
         if time.monotonic() > deadline:
             raise BenchError(f"timed out with {logged_steps(run_dir)} of {steps} steps logged")
-        time.sleep(0.5)
+        time.sleep(0.1)  # the served weights are read right after the last step
 
 
 def start_servers(servers: list[ServerProcess], timeout_s: float) -> None:

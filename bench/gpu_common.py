@@ -227,8 +227,10 @@ class ServerProcess:
         max_model_len: int = 2048,
         extra_args: list[str] | None = None,
         log_path: Path | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
+        self.env = dict(env or {})  # more environment for its process (a run marker)
         self.url = f"http://127.0.0.1:{self.port}"
         self.gpu = gpu
         self.argv = [
@@ -263,15 +265,12 @@ class ServerProcess:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             self.argv,
-            env=gpu_env(self.gpu),
+            env=gpu_env(self.gpu, **self.env),
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
             start_new_session=True,
         )
-        if pidfile := os.environ.get("GRPO_GPU_PIDFILE"):  # lets the GPU suite clean up
-            with open(pidfile, "a") as f:
-                f.write(f"{self.proc.pid}\n")
         deadline = time.monotonic() + ready_timeout_s
         while True:
             if self.proc.poll() is not None:

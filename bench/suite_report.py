@@ -2,11 +2,22 @@
 
 A step's exit code alone is not evidence: a benchmark whose every part raised can still exit 0,
 and a pytest interrupted at its time limit leaves a junit report whose last test case is empty.
-So a step is ``ok`` only when its command exited 0, the result file it owes exists, and that
-file shows no failed part, missing baseline or failed test. Test counts are pytest's own totals
-(the ``<testsuite>`` attributes), never a count of ``<testcase>`` elements.
+Each step is judged twice:
 
-    python3 bench/suite_report.py verdict STEP RC --out OUT --work WORK   # prints STATUS<TAB>WHY
+- ``valid``: the measurement ran completely: its command exited 0 (an e2e benchmark may exit 3,
+  "valid, a target missed"), the result file it owes exists, and that file shows no failed
+  part, missing or foreign baseline, failed test, weight mismatch or GPU held by another
+  process;
+- ``target_met``: every verdict the result file holds passes (None: the step has none, or
+  none could be judged here).
+
+Its status: ``ok`` (valid, no target missed), ``target_missed`` (valid, a verdict fails),
+``failed`` (not valid) or ``timeout`` (not valid, cut by its time limit); ``why`` names each
+problem and each missed target. Test counts are pytest's own totals (the ``<testsuite>``
+attributes), never a count of ``<testcase>`` elements.
+
+    python3 bench/suite_report.py verdict STEP RC --out OUT --work WORK
+        # prints STATUS<TAB>VALID<TAB>TARGET_MET<TAB>WHY (true/false/-)
     python3 bench/suite_report.py summary STATUS_TSV --out OUT --budget S --start EPOCH
     python3 bench/suite_report.py merge OUT.xml PART.xml...   # one junit report of several
 
@@ -24,9 +35,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_common import run_problems  # standard library only, as this file
+
 E2E_RUNS = ("trl", "colocated", "split", "overlap", "colocated4", "split4", "overlap4", "verl")
+OURS = ("colocated", "split", "overlap", "colocated4", "split4", "overlap4")
 # the baseline each 4-GPU comparison must carry: without it the step compared nothing
-E2E4_BASELINES = {"e2e4_colocated": "trl", "e2e4_verl": "verl"}
+E2E4_BASELINES = {"e2e4_colocated": "trl", "e2e4_split": "trl", "e2e4_verl": "verl"}
+E2E_STEPS = ("e2e_colocated", "e2e_split", "e2e4_colocated", "e2e4_split", "e2e4_verl")
+EXIT_TARGET_MISSED = 3  # bench_grpo_e2e.py: measured completely, a verdict fails
 
 
 def result_files(out: Path, work: Path) -> dict[str, Path]:
@@ -127,9 +144,13 @@ def problems_bench_loss(path: Path) -> list[str]:
 
 
 def problems_e2e(path: Path) -> list[str]:
+    """A run that failed; one of ours whose weights or GPU holders fail their checks
+    (``e2e_common.run_problems``); modes never run; an interrupt; a baseline not compared."""
     data = _json(path)
     out = [f"{k}: {(data[k] or {}).get('error', 'not ok')}" for k in E2E_RUNS
            if k in data and data[k] is not None and data[k].get("status") != "ok"]  # fmt: skip
+    out += [f"{k}: {why}" for k in OURS if isinstance(data.get(k), dict)
+            and data[k].get("status") == "ok" for why in run_problems(data[k])]  # fmt: skip
     out += [f"modes never run: {data['pending_modes']}"] if data.get("pending_modes") else []
     out += [f"interrupted: {data['interrupted']}"] if data.get("interrupted") else []
     out += [data["trl_note"]] if data.get("trl_note") else []
@@ -205,14 +226,36 @@ PROBLEMS: dict[str, Callable[[Path], list[str]]] = {
 }
 
 
-def step_verdict(step: str, rc: int, out: Path, work: Path) -> tuple[str, str]:
-    """``(status, why)``: ``ok`` only on exit 0 with the step's result file present and free of
-    failures; ``timeout`` on 124/137 (the step's time limit); otherwise ``failed``."""
+def _verdict_targets(data: dict[str, Any]) -> list[tuple[str, bool | None]]:
+    return [(v["check"], v.get("ok")) for v in data.get("verdicts", [])]
+
+
+def _rollout_targets(data: dict[str, Any]) -> list[tuple[str, bool | None]]:
+    word = {"PASS": True, "FAIL": False}
+    return [(v["what"].strip(), word.get(v.get("target"))) for v in data.get("verdicts", [])]
+
+
+def _memory_targets(data: dict[str, Any]) -> list[tuple[str, bool | None]]:
+    return [(c["check"], c.get("ok")) for c in data.get("checks", [])]
+
+
+# the target verdicts each step's result file holds: (what, passed; None where not judged)
+TARGETS: dict[str, Callable[[dict[str, Any]], list[tuple[str, bool | None]]]] = {
+    "bench_rollout": _rollout_targets,
+    **dict.fromkeys(E2E_STEPS, _verdict_targets),
+    "overlap": _verdict_targets,
+    "memory": _memory_targets,
+}
+
+
+def step_judgement(step: str, rc: int, out: Path, work: Path) -> dict[str, Any]:
+    """``{status, valid, target_met, why}`` of a step (the module docstring says how)."""
     why: list[str] = []
-    if rc != 0:
+    if rc != 0 and not (step in E2E_STEPS and rc == EXIT_TARGET_MISSED):
         why.append(
             f"exit code {rc}" + (" (pytest interrupted)" if step == "tests" and rc == 2 else "")
         )
+    targets: list[tuple[str, bool | None]] = []
     path = result_files(out, work).get(step)
     if path is not None:
         if not path.is_file():
@@ -220,22 +263,46 @@ def step_verdict(step: str, rc: int, out: Path, work: Path) -> tuple[str, str]:
         else:
             try:
                 why += PROBLEMS[step](path)
+                if step in TARGETS:
+                    targets = TARGETS[step](_json(path))
             except (ValueError, KeyError, TypeError, AttributeError, ET.ParseError) as e:
                 why.append(f"unreadable {path.name}: {type(e).__name__}: {e}")
-    if not why:
-        return "ok", ""
-    return ("timeout" if rc in (124, 137) else "failed"), "; ".join(why)[:1000]
+    missed = [name for name, ok in targets if ok is False]
+    judged = [ok for _, ok in targets if ok is not None]
+    target_met = (not missed) if judged else None
+    valid = not why
+    if missed:
+        why.append("target not met: " + "; ".join(missed))
+    if not valid:
+        status = "timeout" if rc in (124, 137) else "failed"
+    else:
+        status = "target_missed" if missed else "ok"
+    return {"status": status, "valid": valid, "target_met": target_met,
+            "why": "; ".join(why)[:1000]}  # fmt: skip
+
+
+def step_verdict(step: str, rc: int, out: Path, work: Path) -> tuple[str, str]:
+    """``(status, why)`` of ``step_judgement``."""
+    j = step_judgement(step, rc, out, work)
+    return j["status"], j["why"]
 
 
 # -- summary.json ------------------------------------------------------------------------------
 
 
+_FLAG = {"true": True, "false": False}
+
+
 def read_steps(status_file: Path) -> list[dict[str, Any]]:
+    """The suite's steps.tsv: ``STEP STATUS SECONDS RC [VALID TARGET_MET WHY]`` a line (the
+    last three absent for a step never run)."""
     steps = []
     for line in status_file.read_text().splitlines():
-        name, status, secs, rc, *why = line.split("\t")
+        name, status, secs, rc, *rest = line.split("\t")
+        valid, target, why = [*rest, "-", "-", ""][:3] if len(rest) >= 2 else ("-", "-", "")
         steps.append({"step": name, "status": status, "seconds": int(secs), "rc": rc,
-                      "why": why[0] if why else ""})  # fmt: skip
+                      "valid": _FLAG.get(valid, False), "target_met": _FLAG.get(target),
+                      "why": why})  # fmt: skip
     return steps
 
 
@@ -248,8 +315,13 @@ def _e2e_section(data: dict[str, Any]) -> dict[str, Any]:
             medians[k] = run["summary"]["step_s"]["median"] if ok else run.get("error")
     figures = {k: data[k]["figures"] for k in E2E_RUNS
                if isinstance(data.get(k), dict) and "figures" in data[k]}  # fmt: skip
+    ours = {k: data[k] for k in OURS if isinstance(data.get(k), dict)}
+    weights = {k: (r.get("weights") or {}).get("match") for k, r in ours.items()}
+    holders = {k: (r.get("gpu_holders") or {}).get("problems") for k, r in ours.items()}
     return {"verdicts": data.get("verdicts", []), "median_step_s": medians,
-            "run": data.get("run"), **({"figures": figures} if figures else {})}  # fmt: skip
+            "run": data.get("run"), "served_weights_match": weights,
+            "gpu_holder_problems": holders,
+            **({"figures": figures} if figures else {})}  # fmt: skip
 
 
 def _rollout_section(data: dict[str, Any]) -> dict[str, Any]:
@@ -358,8 +430,10 @@ def main(argv: list[str] | None = None) -> int:
         merge_junit(args.parts, args.dest)
         return 0
     if args.cmd == "verdict":
-        status, why = step_verdict(args.step, args.rc, args.out, args.work)
-        print(f"{status}\t{why}".replace("\n", " "))
+        j = step_judgement(args.step, args.rc, args.out, args.work)
+        flag = {True: "true", False: "false", None: "-"}
+        line = f"{j['status']}\t{flag[j['valid']]}\t{flag[j['target_met']]}\t{j['why']}"
+        print(line.replace("\n", " "))
         return 0
     s = summary(read_steps(args.status_file), args.out, args.budget, args.start)
     (args.out / "summary.json").write_text(json.dumps(s, indent=2))

@@ -212,9 +212,13 @@ def _write(tmp_path: Path, name: str, data: dict) -> None:
     (tmp_path / name).write_text(json.dumps(data))
 
 
+# what every run of ours records besides its times: its weights and GPU holders checked
+CHECKED = {"weights": {"match": True}, "gpu_holders": {"problems": []}}
+
+
 def test_missing_trl_baseline_fails_e2e4_colocated(tmp_path: Path) -> None:
     run = {"host": "h", "boot_id": "b", "suite_run": "r"}
-    ours = {**_run(3.0), "figures": {}}
+    ours = {**_run(3.0), "figures": {}, **CHECKED}
     base = {"run": run, "verdicts": [], "bandwidth": {"status": "ok", "gb_per_s": 300.0}}
     _write(tmp_path, "bench_e2e4_colocated.json", {**base, "trl": None, "colocated4": ours})
     status, why = suite_report.step_verdict("e2e4_colocated", 0, tmp_path, tmp_path)
@@ -265,7 +269,7 @@ def test_suite_fails_each_4gpu_step_on_a_machine_without_them(tmp_path: Path) ->
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")}
     env |= {"PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}", "OUT": str(out),
             "WORK": str(work), "SUITE_STEPS": "e2e4_colocated e2e4_split e2e4_verl",
-            "SUITE_BUDGET_S": "400"}  # fmt: skip
+            "SUITE_BUDGET_S": "400", "SUITE_RUN_ID": "r4"}  # fmt: skip
     proc = subprocess.run(
         ["bash", str(BENCH / "gpu_suite.sh")], env=env, capture_output=True, text=True, timeout=600
     )
@@ -274,11 +278,13 @@ def test_suite_fails_each_4gpu_step_on_a_machine_without_them(tmp_path: Path) ->
     for step in ("e2e4_colocated", "e2e4_split", "e2e4_verl"):
         assert steps[step]["status"] == "failed"
         assert f"no result file bench_{step}.json" in steps[step]["why"]
-    trl_log = (work / "logs" / "e2e4_colocated" / "trl.log").read_text()
+    run_work = work / "runs" / "r4"  # this suite run's own files
+    trl_log = (run_work / "logs" / "trl4.log").read_text()
     assert "DeepSpeed is not installed" in trl_log
-    trl = json.loads((work / "e2e4_colocated" / "trl.json").read_text())
+    trl = json.loads((run_work / "trl4" / "trl.json").read_text())
     assert trl["status"] == "error" and "TRL run (4 processes)" in trl["error"]
-    step_log = (work / "logs" / "e2e4_colocated.log").read_text()
+    assert json.loads((out / "bench_trl4.json").read_text()) == trl
+    step_log = (run_work / "logs" / "e2e4_colocated.log").read_text()
     assert "gpu_common.py build-model --shape qwen3-4b" in step_log
 
 

@@ -310,6 +310,17 @@ def test_cpu_run_of_both_modes_reports_medians_and_leaves_nothing_behind(
         assert "## by host time" in (logs / mode / "profile_step_3.txt").read_text()
         assert not (tmp_path / "runs" / mode).exists()  # run dirs are removed
         assert not Path(r["config"]["rollout"]["sync"].get("dir") or "/nonexistent").exists()
+        # the server served the learner's final weights: both digests, equal
+        w = r["weights"]
+        assert w["match"] is True and "problem" not in w, w
+        (served,) = w["served"]
+        assert served["weight_version"] >= 3 and served["url"] == r["config"]["rollout"]["servers"][0]
+        assert served["checksum"] == pytest.approx(w["learner"]["checksum"], rel=1e-9)
+        assert w["learner"]["dtypes"] == ["float32"] and w["learner"]["tensors"] > 0
+        # no nvidia-smi here: the holders are unknown, which a CPU run does not hold against it
+        holders = r["gpu_holders"]
+        assert holders["before"]["available"] is False and holders["problems"] == []
+        assert r["processes_ended"]["left"] == []
     assert result["colocated"]["config"]["rollout"]["sleep_while_training"] == 1
     assert "colocated" in proc.stdout and "split" in proc.stdout  # the table
     assert proc_scan(str(tmp_path)) == []

@@ -70,7 +70,7 @@ def test_summary_uses_pytest_totals_and_fails_the_run(tmp_path: Path) -> None:
     (tmp_path / "bench_e2e_colocated.json").write_text(json.dumps(e2e_result))
     (tmp_path / "bench_overlap.json").write_text("[]")  # not a result: reported, no crash
     tsv = tmp_path / "steps.tsv"
-    tsv.write_text(f"setup\tok\t3\t0\t\ntests\t{status}\t9\t{rc}\t{why}\n")
+    tsv.write_text(f"setup\tok\t3\t0\ttrue\t-\t\ntests\t{status}\t9\t{rc}\tfalse\t-\t{why}\n")
     code = suite_report.main(
         ["summary", str(tsv), "--out", str(tmp_path), "--budget", "560", "--start", "0"]
     )
@@ -80,8 +80,10 @@ def test_summary_uses_pytest_totals_and_fails_the_run(tmp_path: Path) -> None:
     assert summary["e2e_colocated"]["run"] == run
     assert summary["e2e_colocated"]["median_step_s"] == {"colocated": "boom"}
     assert "unreadable bench_overlap.json" in summary["overlap"]["error"]
+    assert summary["steps"][0]["valid"] is True and summary["steps"][0]["target_met"] is None
     assert summary["steps"][1] == {
-        "step": "tests", "status": "failed", "seconds": 9, "rc": "2", "why": why
+        "step": "tests", "status": "failed", "seconds": 9, "rc": "2", "valid": False,
+        "target_met": None, "why": why,
     }  # fmt: skip
 
 
@@ -152,8 +154,9 @@ def test_suite_marks_each_step_failed_and_exits_1(tmp_path: Path) -> None:
     """The real bench/gpu_suite.sh on this machine (no GPU, no vLLM, no TRL): every benchmark
     step fails, each with its reason, and the suite's own exit code says so."""
     out, work = tmp_path / "out", tmp_path / "work"
-    env = {**_venv_env(), "OUT": str(out), "WORK": str(work),
+    env = {**_venv_env(), "OUT": str(out), "WORK": str(work), "SUITE_RUN_ID": "r1",
            "SUITE_STEPS": "bench_rollout bench_loss e2e_colocated", "SUITE_BUDGET_S": "400"}  # fmt: skip
+    logs = work / "runs" / "r1" / "logs"  # this suite run's own
     proc = subprocess.run(
         ["bash", str(BENCH / "gpu_suite.sh")], env=env, capture_output=True, text=True, timeout=600
     )
@@ -165,11 +168,11 @@ def test_suite_marks_each_step_failed_and_exits_1(tmp_path: Path) -> None:
     assert steps["bench_rollout"]["why"] == "exit code 2; no result file bench_rollout_gpu.json"
     assert steps["bench_loss"]["status"] == "failed"
     assert steps["bench_loss"]["why"] == "exit code 2; no result file loss_gpu.json"
-    assert "missing dependencies: vllm" in (work / "logs" / "bench_rollout.log").read_text()
-    assert "liger-kernel" in (work / "logs" / "bench_loss.log").read_text()
+    assert "missing dependencies: vllm" in (logs / "bench_rollout.log").read_text()
+    assert "liger-kernel" in (logs / "bench_loss.log").read_text()
     assert steps["e2e_colocated"]["status"] == "failed"
     assert "no result file bench_e2e_colocated.json" in steps["e2e_colocated"]["why"]
-    assert "TRL 1.16 is not importable" in (work / "logs" / "e2e_colocated" / "trl.log").read_text()
+    assert "TRL 1.16 is not importable" in (logs / "e2e_colocated" / "trl.log").read_text()
 
 
 def _ok_run(median: float) -> dict:
@@ -208,7 +211,8 @@ def test_e2e_same_run_is_compared_and_ok(tmp_path: Path, monkeypatch: pytest.Mon
     args = e2e.build_parser().parse_args(["--model", "/m", "--out", str(out)])
     ours = common.run_identity()
     trl = {**_ok_run(4.0), "workload": common.workload(16, 8, 256), "run": dict(ours)}
-    results = {"run": ours, "trl": trl, "workload": {}, "colocated": _ok_run(2.0)}
+    colocated = {**_ok_run(2.0), "weights": {"match": True}, "gpu_holders": {"problems": []}}
+    results = {"run": ours, "trl": trl, "workload": {}, "colocated": colocated}
     e2e.write_results(args, results, pending=[])
     assert json.loads(out.read_text())["verdicts"][0]["ok"] is True
     assert suite_report.step_verdict("e2e_colocated", 0, tmp_path, tmp_path) == ("ok", "")
@@ -324,12 +328,14 @@ def test_test_lanes_run_side_by_side_each_on_its_gpus(tmp_path: Path) -> None:
             LANE_TEST.format(bench=str(BENCH), marks=str(marks), me=me, other=other, index=index)
         )
     env = {**_venv_env(), "OUT": str(out), "WORK": str(work), "SUITE_STEPS": "tests",
+           "SUITE_RUN_ID": "lanes",
            "SUITE_BUDGET_S": "300", "GPU_LANES": "4,5|6",
            "GPU_TESTS": f"{tmp_path / 'test_a.py'}|{tmp_path / 'test_b.py'}"}  # fmt: skip
     proc = subprocess.run(
         ["bash", str(BENCH / "gpu_suite.sh")], env=env, capture_output=True, text=True, timeout=300
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + (work / "logs" / "tests.log").read_text()
+    logs = work / "runs" / "lanes" / "logs"
+    assert proc.returncode == 0, proc.stdout[-3000:] + (logs / "tests.log").read_text()
     assert (marks / "a").read_text() == "4,5 5"
     assert (marks / "b").read_text() == "6 6"
     summary = json.loads((out / "summary.json").read_text())
