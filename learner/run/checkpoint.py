@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 CHECKPOINT_WRITE_EXIT = 74  # EX_IOERR: free space, then --resume
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_RUST_IO = re.compile(r"Os \{ code: (\d+)")  # safetensors' errors carry Rust's io::Error
+# safetensors' errors carry Rust's io::Error: "... (os error 28)" or "Os { code: 28, ..."
+_RUST_IO = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")
 _TMP_PREFIX = ".tmp-"
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def write_failure(e: BaseException) -> str | None:
             return f"{cur.strerror or cur}{where}"
         text = str(cur)
         if m := _RUST_IO.search(text):
-            return os.strerror(int(m.group(1)))
+            return os.strerror(int(m.group(1) or m.group(2)))
         for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             if os.strerror(code) in text:
                 return os.strerror(code)
@@ -275,9 +276,7 @@ def _raise_write_error(error: Exception | None, final: Path, run_dir: Path) -> N
         assert error is not None
         raise error
     newest = latest_checkpoint(run_dir)
-    resume = (
-        f"continues from {newest.name}" if newest is not None else "starts again from step 0"
-    )
+    resume = f"continues from {newest.name}" if newest is not None else "starts again from step 0"
     raise CheckpointWriteError(
         f"could not write the checkpoint {final} ({reason}); the unfinished one is deleted. "
         f"Make room (free space on that disk, or lift the quota or file size limit), then run "

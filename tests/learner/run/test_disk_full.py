@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from learner.run.checkpoint import CHECKPOINT_WRITE_EXIT, all_checkpoints
+from learner.run.checkpoint import CHECKPOINT_WRITE_EXIT, all_checkpoints, write_failure
 from learner.run.metrics import read_metrics
 from tests.learner.demo_runs import learner_cmd, learner_env, run_ok
 
@@ -50,3 +50,20 @@ def test_a_checkpoint_the_disk_refuses_is_one_line_and_resume_goes_on(tmp_path: 
     run_ok(run_dir, *SETS, "run.steps=3", resume=True, timeout=600)
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
     assert all_checkpoints(run_dir)[0].name == "step_000003"
+
+
+def test_each_form_of_a_failed_write_is_named_and_nothing_else_is() -> None:
+    """safetensors' Rust errors (two spellings), an OSError, torch's stream writer; a bug is
+    not a failed write (its traceback stays)."""
+    rust = "Error while serializing: I/O error: No space left on device (os error 28)"
+    assert write_failure(RuntimeError(rust)) == "No space left on device"
+    assert write_failure(RuntimeError("IoError(Os { code: 122, kind: QuotaExceeded })")) == (
+        "Disk quota exceeded"
+    )
+    assert write_failure(OSError(28, "No space left on device", "/r/x")) == (
+        "No space left on device (/r/x)"
+    )
+    torch_save = RuntimeError("[enforce fail at inline_container.cc:603] . PytorchStreamWriter "
+                              "failed writing file data/0: file write failed")  # fmt: skip
+    assert write_failure(torch_save) == "a file write failed"
+    assert write_failure(ValueError("a bug")) is None
