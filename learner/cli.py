@@ -1,9 +1,12 @@
-"""``python -m learner`` / ``accelerate launch -m learner``: train, or plot a run.
+"""``python -m learner`` / ``accelerate launch -m learner``: train, evaluate, or plot a run.
 
     python -m learner --config learner/configs/demo.toml [--run-dir DIR] [--resume] [--set k=v ...]
     python -m learner sft --config learner/configs/sft_demo.toml [--run-dir DIR] [--resume] ...
     python -m learner plot RUN_DIR [--out FILE]
     python -m learner eval --config X [--model DIR] [--out DIR] [--set k=v ...]
+
+One argparse parser: the subcommands are its subparsers (``python -m learner --help`` lists
+them, each with its own ``--help``); without one it trains.
 
 A GRPO config with an [sft] section runs the SFT first (into RUN_DIR/sft) and starts GRPO from it.
 
@@ -18,33 +21,89 @@ import logging
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from learner.config import LearnerConfig
 
 
-def train_parser(sft: bool = False) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m learner sft" if sft else "python -m learner",
-        description="Supervised fine-tuning on the config's [sft] data (chunked NLL)."
-        if sft
-        else "GRPO learner. Without rollout.servers in the config it starts its own rollout "
-        "server; an [sft] section runs a supervised warm start first. Subcommands: "
-        "`sft --config X` (SFT only), `plot RUN_DIR` (a run's curves), `eval --config X` "
-        "(the [eval] section on a saved model, no training).",
+SET_HELP = (
+    "override one field, e.g. --set optim.lr=1e-5 (TOML value syntax: a list as "
+    '--set \'sampling.stop=["a", "b"]\'); repeatable. The fields: docs/configuration.md'
+)
+
+COMMANDS = {
+    "sft": "supervised fine-tuning alone, on the config's [sft] data",
+    "eval": "evaluate a saved model on the config's [eval] section, once, without training",
+    "plot": "draw a run's curves from its metrics.jsonl (RUN_DIR/curves.png)",
+}
+
+
+def _train_arguments(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    p.add_argument(
+        "--config", required=required, help="TOML config (required; see learner/configs/)"
     )
-    p.add_argument("--config", required=True, help="TOML config (see learner/configs/)")
     p.add_argument("--run-dir", help="overrides run.run_dir")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.FIELD=VALUE",
-        help="override one field, e.g. --set optim.lr=1e-5 (TOML value syntax); repeatable",
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        help=SET_HELP,
+    )  # fmt: skip
+
+
+def _eval_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="TOML config with an [eval] section")
+    p.add_argument(
+        "--model",
+        help="a saved model or checkpoint dir (e.g. RUN_DIR/final) or hub id, served by an "
+        "embedded rollout server (default: model.name_or_path; not with rollout.servers)",
     )
+    p.add_argument(
+        "--out",
+        help="where metrics.json and step_0.jsonl go (default: beside a --model directory, "
+        "PARENT/eval/NAME: RUN_DIR/eval/final for RUN_DIR/final, RUN_DIR/eval/step_N for a "
+        "checkpoint; else RUN_DIR/eval/standalone)",
+    )
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        help=SET_HELP,
+    )  # fmt: skip
+
+
+def _plot_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)")
+
+
+def train_parser(sft: bool = False) -> argparse.ArgumentParser:
+    """The command line of ``python -m learner`` (GRPO; its subcommands listed in ``--help``
+    and parsed by it), or with ``sft`` of ``python -m learner sft``."""
+    if sft:
+        p = argparse.ArgumentParser(
+            prog="python -m learner sft",
+            description="Supervised fine-tuning on the config's [sft] data (chunked NLL).",
+        )
+        _train_arguments(p)
+        return p
+    p = argparse.ArgumentParser(
+        prog="python -m learner",
+        usage="%(prog)s [-h] --config CONFIG [--run-dir RUN_DIR] [--resume] [--set K=V ...]\n"
+        "       %(prog)s COMMAND ... (sft, eval, plot: see below)",
+        description="GRPO learner: trains on the config's [data] and [[rewards]] (or "
+        "[environment]). Without rollout.servers in the config it starts its own rollout "
+        "server; an [sft] section runs a supervised warm start first.",
+        epilog="Each subcommand has its own --help: python -m learner eval --help",
+    )
+    _train_arguments(p, required=False)  # not before a subcommand: checked in main()
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", title="subcommands")
+    for name, (add, one_line) in {
+        "sft": (_train_arguments, COMMANDS["sft"]),
+        "eval": (_eval_arguments, COMMANDS["eval"]),
+        "plot": (_plot_arguments, COMMANDS["plot"]),
+    }.items():
+        description = one_line[0].upper() + one_line[1:] + "."
+        add(sub.add_parser(name, prog=f"{p.prog} {name}", help=one_line, description=description))
     return p
 
 
@@ -91,11 +150,9 @@ def not_a_tied_embedding_notice(record: logging.LogRecord) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
-    if argv and argv[0] == "plot":
-        p = argparse.ArgumentParser(prog="python -m learner plot")
-        p.add_argument("run_dir")
-        p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)")
-        args = p.parse_args(argv[1:])
+    parser = train_parser()
+    args = parser.parse_args(argv)
+    if args.command == "plot":
         from learner.run.plot import plot_run
 
         try:
@@ -104,11 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
-
-    if argv and argv[0] == "eval":
-        return _eval(argv[1:])
-    sft = bool(argv) and argv[0] == "sft"
-    args = train_parser(sft).parse_args(argv[1:] if sft else argv)
+    if args.command == "eval":
+        return _eval(args)
+    if args.config is None:
+        parser.error("the following arguments are required: --config")
     from learner.config import ConfigError
 
     try:
@@ -116,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    return _guarded(lambda: _run(args, cfg, sft))
+    return _guarded(lambda: _run(args, cfg, args.command == "sft"))
 
 
 def _guarded(run: Callable[[], int]) -> int:
@@ -155,24 +211,7 @@ def _guarded(run: Callable[[], int]) -> int:
         return 2
 
 
-def _eval(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m learner eval",
-        description="Evaluate a model on the config's [eval] section, once, without training.",
-    )
-    p.add_argument("--config", required=True, help="TOML config with an [eval] section")
-    p.add_argument(
-        "--model",
-        help="a saved model or checkpoint dir (e.g. RUN_DIR/final) or hub id, served by an "
-        "embedded rollout server (default: model.name_or_path; not with rollout.servers)",
-    )
-    p.add_argument(
-        "--out", help="metrics.json and step_0.jsonl go here (default RUN_DIR/eval/standalone)"
-    )
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
-    args = p.parse_args(argv)
-    from pathlib import Path
-
+def _eval(args: argparse.Namespace) -> int:
     from learner.config import ConfigError, load_config
 
     try:
@@ -181,10 +220,10 @@ def _eval(argv: list[str]) -> int:
         print(e, file=sys.stderr)
         return 2
     if cfg.eval is None:
-        print(f"{args.config} has no [eval] section: add one (README, Held-out evaluation)",
-              file=sys.stderr)  # fmt: skip
+        print(f"{args.config} has no [eval] section: add one (docs/training.md, Held-out "
+              "evaluation)", file=sys.stderr)  # fmt: skip
         return 2
-    out = Path(args.out) if args.out else Path(cfg.run.run_dir) / "eval" / "standalone"
+    out = Path(args.out) if args.out else eval_dir(args.model, Path(cfg.run.run_dir))
 
     def run() -> int:
         from learner.evaluate import evaluate_model
@@ -197,6 +236,18 @@ def _eval(argv: list[str]) -> int:
         return 0
 
     return _guarded(run)
+
+
+def eval_dir(model: str | None, run_dir: Path) -> Path:
+    """Where ``eval`` writes without ``--out``: beside a ``--model`` directory, in its parent's
+    ``eval/NAME`` (``RUN_DIR/final`` → ``RUN_DIR/eval/final``; a checkpoint
+    ``RUN_DIR/checkpoints/step_N`` → ``RUN_DIR/eval/step_N``), else (a hub id, the config's
+    model) in the config's ``RUN_DIR/eval/standalone``."""
+    if model is None or not Path(model).is_dir():
+        return run_dir / "eval" / "standalone"
+    path = Path(model).resolve()
+    parent = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return parent / "eval" / path.name
 
 
 def user_traceback(e: BaseException | None) -> str:

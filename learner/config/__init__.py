@@ -21,6 +21,7 @@ from pydantic import (
 
 from learner.config.base import FieldError, Section
 from learner.config.deepspeed import DeepSpeedConfig
+from learner.config.hints import DOCS, unknown_field_hint, unparsed_list
 from learner.config.rollout import RolloutConfig
 from learner.config.step import GRPOConfig, OptimConfig
 from rollout_server.protocol.generation import (
@@ -506,7 +507,13 @@ def _format_errors(err: ValidationError, source: str) -> str:
                 f"the first [section] of the file (a TOML key belongs to the [section] above it)"
             )
         elif e["type"] == "extra_forbidden":
-            msg = "unknown field — check its spelling and section (see learner/config/__init__.py)"
+            hint = unknown_field_hint(LearnerConfig, tuple(e["loc"]))
+            msg = f"unknown field — {hint or 'check its spelling and section'} (see {DOCS})"
+        elif e["type"] == "list_type":
+            msg = (
+                f'{msg}: give a TOML list, e.g. {loc.rsplit(".", 1)[-1]} = ["a", "b"] in '
+                f'the file, or --set \'{loc}=["a", "b"]\' (single quotes around the whole)'
+            )
         elif e["type"] == "missing":
             msg = "required field is missing — add it to the config"
         lines.append(f"  {loc}: {msg}")
@@ -531,6 +538,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     if "=" not in override:
         raise ConfigError(f"override {override!r} must look like section.field=value")
     key, raw = override.split("=", 1)
+    if (unparsed := unparsed_list(key.strip(), raw)) is not None:
+        raise ConfigError(unparsed)
     parts = key.strip().split(".")
     node = data
     for i, p in enumerate(parts[:-1]):
@@ -543,15 +552,30 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = _parse_value(raw.strip())
 
 
+def _config_text(path: Path) -> str:
+    """The config file as text: UTF-8, as TOML requires, or a ``ConfigError`` naming the line."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(
+            f"{path}:{line} is not UTF-8 text (byte 0x{raw[e.start]:02x}): TOML must be UTF-8; "
+            "convert the file, e.g. `iconv -f latin1 -t utf-8 FILE > NEW`"
+        ) from None
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> LearnerConfig:
     data: dict[str, Any] = {}
     source = "overrides"
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory: name a .toml file in it")
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(_config_text(path))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from e
         source = str(path)

@@ -31,9 +31,11 @@ HEADER = f"""# Learner configuration
 <!-- Generated from learner/config/ by `{REGENERATE}`: edit the models, not this page. -->
 
 A learner config is a TOML file validated by the pydantic models in `learner/config/__init__.py`. A file
-says only what differs from the defaults below; an unknown key is an error that names the field,
-so a typo never falls back to a default silently. `--set section.field=value` overrides one field
-from the command line (the value in TOML syntax; a bare word is a string):
+says only what differs from the defaults below; an unknown key is an error that names the field
+and suggests the one meant (`optim.lrr` → `lr`; `lr` at the top → `optim.lr`), so a typo never
+falls back to a default silently. `--set section.field=value` overrides one field from the
+command line (the value in TOML syntax; a bare word is a string). A list's strings need double
+quotes, which the shell keeps only inside single quotes around the whole:
 
 ```bash
 python -m learner --config my.toml --set optim.lr=1e-6 --set 'rollout.servers=["http://127.0.0.1:8000"]'

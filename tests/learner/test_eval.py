@@ -138,3 +138,34 @@ def test_learner_eval_evaluates_a_saved_model_without_training(tmp_path):
     proc = learner_eval("--model", str(tmp_path / "nope"))
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1].startswith(f"error: --model '{tmp_path / 'nope'}': no such")
+
+
+def test_eval_of_a_model_directory_writes_beside_it_not_into_the_configs_run_dir(tmp_path):
+    import sys
+
+    from rollout_server.tiny import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "mine" / "final")
+    config_run_dir = tmp_path / "config_run_dir"
+    argv = [sys.executable, "-m", "learner", "eval", "--config", str(DEMO), "--model", str(model),
+            "--set", "eval.max_prompts=2", "--set", f'run.run_dir="{config_run_dir}"']  # fmt: skip
+    proc = subprocess.run(argv, env=learner_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "mine" / "eval" / "final"
+    assert f"samples and metrics in {out}" in proc.stdout
+    assert json.loads((out / "metrics.json").read_text())["model"] == str(model)
+    assert len((out / "step_0.jsonl").read_text().splitlines()) == 2
+    assert not config_run_dir.exists()
+
+
+def test_the_eval_directory_of_each_kind_of_model(tmp_path):
+    from learner.cli import eval_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000010").mkdir(parents=True)
+    (run / "final").mkdir()
+    assert eval_dir(str(run / "final"), tmp_path / "cfg") == run / "eval" / "final"
+    checkpoint = str(run / "checkpoints" / "step_000010")
+    assert eval_dir(checkpoint, tmp_path / "cfg") == run / "eval" / "step_000010"
+    assert eval_dir("Qwen/Qwen3-0.6B", run) == run / "eval" / "standalone"  # a hub id
+    assert eval_dir(None, run) == run / "eval" / "standalone"  # the config's model
