@@ -32,8 +32,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "learner/configs/demo.toml"
 
-# name -> (accelerate config, learner overrides). "today" is the learner's layout before the
-# plan existed: ZeRO-3 as launched, DeepSpeed's own bucket sizes, recompute on, unfused loss.
+# name -> (accelerate config, learner overrides). "zero3_today" is the layout the learner took
+# before it planned one: ZeRO-3 as launched, DeepSpeed's own bucket sizes, recompute on, the
+# unfused loss, AdamW in torch's multi-tensor path.
 DS_DEFAULT_BUCKETS = [
     "deepspeed.prefetch_bucket_size=none",
     "deepspeed.max_live_parameters=none",
@@ -43,16 +44,19 @@ DS_DEFAULT_BUCKETS = [
 VARIANTS: dict[str, tuple[str | None, list[str]]] = {
     "reference": (None, []),
     "zero3_today": ("zero3", ["deepspeed.zero_stage=launch", "model.gradient_checkpointing=true",
-                              *DS_DEFAULT_BUCKETS]),
+                              *DS_DEFAULT_BUCKETS, "optim.fused=false"]),
     "zero3_buckets_gc": ("zero3", ["deepspeed.zero_stage=launch",
                                    "model.gradient_checkpointing=true"]),
     "zero3_buckets": ("zero3", ["deepspeed.zero_stage=launch",
                                 "model.gradient_checkpointing=false"]),
+    "zero3_ds_buckets": ("zero3", ["deepspeed.zero_stage=launch",
+                                   "model.gradient_checkpointing=false", *DS_DEFAULT_BUCKETS]),
     "zero2": ("zero3", ["deepspeed.zero_stage=2", "model.gradient_checkpointing=false"]),
     "zero2_fused": ("zero3", ["deepspeed.zero_stage=2", "model.gradient_checkpointing=false",
                               "grpo.fused_loss=true"]),
     "auto": ("zero3", []),  # what the learner chooses by itself
     "auto_fused": ("zero3", ["grpo.fused_loss=true"]),
+    "auto_fused_foreach_adam": ("zero3", ["grpo.fused_loss=true", "optim.fused=false"]),
 }  # fmt: skip
 
 

@@ -246,7 +246,7 @@ def setup_sft(
         schedule=s.schedule,
         warmup_steps=s.warmup_steps,
         steps=steps,
-        fused=use_fused_adamw(accelerator),
+        fused=use_fused_adamw(accelerator, cfg.optim.fused),
     )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     stream = PromptStream(rows, seed=cfg.run.seed, shuffle=True)

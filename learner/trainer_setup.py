@@ -211,7 +211,7 @@ def build_training(
         schedule=o.schedule,
         warmup_steps=o.warmup_steps,
         steps=cfg.run.steps,
-        fused=use_fused_adamw(accelerator),
+        fused=use_fused_adamw(accelerator, cfg.optim.fused),
     )
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     if ref_policy is not None:

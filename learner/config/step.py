@@ -126,3 +126,8 @@ class OptimConfig(Section):
         "constant", description="the learning rate after warmup, over run.steps"
     )
     warmup_steps: int = Field(0, ge=0, description="steps of linear warmup from 0 to lr")
+    fused: bool | Literal["auto"] = Field(
+        "auto",
+        description="AdamW as one fused kernel; 'auto': on a GPU wherever the optimizer states "
+        "are on it (under DeepSpeed too, unless the optimizer is offloaded to the CPU)",
+    )
