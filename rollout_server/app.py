@@ -58,6 +58,7 @@ def build_app(
     core = ServerCore(settings, engine, metrics)
     weights = WeightsService(core)
     native = NativeService(core, weights)
+    generation = GenerationService(core)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -69,6 +70,7 @@ def build_app(
                 loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
             native.close()
+            generation.close()
             await weights.close()
             await core.close()
 
@@ -82,7 +84,7 @@ def build_app(
     )
     mount_offline_docs(app)
     app.state.core = core
-    app.state.generation = GenerationService(core)
+    app.state.generation = generation
     app.state.weights = weights
     app.state.native = native
     app.state.sleep = SleepService(core, weights.prepared)
@@ -98,7 +100,11 @@ def build_app(
     install_openapi(app)
     # Added last = outermost: an unauthenticated request is refused before anything else.
     app.add_middleware(CancelOnDisconnectMiddleware)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_body_mb * 2**20)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.limits.max_body_mb * 2**20,
+        max_json_bytes=settings.limits.max_json_body_mb * 2**20,
+    )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)

@@ -22,7 +22,14 @@ from pydantic import ValidationError
 
 from rollout_server.settings import API_KEY_ENV, ServerSettings, check_model_ref
 
-_LIMIT_FLAGS = ("max_n", "max_tokens", "max_prompt_len", "max_batch_size", "max_body_mb")
+_LIMIT_FLAGS = (
+    "max_n",
+    "max_tokens",
+    "max_prompt_len",
+    "max_batch_size",
+    "max_body_mb",
+    "max_json_body_mb",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-tokens", type=int, help="completion tokens (default 4096)")
     limits.add_argument("--max-prompt-len", type=int, help="prompt tokens (default 8192)")
     limits.add_argument("--max-batch-size", type=int, help="prompts per request (default 512)")
-    limits.add_argument("--max-body-mb", type=int, help="request body MB (default 4096)")
+    limits.add_argument("--max-body-mb", type=int, help="weight upload body MB (default 4096)")
+    limits.add_argument(
+        "--max-json-body-mb",
+        type=int,
+        help="body MB of every route but the weight uploads (default 64)",
+    )
     engine = p.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int, help="context length (default: model's)")
     engine.add_argument(

@@ -43,25 +43,37 @@ class ApiKeyMiddleware:
         await _send_json(scope, send, 401, detail, [(b"www-authenticate", b"Bearer")])
 
 
+UPLOAD_PATHS = frozenset({"/weights/update", "/weights/bucket"})
+"""The routes whose body is weights (safetensors): ``max_body_mb`` applies to them, the small
+``max_json_body_mb`` to every other route."""
+
+
 class BodyLimitMiddleware:
-    """413 for a body over ``max_bytes``: a declared one before any of it is read, one sent
-    without a length (``Transfer-Encoding: chunked``) as soon as its bytes pass the limit.
+    """413 for a body over its route's limit (``max_bytes`` for the weight uploads of
+    ``UPLOAD_PATHS``, ``max_json_bytes`` for every other route): a declared one before any of
+    it is read, one sent without a length (``Transfer-Encoding: chunked``) as soon as its bytes
+    pass the limit.
 
     The streamed case raises ``HTTPException`` from ``receive``: the route reading the body
     (FastAPI's JSON parsing re-raises it, a weight route's stream too) answers the 413."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_json_bytes: int | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_json_bytes = max_bytes if max_json_bytes is None else max_json_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        mb = self.max_bytes // 2**20
+        if scope.get("path") in UPLOAD_PATHS:
+            limit, flag = self.max_bytes, "max_body_mb"
+        else:
+            limit, flag = self.max_json_bytes, "max_json_body_mb"
+        named = f"{flag}={limit // 2**20} (--{flag.replace('_', '-')})"
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            detail = f"body of {int(declared)} bytes exceeds max_body_mb={mb}"
+        if declared.isdigit() and int(declared) > limit:
+            detail = f"body of {int(declared)} bytes exceeds {named}"
             await _send_json(scope, send, 413, detail)
             return
         received = 0
@@ -71,10 +83,8 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise HTTPException(
-                        413, f"body of more than {self.max_bytes} bytes exceeds max_body_mb={mb}"
-                    )
+                if received > limit:
+                    raise HTTPException(413, f"body of more than {limit} bytes exceeds {named}")
             return message
 
         await self.app(scope, counted_receive, send)

@@ -12,9 +12,12 @@ flight), so engines need no locking of their own around weight loads.
 from __future__ import annotations
 
 import abc
+import copy
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from rollout_server.engine.prompt_render import RENDER_DEADLINE_S, encode_text, render_chat
 
 if TYPE_CHECKING:
     import torch
@@ -95,28 +98,41 @@ def prompt_ids(
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    max_chars: int | None = None,
+    deadline_s: float | None = None,
 ) -> list[int]:
     """The token ids of a text prompt, or of chat messages through the chat template: what a
-    server is given (the client of a stock vLLM server renders chat prompts with it too)."""
+    server is given (the client of a stock vLLM server renders chat prompts with it too).
+
+    ``max_chars``: text (rendered or given) longer than this is refused (``PromptTooLong``)
+    before it is encoded; ``deadline_s``: the template's rendering time (``RenderTimeout``)."""
     if isinstance(prompt, str):
-        return list(tokenizer(prompt)["input_ids"])
-    text = tokenizer.apply_chat_template(
+        return encode_text(tokenizer, prompt, max_chars=max_chars)
+    text = render_chat(
+        tokenizer,
         prompt,
-        tools=tools,
         add_generation_prompt=add_generation_prompt,
-        tokenize=False,
-        **(chat_template_kwargs or {}),
+        chat_template_kwargs=chat_template_kwargs,
+        tools=tools,
+        deadline_s=deadline_s,
     )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return encode_text(tokenizer, text, max_chars=max_chars, add_special_tokens=False)
 
 
 class HFTokenizerMixin:
     """``Engine.tokenize_prompt`` and ``Engine.decode`` for engines built on a Hugging Face
-    tokenizer (both are): the engine sets ``tokenizer`` and ``_tokenizer_lock`` (HF fast
-    tokenizers are not safe to share across threads)."""
+    tokenizer (both are): the engine sets ``tokenizer``, ``_tokenizer_lock`` and
+    ``_client_lock`` (HF fast tokenizers are not safe to share across threads).
+
+    Client prompts are rendered and encoded with a copy of the tokenizer under a lock of their
+    own: the decode loop detokenizes with the original under ``_tokenizer_lock``, so a client's
+    template or a long text never holds up the decoding of other requests."""
 
     tokenizer: Any
     _tokenizer_lock: Any
+    _client_lock: Any
+    _client_tokenizer: Any = None
+    render_deadline_s: float = RENDER_DEADLINE_S
 
     def tokenize_prompt(
         self,
@@ -125,17 +141,23 @@ class HFTokenizerMixin:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        max_chars: int | None = None,
     ) -> list[int]:
         """Ids pass through, text is encoded, chat messages go through the chat template."""
         if not isinstance(prompt, str) and not (prompt and isinstance(prompt[0], dict)):
             return [int(t) for t in prompt]
-        with self._tokenizer_lock:
+        with self._client_lock:
+            if self._client_tokenizer is None:
+                with self._tokenizer_lock:
+                    self._client_tokenizer = copy.deepcopy(self.tokenizer)
             return prompt_ids(
-                self.tokenizer,
+                self._client_tokenizer,
                 prompt,
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=chat_template_kwargs,
                 tools=tools,
+                max_chars=max_chars,
+                deadline_s=self.render_deadline_s,
             )
 
     def decode(self, token_ids: list[int]) -> str:
@@ -170,8 +192,10 @@ class Engine(abc.ABC):
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        max_chars: int | None = None,
     ) -> list[int]:
-        """Token ids of a prompt: ids unchanged, text encoded, chat messages templated."""
+        """Token ids of a prompt: ids unchanged, text encoded, chat messages templated; text
+        (given or rendered) longer than ``max_chars`` is refused before it is encoded."""
 
     @abc.abstractmethod
     def decode(self, token_ids: list[int]) -> str: ...

@@ -110,6 +110,7 @@ class TransformersEngine(HFTokenizerMixin, Engine):
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="transformers-engine")
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not thread-safe
+        self._client_lock = threading.Lock()  # client prompts: a copy of the tokenizer
         self._rng = random.Random(settings.seed)
         self.max_num_seqs = settings.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         self.max_batch_tokens = settings.max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS
@@ -165,7 +166,7 @@ class TransformersEngine(HFTokenizerMixin, Engine):
             await asyncio.gather(self._batcher, return_exceptions=True)
         while self._queue:
             self._queue.popleft().job.fail(EngineError("the engine was shut down"))
-        self._executor.shutdown(wait=True)
+        self._executor.shutdown(wait=True, cancel_futures=True)  # the decode stops at a step
         self.model = None
 
     async def _run(self, fn, *args):

@@ -108,8 +108,10 @@ class VLLMEngine(HFTokenizerMixin, Engine):
         )
         self._adapters = VllmAdapters(settings)  # the LoRA adapter served, if any
         # HF fast tokenizers are not safe to call from several threads at once ("Already
-        # borrowed"), and the service tokenizes in worker threads.
+        # borrowed"), and the service tokenizes in worker threads; client prompts are encoded
+        # with a copy of the tokenizer under a lock of their own (HFTokenizerMixin).
         self._tokenizer_lock = threading.Lock()
+        self._client_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
 

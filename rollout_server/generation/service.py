@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from typing import TYPE_CHECKING
 
 from rollout_server.engine.base import EngineError, UnsupportedError
+from rollout_server.engine.prompt_render import (
+    CHARS_PER_TOKEN,
+    PromptTooLong,
+    RenderTimeout,
+    text_chars,
+)
 from rollout_server.errors import BadRequest, NonFiniteWeights, ServiceError, Unavailable
+from rollout_server.generation.client_work import ClientWork
 from rollout_server.protocol import (
     GenerateRequest,
     GenerateResponse,
@@ -37,6 +45,10 @@ def _finite(logprobs: list[float]) -> bool:
 class GenerationService:
     def __init__(self, core: ServerCore) -> None:
         self.core = core
+        self.client_work = ClientWork()
+
+    def close(self) -> None:
+        self.client_work.close()
 
     def check_limits(self, req: GenerateRequest) -> None:
         lim = self.core.limits
@@ -52,42 +64,83 @@ class GenerationService:
                     f"server with a larger {flag})"
                 )
 
-    def _tokenize(self, req: GenerateRequest) -> list[list[int]]:
-        """Token ids of every prompt, each checked against the limits and the vocabulary."""
+    def _prompt_limit(self, max_model_len: int) -> tuple[int, str, str]:
+        """A prompt's token limit, its name and the flag that raises it."""
+        max_prompt_len = self.core.limits.max_prompt_len
+        limit = min(max_prompt_len, max_model_len - 1)
+        if limit == max_prompt_len:
+            return limit, "max_prompt_len", "--max-prompt-len"
+        return limit, "max_model_len - 1 (room for one completion token)", "--max-model-len"
+
+    def _tokenize(self, stop: threading.Event, req: GenerateRequest) -> list[list[int]]:
+        """Token ids of every prompt, each checked against the limits and the vocabulary.
+
+        Runs on the client-work thread; ``stop`` is set when the client left, and the prompts
+        not yet tokenized are then skipped."""
         engine = self.core.engine
         info = engine.info()
+        limit, which, flag = self._prompt_limit(info.max_model_len)
+        max_chars = limit * CHARS_PER_TOKEN
         out = []
         for i, prompt in enumerate(req.prompts):
+            if stop.is_set():
+                raise BadRequest("the client left before its prompts were tokenized")
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = [m.model_dump() for m in prompt]
+                chars = text_chars(prompt) + text_chars(req.tools)
+                what = "of chat messages and tools"
+            else:
+                chars = len(prompt) if isinstance(prompt, str) else 0
+                what = "of text"
+            too_long = (
+                f"more than the {max_chars} allowed before tokenizing ({CHARS_PER_TOKEN} per "
+                f"token of the limit {which} = {limit}): send a shorter prompt, or restart the "
+                f"server with a larger {flag}"
+            )
+            if chars > max_chars:
+                raise BadRequest(f"prompts[{i}] has {chars} characters {what}, {too_long}")
             try:
                 ids = engine.tokenize_prompt(
                     prompt,
                     add_generation_prompt=req.add_generation_prompt,
                     chat_template_kwargs=req.chat_template_kwargs,
                     tools=req.tools,
+                    max_chars=max_chars,
                 )
+            except PromptTooLong as exc:
+                raise BadRequest(
+                    f"prompts[{i}] renders through the chat template to {exc.chars} "
+                    f"characters, {too_long}"
+                ) from None
+            except RenderTimeout as exc:
+                raise BadRequest(
+                    f"prompts[{i}]: {exc} (its messages or chat_template_kwargs keep the "
+                    "server's template looping); nothing was generated"
+                ) from None
             except Exception as exc:  # template errors, bad message structure
                 raise BadRequest(
                     f"prompts[{i}] could not be tokenized: {type(exc).__name__}: {exc}"
                 ) from exc
-            out.append(self._check_prompt(i, ids, info.vocab_size, info.max_model_len))
+            out.append(self._check_prompt(i, ids, info.vocab_size, limit, which, flag))
         for t in req.stop_token_ids:
             if not 0 <= t < info.vocab_size:
                 raise BadRequest(f"stop_token_ids: {t} is not a token id (vocab {info.vocab_size})")
         return out
 
-    def _check_prompt(self, i: int, ids: list[int], vocab: int, max_model_len: int) -> list[int]:
+    async def tokenize(self, req: GenerateRequest) -> list[list[int]]:
+        """``_tokenize`` in a thread of the loop's own when every prompt is token ids (checked
+        in bounded time, nothing to render or encode), else on the client-work thread, so that
+        no text or chat prompt holds up the requests that send ids."""
+        if all(isinstance(p, list) and (not p or isinstance(p[0], int)) for p in req.prompts):
+            return await asyncio.to_thread(self._tokenize, threading.Event(), req)
+        return await self.client_work.run(self._tokenize, req)
+
+    def _check_prompt(
+        self, i: int, ids: list[int], vocab: int, limit: int, which: str, flag: str
+    ) -> list[int]:
         if not ids:
             raise BadRequest(f"prompts[{i}] is empty (no tokens); send at least one token")
-        max_prompt_len = self.core.limits.max_prompt_len
-        limit = min(max_prompt_len, max_model_len - 1)
         if len(ids) > limit:
-            which, flag = (
-                ("max_prompt_len", "--max-prompt-len")
-                if limit == max_prompt_len
-                else ("max_model_len - 1 (room for one completion token)", "--max-model-len")
-            )
             raise BadRequest(
                 f"prompts[{i}] has {len(ids)} tokens, more than the limit {which} = {limit}: "
                 f"send a shorter prompt, or restart the server with a larger {flag}"
@@ -119,7 +172,7 @@ class GenerationService:
         core.require_loaded()
         self.check_limits(req)
         self.check_tools(req)
-        prompt_ids = await asyncio.to_thread(self._tokenize, req)
+        prompt_ids = await self.tokenize(req)
         params = req.sampling()
         async with core.gate.read(abortable=True):
             core.require_ready()

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout_server.errors import BadRequest
 from rollout_server.protocol import ChatMessage, GenerateRequest
+from rollout_server.protocol.template_kwargs import check_template_kwargs
 
 
 class _OpenAIRequest(BaseModel):
@@ -128,6 +129,11 @@ class ChatCompletionRequest(_OpenAIRequest):
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_template_kwargs(value)
 
     def to_generate(self, default_max_tokens: int) -> GenerateRequest:
         self._refuse_unsupported()

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout_server.protocol.base import WireModel, refuse_lone_surrogates
+from rollout_server.protocol.template_kwargs import check_template_kwargs
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -103,7 +104,12 @@ class GenerateRequest(SamplingParams):
     prompts: list[PromptInput] = Field(min_length=1)
     n: int = Field(1, ge=1, description="samples per prompt")
     add_generation_prompt: bool = Field(True, description="for chat prompts")
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description='variables of the server\'s chat template, e.g. {"enable_thinking": '
+        "false}: names whose values are JSON scalars; apply_chat_template's own parameters "
+        "(chat_template, tokenize ...) are refused",
+    )
     tools: list[dict[str, Any]] | None = Field(
         None, description="tool schemas passed to the chat template (chat prompts only)"
     )
@@ -113,6 +119,11 @@ class GenerateRequest(SamplingParams):
     def _valid_unicode(cls, data: Any) -> Any:
         refuse_lone_surrogates(data)
         return data
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_template_kwargs(value)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams.model_validate(

@@ -16,7 +16,15 @@ class Limits(WireModel):
     max_tokens: int = Field(4096, ge=1)
     max_prompt_len: int = Field(8192, ge=1, description="prompt tokens")
     max_batch_size: int = Field(512, ge=1, description="prompts per request")
-    max_body_mb: int = Field(4096, ge=1, description="request body size, MB (weight buckets)")
+    max_body_mb: int = Field(
+        4096,
+        ge=1,
+        description="request body size of the weight uploads, MB (/weights/update, "
+        "/weights/bucket)",
+    )
+    max_json_body_mb: int = Field(
+        64, ge=1, description="request body size of every other route, MB (/generate ...)"
+    )
 
 
 class InfoResponse(WireModel):

@@ -46,6 +46,7 @@ SERVER_LIMITS = (
     "--max-batch-size=2",
     "--max-prompt-len=64",
     "--max-body-mb=1",
+    "--max-json-body-mb=1",
     "--max-model-len=512",
     "--max-num-seqs=4",
 )

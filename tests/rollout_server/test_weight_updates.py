@@ -63,7 +63,7 @@ def _weights_of(models, prompt: list[int], tokens: list[int], logprobs: list[flo
 def server(start_server, tiny_model_dir, tmp_path_factory):
     settings = ServerSettings(
         model=str(tiny_model_dir),
-        limits=Limits(max_body_mb=1),
+        limits=Limits(max_body_mb=1, max_json_body_mb=1),
         weights_dir=str(tmp_path_factory.getbasetemp()),  # the files of the bad-update cases
     )
     with start_server(settings) as s:
@@ -151,10 +151,10 @@ def _bad_cases(states, tmp):
         ("garbage", blob, {"content": b"\x00" * 64}, 400, ["not a valid safetensors"]),
         ("empty body", blob, {"content": b""}, 400, ["empty"]),
         ("too large", blob, {"content": b"\x00" * (2 * 2**20)}, 413, ["max_body_mb=1"]),
-        ("too large JSON", "/generate", {"json": {"prompts": ["x" * 2**21]}}, 413, ["max_body_mb=1"]),
-        ("too large chunked JSON", "/generate", {"content": _chunked(big_json), "headers": {"Content-Type": "application/json"}}, 413, ["max_body_mb=1"]),
+        ("too large JSON", "/generate", {"json": {"prompts": ["x" * 2**21]}}, 413, ["max_json_body_mb=1"]),
+        ("too large chunked JSON", "/generate", {"content": _chunked(big_json), "headers": {"Content-Type": "application/json"}}, 413, ["max_json_body_mb=1"]),
         ("too large chunked", blob, {"content": _chunked(b"\x00" * (2 * 2**20))}, 413, ["max_body_mb=1"]),
-        ("too large chunked OpenAI", "/v1/completions", {"content": _chunked(big_json)}, 413, ["max_body_mb=1"]),
+        ("too large chunked OpenAI", "/v1/completions", {"content": _chunked(big_json)}, 413, ["max_json_body_mb=1"]),
         ("NaN tensor", blob, {"content": save(nan)}, 400, ["'model.norm.weight' holds 64 non-finite values (NaN or inf)"]),
         ("inf in a file", "/weights/load_file", {"json": {"path": str(tmp / "inf.safetensors")}}, 400, ["'model.layers.1.mlp.up_proj.weight' holds 8192 non-finite"]),
         ("stale version", blob + "?version=0", {"content": save(b)}, 409, ["version=0"]),
