@@ -25,6 +25,7 @@ from learner.config.rollout import RolloutConfig
 from learner.run.checkpoint import TrainerState
 from learner.run.runtime import SetupError
 from learner.servers.embedded import embedded_for, embedded_key, free_ports
+from learner.servers.listening import ListenWatch
 from learner.sync.base import WeightTransport
 from rollout_server.client import (
     RolloutAuthError,
@@ -119,7 +120,21 @@ def own_server(
 
 async def servers_ready(client: RolloutClient, rollout: RolloutConfig) -> None:
     """Wait for the servers to be ready; one that never is, or that refuses the API key, is a
-    ``SetupError`` naming the setting."""
+    ``SetupError`` naming the setting. Configured servers (not the embedded one, which binds
+    its port once its model loaded) are watched meanwhile: an address where nothing listens is
+    said plainly at once and every 30 s (``learner.servers.listening``)."""
+    listen = ListenWatch(lambda: client.servers, rollout.ready_timeout_s)
+    watch = asyncio.create_task(listen.watch()) if rollout.external else None
+    try:
+        await _wait_ready(client, rollout, listen)
+    finally:
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+
+
+async def _wait_ready(client: RolloutClient, rollout: RolloutConfig, listen: ListenWatch) -> None:
     try:
         await client.wait_ready(rollout.ready_timeout_s)
     except RolloutAuthError as e:
@@ -129,6 +144,11 @@ async def servers_ready(client: RolloutClient, rollout: RolloutConfig) -> None:
             f"variable or rollout.api_key ({'one is' if rollout.key() else 'none is'} set)"
         ) from None
     except RolloutUnavailableError as e:
+        if nothing := [m for u in client.servers if (m := listen.nothing_listens(u))]:
+            raise SetupError(
+                f"rollout.servers: {e.server} not ready after {rollout.ready_timeout_s:g} s "
+                f"(rollout.ready_timeout_s): {'; '.join(nothing)}"
+            ) from None
         raise SetupError(
             f"rollout.servers: {e.server} {e.reason} (rollout.ready_timeout_s = "
             f"{rollout.ready_timeout_s:g})"
