@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -165,12 +166,21 @@ class CliError(ValueError):
 
 def read_key_file(path: str) -> str:
     """The key in ``path`` without surrounding whitespace (a trailing newline is usual); a
-    file holding only whitespace gives "", which the settings refuse by name."""
+    file holding only whitespace gives "", which the settings refuse by name. A warning on
+    stderr if the file's mode lets its group or other users in (it should be 0600)."""
     try:
         with open(path, encoding="utf-8") as f:
-            return f.read().strip()
+            key = f.read().strip()
+            mode = os.fstat(f.fileno()).st_mode
     except (OSError, UnicodeDecodeError) as exc:
         raise CliError(f"--api-key-file: cannot read {path!r}: {exc}") from exc
+    if key and mode & 0o077:  # (a blank key is refused: nothing to warn about)
+        print(
+            f"rollout-server: warning: --api-key-file {path!r} is open to other users (mode "
+            f"{stat.S_IMODE(mode):04o}): any of them can read the key; chmod 600 {path}",
+            file=sys.stderr,
+        )
+    return key
 
 
 def vllm_arg(item: str) -> tuple[str, Any]:

@@ -19,7 +19,8 @@ from rollout_server.metrics import Metrics
 
 class ApiKeyMiddleware:
     """Every HTTP request needs ``Authorization: Bearer <key>`` (docs and /health included);
-    the scheme is case-insensitive (RFC 7235), the key is compared in constant time."""
+    the scheme is case-insensitive (RFC 7235), the key is compared in constant time. A request
+    with several ``Authorization`` headers is refused (400), whatever they hold."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -29,7 +30,15 @@ class ApiKeyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        given_all = [v for k, v in scope["headers"] if k == b"authorization"]
+        if len(given_all) > 1:  # which one counts would be a guess: the client must say
+            detail = (
+                f"{len(given_all)} Authorization headers: send exactly one, "
+                "Authorization: Bearer <key>"
+            )
+            await _send_json(scope, send, 400, detail)
+            return
+        given = given_all[0] if given_all else b""
         scheme, _, key = given.partition(b" ")
         if scheme.lower() == b"bearer" and secrets.compare_digest(key.lstrip(b" "), self._key):
             await self.app(scope, receive, send)
@@ -112,8 +121,13 @@ async def _send_json(
     await send({"type": "http.response.body", "body": body})
 
 
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+
+
 class MetricsMiddleware:
-    """Counts requests and latency by route template (never by raw path: bounded labels)."""
+    """Counts requests and latency by route template and method; labels stay bounded: a path
+    no route matches is ``route="unmatched"``, a method outside ``HTTP_METHODS`` (a client may
+    send any token) ``method="other"``."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
@@ -137,7 +151,8 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             route = _route(scope, self.templates)
-            self.metrics.requests.labels(route, scope["method"], str(status)).inc()
+            method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
+            self.metrics.requests.labels(route, method, str(status)).inc()
             self.metrics.request_seconds.labels(route).observe(time.perf_counter() - start)
 
 

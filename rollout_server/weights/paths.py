@@ -2,7 +2,8 @@
 
 Without a limit the route opened any file the server process could read, and its errors told
 a caller which paths exist. Paths are resolved (symlinks, ``..``) before the check, and a path
-outside every directory is answered exactly as a missing one.
+outside every directory, or one no file can have (a NUL byte, a name too long), is answered
+exactly as a missing one.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ class WeightDirs:
         """``path`` resolved, if it exists inside one of the directories (resolved at each call:
         ``--weights-dir`` may be created after the server starts); else the error a missing
         file gets, naming ``shown`` (default ``path``)."""
-        resolved = Path(os.path.realpath(path))
-        inside = any(resolved.is_relative_to(os.path.realpath(d)) for d in self.dirs)
-        if not inside or not resolved.exists():
+        try:
+            resolved = Path(os.path.realpath(path))
+            inside = any(resolved.is_relative_to(os.path.realpath(d)) for d in self.dirs)
+            found = inside and resolved.exists()
+        except (ValueError, OSError):  # a NUL byte, a name too long: no such file either
+            found = False
+        if not found:
             where = ", ".join(self.dirs) or "none: the model is a hub id"
             raise WeightsError(
                 f"cannot read {shown or path}: no such file or directory on the server under "

@@ -85,6 +85,18 @@ def test_a_header_without_the_bearer_scheme_is_told_the_format(server, header):
     assert detail == "malformed Authorization header: expected Authorization: Bearer <key>"
 
 
+@pytest.mark.parametrize("order", [("nope", KEY), (KEY, "nope"), (KEY, KEY)])
+def test_two_authorization_headers_are_refused_whatever_they_hold(server, order):
+    headers = [("Authorization", f"Bearer {key}") for key in order]
+    with httpx.Client(base_url=server.url) as http:
+        r = http.get("/ready", headers=headers)
+        assert r.status_code == 400, r.text
+        assert r.json()["detail"] == (
+            "2 Authorization headers: send exactly one, Authorization: Bearer <key>"
+        )
+        assert http.get("/ready", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
 @pytest.mark.parametrize(
     ("key", "answer"), [(None, "missing API key"), ("nope", "invalid API key")]
 )

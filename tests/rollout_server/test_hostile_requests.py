@@ -236,6 +236,20 @@ def test_docs_openapi_and_refused_bodies_have_route_labels(http):
     assert 'route="/nope"' not in http.get("/metrics").text  # still no raw paths
 
 
+def test_made_up_methods_and_paths_fold_into_one_label_each(http):
+    before = http.get("/metrics").text.count("rollout_http_requests_total{")
+    for i in range(40):
+        assert http.request(f"BREW{i}", "/health").status_code == 405
+        assert http.get(f"/made-up-{i}").status_code == 404
+        assert http.request(f"BREW{i}", f"/made-up-{i}").status_code == 404
+    text = http.get("/metrics").text
+    assert "BREW" not in text and "made-up" not in text
+    assert 'method="other",route="/health",status="405"' in text
+    assert 'method="other",route="unmatched",status="404"' in text
+    # a handful of new series (and /metrics' own), not 120
+    assert text.count("rollout_http_requests_total{") - before <= 4
+
+
 def test_sleep_without_a_body_is_level_one_like_wake_up(http):
     r = http.post("/sleep")
     assert r.status_code == 200, r.text

@@ -47,6 +47,20 @@ def test_a_blank_key_is_refused_in_one_line_naming_the_flag(tmp_path, capsys, mo
     assert "whitespace" in err
 
 
+def test_a_key_file_open_to_other_users_is_warned_about(tmp_path, capsys):
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    args = ["--model", "m", "--api-key-file", str(key_file)]
+    key_file.chmod(0o644)
+    assert settings_from_args(build_parser().parse_args(args)).api_key == KEY
+    err = capsys.readouterr().err
+    assert err.startswith("rollout-server: warning: --api-key-file") and err.count("\n") == 1
+    assert "mode 0644" in err and f"chmod 600 {key_file}" in err, err
+    key_file.chmod(0o600)
+    assert settings_from_args(build_parser().parse_args(args)).api_key == KEY
+    assert capsys.readouterr().err == ""
+
+
 def test_a_missing_key_file_or_two_keys_are_refused(tmp_path, capsys):
     assert main(["--model", "m", "--api-key-file", str(tmp_path / "nope")]) == 2
     assert "--api-key-file: cannot read" in capsys.readouterr().err
@@ -166,6 +180,8 @@ def test_load_file_reads_the_weights_dir_and_the_models_own(server, dirs, tiny_m
         "allowed/link.safetensors",  # a link inside, to a file outside
         "allowed/linked-dir",  # a link inside, to a directory outside
         "/etc/passwd",
+        "allowed/model\0.safetensors",  # a NUL byte: no file has one in its name
+        "allowed/" + "x" * 5000,  # a name longer than a file system allows
     ],
 )
 def test_load_file_answers_a_path_outside_as_a_missing_one(server, dirs, outside):
