@@ -172,12 +172,26 @@ def overflow(values: Sequence[float]) -> str | None:
     return None
 
 
+_ATOMS = frozenset({str, bytes, int, float, bool, type(None)})
+
+
 def _own_copy(value: Any) -> Any:
-    """A copy of an argument for one reward call, so that what it changes no other call sees."""
+    """A copy of an argument for one reward call, so that what it changes no other call sees:
+    lists and dicts copied all the way down, those of plain values (token ids, strings) at C
+    speed; anything else deep-copied, or passed as it is where it cannot be (a lock, a client)."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return value
+    if kind is list:
+        return value.copy() if _ATOMS.issuperset(map(type, value)) else list(map(_own_copy, value))
+    if kind is dict:
+        if _ATOMS.issuperset(map(type, value.values())):
+            return value.copy()
+        return {k: _own_copy(v) for k, v in value.items()}
     try:
         return copy.deepcopy(value)
-    except Exception:  # not deep-copyable (a lock, a client): a list at least is copied
-        return list(value) if isinstance(value, list) else value
+    except Exception:
+        return value
 
 
 def _accepted(fn: Callable, columns: dict[str, Any]) -> dict[str, Any]:

@@ -111,36 +111,37 @@ async def test_an_int_too_large_for_a_float_is_a_named_output_error():
 
 
 async def test_a_function_that_changes_its_arguments_changes_only_its_own_copy():
-    """One function clears the completions, rewrites a chat prompt and a column in place while
-    another reads them: the other scores what was generated, nobody is blamed, and the caller's
+    """One function clears the completions, rewrites a chat prompt, a column and the token ids
+    in place while another reads them: the other scores what was generated, nobody is blamed, and the caller's
     lists are as they were."""
     changed = threading.Event()
 
-    def vandal(prompts, completions, gold):
+    def vandal(prompts, completions, gold, completion_ids):
         n = len(completions)
         completions.clear()
         prompts[0][0]["content"] = "changed"
         gold[:] = ["x"] * n
+        completion_ids[0].append(99)
         changed.set()
         return [0.0] * n
 
     seen: dict[str, object] = {}
 
-    def reader(prompts, completions, gold):
+    def reader(prompts, completions, gold, completion_ids):
         assert changed.wait(30)  # reads after the vandal changed its arguments
-        seen.update(prompt=prompts[0][0]["content"], gold=list(gold))
+        seen.update(prompt=prompts[0][0]["content"], gold=list(gold), ids=completion_ids[0])
         return [float(len(c)) for c in completions]
 
     prompts = [[{"role": "user", "content": f"p{i}"}] for i in range(3)]
-    completions, gold = list(COMPLETIONS), ["a", "b", "c"]
+    completions, gold, ids = list(COMPLETIONS), ["a", "b", "c"], [[1], [2, 2], [3, 3, 3]]
     runner = RewardRunner(
         [RewardSpec(name="vandal"), RewardSpec(name="reader")],
         funcs={"vandal": vandal, "reader": reader},
     )
     for _ in range(2):  # and the next batch sees nothing of the first's changes
-        res = await runner.score(prompts, completions, {"gold": gold})
+        res = await runner.score(prompts, completions, {"gold": gold, "completion_ids": ids})
         assert res.per_function["reader"] == [1.0, 2.0, 3.0]
-        assert seen == {"prompt": "p0", "gold": ["a", "b", "c"]}
+        assert seen == {"prompt": "p0", "gold": ["a", "b", "c"], "ids": [1]}
         changed.clear()
-    assert completions == COMPLETIONS and gold == ["a", "b", "c"]
+    assert completions == COMPLETIONS and gold == ["a", "b", "c"] and ids[0] == [1]
     assert prompts[0][0]["content"] == "p0"
