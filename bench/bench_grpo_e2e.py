@@ -5,7 +5,7 @@
     python bench/bench_grpo_e2e.py --model DIR --model-shape qwen3-4b --out e2e4.json
         --modes colocated4 [--trl-json trl4.json] | --modes split4,overlap4 | --modes verl
 
-Workload (the issue's, same as bench_trl_grpo.py): random-weight Qwen3-0.6B shape, bf16,
+Workload (the same as bench_trl_grpo.py's): random-weight Qwen3-0.6B shape, bf16,
 16 chat prompts x 8 samples x up to 256 completion tokens per optimizer step, the built-in
 ``length`` reward (characters, target 64). The learner has no ignore-EOS option, so lengths
 are not forced; a random-weight model over a 151,936-token vocabulary almost never samples
@@ -111,7 +111,7 @@ from e2e_procs import (
 from gpu_common import API_KEY, ROOT, GpuMemoryPeak, ServerProcess, gpu_env
 from host_probe import host_facts
 from proc_tree import MARK_ENV, mark
-from weights_check import embedded_servers, learner_final_check, read_served
+from weights_check import embedded_servers, learner_final_check, learner_paused, read_served
 
 from grpo_common.net import free_port
 
@@ -366,8 +366,11 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dic
             deadline = time.monotonic() + args.timeout
             result["learner_cut_short"] = wait_for_steps(learner, servers, run_dir, steps, deadline)
             # the last step's weights are on the servers now: read them before they stop
-            urls = [(s.url, API_KEY) for s in servers] or embedded_servers(tag)
-            served = read_served(urls)
+            if servers:
+                served = read_served([(s.url, API_KEY) for s in servers])
+            else:  # colocated4: each rank's own server, which the rank stops once it ends
+                with learner_paused(tag):
+                    served = read_served(embedded_servers(tag))
         result["wall_s"] = time.monotonic() - t_start
         records = read_metrics(run_dir)
         result["step_seconds"] = [r.get("time/step") for r in records]
@@ -452,15 +455,15 @@ def check_environment(args: argparse.Namespace, modes: list[str]) -> None:
         )
     if importlib.util.find_spec("vllm") is None:
         raise BenchError(
-            "vLLM is not importable: on the GPU machine export PYTHONPATH=/tmp/site "
-            "(bench/gpu_suite.sh step setup installs it there)"
+            'vLLM is not importable: pip install -e ".[vllm,deepspeed]" (bench/gpu_suite.sh\'s '
+            "setup step names what is missing)"
         )
     zero3 = args.split_launcher == "zero3" and bool(set(SPLIT_LIKE) & set(modes))
     zero3 |= args.colocated_launcher == "zero3" and "colocated" in modes
     zero3 |= bool(set(LAYOUTS4) & set(modes))  # always ZeRO-3 over their learner GPUs
     if zero3 and importlib.util.find_spec("deepspeed") is None:
         raise BenchError(
-            "the zero3 launcher needs DeepSpeed: export PYTHONPATH=/tmp/site, or "
+            'the zero3 launcher needs DeepSpeed: pip install -e ".[deepspeed]", or '
             "--split-launcher python"
         )
 

@@ -1,4 +1,4 @@
-"""Peak learner memory and step time with each memory option on vs off (issue 7).
+"""Peak learner memory and step time with each memory option on vs off.
 
     python bench/bench_memory_options.py --out memory.json [--model DIR]   # one CUDA GPU
     python bench/bench_memory_options.py --cpu-smoke --out smoke.json       # same code, CPU

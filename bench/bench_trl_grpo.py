@@ -243,13 +243,13 @@ def check_environment(args: argparse.Namespace) -> None:
     for mod, why in (("trl", "TRL 1.16"), ("datasets", "datasets"), ("transformers", "")):
         if importlib.util.find_spec(mod) is None:
             raise BenchError(
-                f"{why or mod} is not importable: on the GPU machine export PYTHONPATH=/tmp/site "
-                "(the bundle of bench/gpu_suite.sh step setup), elsewhere pip install trl==1.16.0"
+                f"{why or mod} is not importable: pip install trl==1.16.0 (the TRL baseline; "
+                "bench/gpu_suite.sh's setup step names what is missing)"
             )
     if args.cpu != args.no_vllm:
         raise BenchError("--cpu and --no-vllm go together (vLLM needs a GPU)")
     if not args.no_vllm and importlib.util.find_spec("vllm") is None:
-        raise BenchError("vLLM is not importable: export PYTHONPATH=/tmp/site on the GPU machine")
+        raise BenchError('vLLM is not importable: pip install -e ".[vllm,deepspeed]"')
     if not args.cpu:
         import torch
 

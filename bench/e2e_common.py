@@ -17,14 +17,14 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-# The workload of the issue: random-weight Qwen3-0.6B shape, bf16, 16 prompts x 8 samples x
+# The workload: random-weight Qwen3-0.6B shape, bf16, 16 prompts x 8 samples x
 # 256 completion tokens per optimizer step. The reference figure is TRL 1.16's median on an H200.
 PROMPTS_PER_STEP = 16
 NUM_GENERATIONS = 8
 MAX_TOKENS = 256
 MAX_MODEL_LEN = 1024  # prompts are ~120 tokens: room for 256 more, same for both sides
 REWARD_TARGET_CHARS = 64
-TRL_REFERENCE_S = 3.88  # TRL 1.16 GRPOTrainer + colocated vLLM, H200 (issue); 3.99 with Liger
+TRL_REFERENCE_S = 3.88  # TRL 1.16 GRPOTrainer + colocated vLLM, H200, measured; 3.99 with Liger
 DESIGN_TARGET_COLOCATED_S = 2.6  # the colocated step this workload aims at (one GPU)
 
 # Phase timings of one learner step (metrics.jsonl keys, learner/trainer.py and rollouts.py).
@@ -254,7 +254,7 @@ def verdicts(
     same_workload: bool = True,
     same_run: bool = True,
 ) -> list[dict[str, Any]]:
-    """The issue's acceptance checks on ``{"trl": …, "colocated": …, "split": …, "overlap": …}``
+    """The acceptance checks on ``{"trl": …, "colocated": …, "split": …, "overlap": …}``
     (overlap optional); the TRL comparison is only made when TRL ran the same workload
     (``same_workload``) on the same host in the same suite run (``same_run``)."""
     trl, colo, split, overlap = (
@@ -272,16 +272,16 @@ def verdicts(
 
     add("colocated faster than TRL (same GPU, this run)", colo, trl, "TRL median, this run")
     add("split faster than colocated", split, colo, "colocated median, this run")
-    add("colocated faster than TRL reference", colo, TRL_REFERENCE_S, "3.88 s (issue, H200)")
+    add("colocated faster than TRL reference", colo, TRL_REFERENCE_S, "3.88 s (TRL, H200)")
     add("colocated within design target", colo, DESIGN_TARGET_COLOCATED_S, "2.6 s (target)")
     if "overlap" in results:
         add("overlap faster than synchronous split", overlap, split, "split median, this run")
-        # the issue's "the 2-GPU run must be faster still": its best 2-GPU mode
+        # two GPUs must be faster still than one: its best 2-GPU mode
         add("overlap (2 GPUs) faster than colocated", overlap, colo, "colocated median, this run")
     return checks
 
 
-# -- the 4-GPU layouts: efficiency figures and verdicts (issue 37) ----------------------------
+# -- the 4-GPU layouts: efficiency figures and verdicts ---------------------------------------
 
 #: what the figures of one run hold (each present, None where it cannot be had, e.g. on CPU)
 FIGURE_KEYS = (
@@ -289,7 +289,7 @@ FIGURE_KEYS = (
     "peak_gpu_mib", "peak_gpu_mib_max", "sync_s", "sync_bytes", "nccl_gb_per_s",
     "sync_bound_s", "sync_vs_bound",
 )  # fmt: skip
-SPEEDUP_VS_TRL = 1.5  # the issue's acceptance: ours (best layout) >= 1.5x TRL's colocated step
+SPEEDUP_VS_TRL = 1.5  # the target: ours (best layout) >= 1.5x TRL's colocated step
 SYNC_BOUND_FACTOR = 2.0  # a full NCCL sync within 2x of bytes / measured bandwidth
 
 
@@ -346,7 +346,7 @@ def verdicts4(
     same_workload: bool = True,
     same_run: bool = True,
 ) -> list[dict[str, Any]]:
-    """The issue's checks on the 4-GPU layouts (``colocated4``, ``split4``, ``overlap4``, with
+    """The checks on the 4-GPU layouts (``colocated4``, ``split4``, ``overlap4``, with
     ``trl`` TRL's 4-GPU colocated run): the best of ours at least 1.5x faster than TRL in this
     run, the overlapped split faster than the synchronous one, and the synchronous split's sync
     phase within 2x of bytes / bandwidth. TRL is compared only from this run and workload."""
@@ -472,7 +472,7 @@ def _overlap_view(run: dict[str, Any]) -> dict[str, Any]:
 
 def overlap_report(sync: dict[str, Any], overlap: dict[str, Any]) -> dict[str, Any]:
     """Two bench_grpo_e2e.py results in mode ``split`` (``--split-max-staleness 0`` and ``1``,
-    same machine and workload) as one report with the issue's verdict: overlap faster than
+    same machine and workload) as one report with the verdict: overlap faster than
     synchronous. ``overlap_ran_ahead`` says whether the overlapped run really trained on samples
     from older weights (mean staleness > 0); if not, its speed proves nothing about overlap."""
     a, b = _overlap_view(_split_run(sync)), _overlap_view(_split_run(overlap))

@@ -1,4 +1,4 @@
-"""The 4-GPU layouts of bench_grpo_e2e.py (issue 37): which GPUs, processes and servers each
+"""The 4-GPU layouts of bench_grpo_e2e.py: which GPUs, processes and servers each
 mode uses, what the learner is told, and the figures every run gets (tokens/s, MFU, peak memory,
 weight sync against bytes / measured NCCL bandwidth).
 
@@ -252,17 +252,15 @@ def attach_figures(
 
 
 def verl_run() -> dict[str, Any]:
-    """veRL's GRPO on the same GPUs and workload: only where ``verl`` and ``ray`` import. The
-    GPU machine has no network, so it runs only if the wheel bundle carries them; a missing
-    baseline is a failed run, never an ok one."""
+    """veRL's GRPO on the same GPUs and workload: only where ``verl`` and ``ray`` import; a
+    missing baseline is a failed run, never an ok one."""
     missing = [m for m in ("verl", "ray") if importlib.util.find_spec(m) is None]
     if missing:
         where = os.environ.get("PYTHONPATH") or "(no PYTHONPATH)"
         return {
             "status": "error",
-            "error": f"verl not installed: no module {', '.join(missing)} importable (searched "
-            f"{where}; the wheel bundle, ../shared/device/vllm-wheels.txt and extra-wheels.txt, "
-            "carries neither)",
+            "error": f"verl not installed: no module {', '.join(missing)} importable (PYTHONPATH "
+            f"{where}): pip install verl ray",
         }
     return {
         "status": "error",

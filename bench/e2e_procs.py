@@ -96,7 +96,7 @@ def wait_for_steps(
                 raise BenchError(f"the rollout server on GPU {server.gpu} exited with code {rc}")
         if time.monotonic() > deadline:
             raise BenchError(f"timed out with {logged_steps(run_dir)} of {steps} steps logged")
-        time.sleep(0.1)  # the served weights are read right after the last step
+        time.sleep(0.05)  # the served weights are read right after the last step
 
 
 def start_servers(servers: list[ServerProcess], timeout_s: float) -> None:

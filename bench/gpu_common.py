@@ -48,8 +48,8 @@ def require_modules(script: str, modules: dict[str, str]) -> None:
     missing = [pip for mod, pip in modules.items() if importlib.util.find_spec(mod) is None]
     if missing:
         print(
-            f"{script}: error: missing dependencies: {', '.join(missing)} (on the GPU machine: "
-            "PYTHONPATH=/tmp/site, which bench/gpu_suite.sh step setup installs)",
+            f"{script}: error: missing dependencies: {', '.join(missing)} (pip install -e "
+            '".[vllm,deepspeed]"; the baselines: pip install trl==1.16.0 liger-kernel==0.8.5)',
             file=sys.stderr,
         )
         raise SystemExit(2)

@@ -340,8 +340,8 @@ trl4_ok() {  # whether this suite run already has a 4-GPU TRL result that finish
 export -f trl4_ok
 
 run_trl4() {  # $1: time limit (s). TRL 1.16 on the 4 GPUs, its result in $TRL4_JSON and $OUT
-  local limit=$1 rc port log=$LOGS/trl4.log
-  mkdir -p "$(dirname "$TRL4_JSON")" && rm -f "$TRL4_JSON"
+  local limit=$1 rc port log=$LOGS/trl4/trl.log
+  mkdir -p "$(dirname "$TRL4_JSON")" "$LOGS/trl4" && rm -f "$TRL4_JSON"
   port=$(python3 -c "from grpo_common.net import free_port; print(free_port())")
   echo "-- trl x${E2E4_RANKS:-4} (limit ${limit}s, ${E2E4_STEPS:-8} steps) -> $log"
   GRPO_BENCH_RUN=$GRPO_BENCH_RUN/trl4 timeout -k 10 "$limit" python3 -m accelerate.commands.launch \
@@ -352,7 +352,7 @@ run_trl4() {  # $1: time limit (s). TRL 1.16 on the 4 GPUs, its result in $TRL4_
   rc=$?
   end_marked "$GRPO_BENCH_RUN/trl4"  # every rank and vLLM worker, before ours start
   echo "-- trl: rc $rc"; tail -n 8 "$log"
-  [ -f "$TRL4_JSON" ] || echo "{\"status\": \"error\", \"error\": \"TRL run (4 processes): rc $rc (timeout: 124/137), see logs/trl4.log\"}" > "$TRL4_JSON"
+  [ -f "$TRL4_JSON" ] || echo "{\"status\": \"error\", \"error\": \"TRL run (4 processes): rc $rc (timeout: 124/137), see logs/trl4/trl.log\"}" > "$TRL4_JSON"
   cp "$TRL4_JSON" "$OUT/bench_trl4.json"
   return $rc
 }

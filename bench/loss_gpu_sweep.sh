@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Tuning sweep of the fused loss on one GPU (issue 6): the GPU tests of the loss kernels, then
+# Tuning sweep of the fused loss on one GPU: the GPU tests of the loss kernels, then
 # the per-chunk breakdown of `fused` with and without anchored tiles (GRPO_FUSED_ANCHORED) and
-# at several chunk sizes. Output: $OUT/sweep.txt (and the junit report). Usage, in the device
-# run:   OUT=$OUT bash bench/loss_gpu_sweep.sh            # SWEEP_TESTS=0 skips the tests
+# at several chunk sizes. Output: $OUT/sweep.txt (and the junit report). Usage:
+#   OUT=$OUT bash bench/loss_gpu_sweep.sh            # SWEEP_TESTS=0 skips the tests
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"

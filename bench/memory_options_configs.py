@@ -27,7 +27,7 @@ BASELINE: dict[str, Any] = {k: False for k in OPTIONS} | {
     "lora_adapter_dtype": "float32",
     "lora_quantization": "none",
 }
-# name -> what differs from the baseline; the default list is the issue's, "all_on" early and
+# name -> what differs from the baseline; the default list: every option alone, "all_on" early and
 # the slowest (offloading: every activation crosses PCIe twice) last, so a budget cut loses least.
 CONFIGS: dict[str, dict[str, Any]] = {
     "baseline": {},

@@ -11,7 +11,9 @@ relative 1e-9 (float64 sums taken on different devices).
 The servers a learner rank embeds (``rollout.embedded.per_rank``) are not known to the bench
 by URL: they are found among the run's processes (``proc_tree``), by their command line
 (``rollout_server ... --port N``); their key reaches them through their environment, where the
-bench, which started the whole tree, reads it for this one read-only request.
+bench, which started the whole tree, reads it for this one read-only request. Such a rank
+stops its server soon after its last step, so the ranks are held (SIGSTOP, then SIGCONT)
+while the servers are read (``learner_paused``).
 
     python3 bench/weights_check.py digest MODEL_DIR [--device cuda]   # prints DIGEST {...}
 """
@@ -21,14 +23,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proc_tree import PROC, run_pids
+from proc_tree import PROC, descendants, run_pids
 
 REL_TOL = 1e-9
 API_KEY_ENV = "ROLLOUT_API_KEY"  # rollout_server.settings.API_KEY_ENV
@@ -90,6 +95,34 @@ def embedded_servers(tag: str, proc: Path = PROC) -> list[tuple[str, str | None]
         port = int(argv[i + 1])
         found[port] = (f"http://127.0.0.1:{port}", _env_value(pid, API_KEY_ENV, proc))
     return [found[p] for p in sorted(found)]
+
+
+def server_trees(tag: str, proc: Path = PROC) -> set[int]:
+    """Run ``tag``'s rollout servers (``embedded_servers``' processes) and all they started
+    (vLLM's engine and workers)."""
+    leaders = []
+    for pid in run_pids(tag, proc=proc):
+        argv = _argv(pid, proc)
+        if "rollout_server" in argv and "--port" in argv:
+            leaders.append(pid)
+    return descendants(leaders, proc)
+
+
+@contextlib.contextmanager
+def learner_paused(tag: str) -> Iterator[list[int]]:
+    """Every process of run ``tag`` but its rollout servers' stopped (SIGSTOP) for the block,
+    then continued: a learner rank that starts its own server stops it right after its last
+    step and checkpoint, so the served weights are read with the ranks held still."""
+    paused = sorted(run_pids(tag) - server_trees(tag))
+    for pid in paused:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGSTOP)
+    try:
+        yield paused
+    finally:
+        for pid in paused:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def final_digest(model_dir: Path, env: dict[str, str], device: str, timeout_s: float) -> dict:

@@ -279,7 +279,7 @@ def test_suite_fails_each_4gpu_step_on_a_machine_without_them(tmp_path: Path) ->
         assert steps[step]["status"] == "failed"
         assert f"no result file bench_{step}.json" in steps[step]["why"]
     run_work = work / "runs" / "r4"  # this suite run's own files
-    trl_log = (run_work / "logs" / "trl4.log").read_text()
+    trl_log = (run_work / "logs" / "trl4" / "trl.log").read_text()
     assert "DeepSpeed is not installed" in trl_log
     trl = json.loads((run_work / "trl4" / "trl.json").read_text())
     assert trl["status"] == "error" and "TRL run (4 processes)" in trl["error"]
@@ -323,6 +323,13 @@ def _assert_reported(result: dict, mode: str, stdout: str) -> None:
     assert mode in stdout and "gen tok/s" in stdout and "peak GiB per GPU" in stdout
     assert result["run"]["host"] and result["bandwidth"]["status"] == "skipped"
     assert "CPU smoke run" in result["note"] and "pending_modes" not in result
+    # every server (the bench's, or each rank's own) served the learner's final weights
+    w = r["weights"]
+    assert w["match"] is True, w
+    assert len(w["served"]) == 2 and all(s["weight_version"] >= 3 for s in w["served"])
+    assert all(s["checksum"] == pytest.approx(w["learner"]["checksum"], rel=1e-9)
+               for s in w["served"])  # fmt: skip
+    assert r["processes_ended"]["left"] == [] and r["gpu_holders"]["problems"] == []
 
 
 @pytest.mark.slow
