@@ -45,8 +45,10 @@
 #   SUITE_STEPS="setup e2e4_split" bash bench/gpu_suite.sh
 # Per-step settings: T_<STEP> (its time limit, s), E2E_ARGS / E2E4_ARGS (more flags for
 # bench_grpo_e2e.py), E2E_TRL_ARGS / E2E4_TRL_ARGS (for bench_trl_grpo.py), E2E4_STEPS (8),
-# E2E4_RANKS (4), MEMORY_ARGS, OVERLAP_ARGS, BENCH_ROLLOUT_ARGS, NATIVE_SYNC_MODELS,
-# LORA_SYNC_MODEL; the step functions below say what each takes.
+# E2E4_RANKS (4), E2E_FINISH_TIMEOUT / E2E4_FINISH_TIMEOUT (40 / 90: s the learner has after
+# its last step to save the final model whose weights are compared with the served ones),
+# MEMORY_ARGS, OVERLAP_ARGS, BENCH_ROLLOUT_ARGS, NATIVE_SYNC_MODELS, LORA_SYNC_MODEL; the step
+# functions below say what each takes.
 #
 # Every process a step starts carries the suite run's marker in its environment
 # (GRPO_BENCH_RUN; bench/proc_tree.py) and is ended after the step, whatever its process group
@@ -273,8 +275,8 @@ export -f end_marked
 
 e2e_ours() {  # bench_grpo_e2e.py: $1 step name, $2 seconds left for its $3 modes, then flags
   local name=$1 left=$2 modes=$3 finish=${E2E_FINISH_TIMEOUT:-40}; shift 3
-  # each mode: its share, less the server's start and the learner's final save and digest
-  local mode_limit=$(( left / modes - 60 - 2 * finish ))
+  # each mode: its share, less the server's start and the learner's final save
+  local mode_limit=$(( left / modes - 60 - finish ))
   [ "$mode_limit" -gt "${T_E2E_MODE:-190}" ] && mode_limit=${T_E2E_MODE:-190}
   python3 bench/bench_grpo_e2e.py --model "$GRPO_GPU_MODEL" --out "$OUT/bench_$name.json" \
     --log-dir "$LOGS/$name" --work-dir "$RUN_WORK/$name/runs" \
@@ -316,7 +318,7 @@ step_model4() {
     && rm -rf "$E2E4_MODEL" && mv "$E2E4_MODEL.tmp" "$E2E4_MODEL"
 }
 
-E2E4_FINISH_TIMEOUT=${E2E4_FINISH_TIMEOUT:-60}  # the learner's last checkpoint and final model
+E2E4_FINISH_TIMEOUT=${E2E4_FINISH_TIMEOUT:-90}  # the learner's last checkpoint and final model
 export E2E4_FINISH_TIMEOUT
 
 e2e4_ours() {  # bench_grpo_e2e.py on the 4-GPU model: $1 step, $2 seconds left, $3 per-mode limit, then flags
@@ -375,7 +377,7 @@ step_e2e4_colocated() {
   [ "$trl_limit" -gt "${T_E2E4_TRL:-250}" ] && trl_limit=${T_E2E4_TRL:-250}
   if trl4_ok; then echo "-- TRL: this suite run's result, $TRL4_JSON"; else run_trl4 "$trl_limit"; fi
   local left=$(( STEP_LIMIT - (SECONDS - t0) - 20 ))
-  e2e4_ours e2e4_colocated "$left" $(( left - 60 - 2 * E2E4_FINISH_TIMEOUT )) --modes colocated4 \
+  e2e4_ours e2e4_colocated "$left" $(( left - 60 - E2E4_FINISH_TIMEOUT )) --modes colocated4 \
     --ranks "${E2E4_RANKS:-4}" --trl-json "$TRL4_JSON"
 }
 
@@ -388,7 +390,7 @@ step_e2e4_split() {
   rm -rf "$RUN_WORK/e2e4_split" && mkdir -p "$LOGS/e2e4_split"
   trl4_ok || echo "-- no TRL result in this suite run ($TRL4_JSON): run step trl4 first with SUITE_RUN_ID=$SUITE_RUN_ID"
   local left=$(( STEP_LIMIT - 20 ))
-  e2e4_ours e2e4_split "$left" $(( left / 2 - 100 - 2 * E2E4_FINISH_TIMEOUT )) \
+  e2e4_ours e2e4_split "$left" $(( left / 2 - 100 - E2E4_FINISH_TIMEOUT )) \
     --modes split4,overlap4 --trl-json "$TRL4_JSON"
 }
 
@@ -451,10 +453,11 @@ step_overlap() {
   rm -rf "$d" && mkdir -p "$d" "$LOGS/overlap"
   for s in 0 1; do
     echo "-- max_staleness $s (limit ${limit}s, ${OVERLAP_STEPS:-12} steps)"
-    timeout -k 15 $(( limit + 40 )) python3 bench/bench_grpo_e2e.py --model "$GRPO_GPU_MODEL" \
+    timeout -k 15 $(( limit + 40 + 2 * ${E2E_FINISH_TIMEOUT:-40} )) python3 bench/bench_grpo_e2e.py --model "$GRPO_GPU_MODEL" \
       --modes split --split-max-staleness "$s" --steps-split "${OVERLAP_STEPS:-12}" \
       --out "$d/staleness$s.json" --log-dir "$LOGS/overlap/staleness$s" \
-      --work-dir "$d/runs$s" --timeout "$limit" --server-timeout 120 ${OVERLAP_ARGS:-} || rc=1
+      --work-dir "$d/runs$s" --timeout "$limit" --server-timeout 120 \
+      --finish-timeout "${E2E_FINISH_TIMEOUT:-40}" ${OVERLAP_ARGS:-} || rc=1
     end_marked "$GRPO_BENCH_RUN"  # what the run left (this step's own shell is spared)
   done
   python3 - "$d/staleness0.json" "$d/staleness1.json" "$OUT/bench_overlap.json" <<'EOF' || rc=1
@@ -481,7 +484,7 @@ limit_for() {  # seconds allowed for a step: its own limit, capped by what is le
     model4) own=${T_MODEL4:-240} ;;
     trl4) own=${T_TRL4:-300} ;;
     e2e4_colocated) own=${T_E2E4_COLOCATED:-540} ;;
-    e2e4_split) own=${T_E2E4_SPLIT:-560} ;;
+    e2e4_split) own=${T_E2E4_SPLIT:-580} ;;
     e2e4_verl) own=${T_E2E4_VERL:-120} ;;
     overlap) own=${T_OVERLAP:-420} ;;
     native_sync) own=${T_NATIVE_SYNC:-480} ;;
