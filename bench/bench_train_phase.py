@@ -57,6 +57,7 @@ VARIANTS: dict[str, tuple[str | None, list[str]]] = {
     "auto": ("zero3", []),  # what the learner chooses by itself
     "auto_fused": ("zero3", ["grpo.fused_loss=true"]),
     "auto_fused_foreach_adam": ("zero3", ["grpo.fused_loss=true", "optim.fused=false"]),
+    "auto_fused_compiled": ("zero3", ["grpo.fused_loss=true", "model.compile=true"]),
 }  # fmt: skip
 
 

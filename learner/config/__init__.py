@@ -91,7 +91,7 @@ class ModelConfig(Section):
         False,
         description="torch.compile each decoder layer in place (one graph shared by all layers, "
         "dynamic shapes): fuses the norms, activations and rotary embeddings; the first step "
-        "pays the compilation; not under DeepSpeed",
+        "pays the compilation; under DeepSpeed only with ZeRO-2 (or lower)",
     )
 
 

@@ -81,6 +81,12 @@ def plan_layout(acc: Accelerator, cfg: LearnerConfig, model_path: str) -> Plan:
         want_checkpointing=cfg.model.gradient_checkpointing,
         offload=ds is not None and _offloads(ds),
     )
+    if cfg.model.compile and plan.zero_stage == 3:
+        raise ValueError(
+            "model.compile is not supported under ZeRO-3 (it gathers each layer's parameters "
+            "through module hooks, which compiled layers do not run): set model.compile = "
+            "false, or deepspeed.zero_stage = 2 where the model's states fit each GPU"
+        )
     if ds is not None and plan.zero_stage is not None:
         apply_zero(ds, plan.zero_stage, cfg.deepspeed)
     if acc.is_main_process:

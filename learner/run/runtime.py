@@ -97,12 +97,6 @@ def check_model_options(acc: Accelerator, model: ModelConfig) -> None:
             f"model.lora.quantization={lora.quantization!r} (QLoRA) does not run under DeepSpeed: "
             'launch without a DeepSpeed config (one GPU or DDP), or set it to "none"'
         )
-    if model.compile:
-        raise ValueError(
-            "model.compile is not supported under DeepSpeed (ZeRO gathers each layer's "
-            "parameters through module hooks; compiled layers are untested there): launch "
-            "without a DeepSpeed config (one GPU or DDP), or set model.compile = false"
-        )
 
 
 class SetupError(ValueError):

@@ -401,15 +401,23 @@ def test_compiled_layers_under_lora_give_the_same_gradients(tiny_model_dir):
         )
 
 
-def test_compile_is_refused_under_deepspeed():
+def test_compile_is_refused_under_zero3_only(tiny_model_dir):
     from types import SimpleNamespace
 
-    from learner.run.runtime import check_model_options
+    from learner.model.layout import plan_layout
 
     cfg = load_config(
-        None, ['data.path="x.jsonl"', 'rewards=[{name="length"}]', "model.compile=true"]
-    )
-    check_model_options(SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None)), cfg.model)
-    under_ds = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=object()))
+        None,
+        ['data.path="x.jsonl"', 'rewards=[{name="length"}]', "model.compile=true",
+         "deepspeed.zero_stage=launch"],
+    )  # fmt: skip
+
+    def launch(stage: int) -> SimpleNamespace:  # what plan_layout reads of an accelerator
+        ds = SimpleNamespace(zero_stage=stage, offload_optimizer_device="none",
+                             offload_param_device="none", deepspeed_config={})  # fmt: skip
+        return SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=ds), num_processes=1,
+                               device=torch.device("cpu"), is_main_process=True)  # fmt: skip
+
+    assert plan_layout(launch(2), cfg, str(tiny_model_dir)).zero_stage == 2
     with pytest.raises(ValueError, match=r"model\.compile = false"):
-        check_model_options(under_ds, cfg.model)
+        plan_layout(launch(3), cfg, str(tiny_model_dir))
