@@ -114,16 +114,38 @@ class NativeService:
         self._refuse_busy("init_weight_transfer_engine")
         async with self._busy:
             self._drop("a new weight-transfer group was initialized")
-            from rollout_server.weight_transfer.gloo import receiver_init
+            self._group = await self._join(info)
 
-            args = (info.model_dump(), info.rank_offset, info.timeout_s)
-            try:
-                self._group = await asyncio.to_thread(receiver_init, *args)
-            except Exception as exc:
-                raise TransferFailed(
-                    f"could not join the trainer's gloo group at {info.master_address}:"
-                    f"{info.master_port} within {info.timeout_s:g} s: {exc}"
-                ) from exc
+    async def _join(self, info: WeightTransferInitInfo) -> GlooGroup:
+        """Join the group within ``info.timeout_s``, however the peer behaves (one that never
+        answers included): the join runs on a thread of its own, abandoned at the deadline,
+        so the server goes on serving while it waits and answers in time."""
+        from rollout_server.weight_transfer.gloo import abandon, receiver_join
+
+        where = f"{info.master_address}:{info.master_port}"
+        joining = receiver_join(info.model_dump(), info.rank_offset, info.timeout_s)
+        waiting = asyncio.wrap_future(joining)
+        waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # read when abandoned
+        try:
+            await asyncio.wait_for(asyncio.shield(waiting), info.timeout_s)
+        except TimeoutError:
+            group = abandon(joining, f"no answer within {info.timeout_s:g} s")
+            if group is not None:  # it joined as the deadline passed
+                return group
+            raise TransferFailed(
+                f"could not join the trainer's gloo group at {where} within "
+                f"init_info.timeout_s={info.timeout_s:g} s: the trainer did not complete the "
+                "rendezvous (is it calling its own init at the same time, on that address?)"
+            ) from None
+        except asyncio.CancelledError:
+            abandon(joining, "the request was cancelled")
+            raise
+        except Exception as exc:
+            raise TransferFailed(
+                f"could not join the trainer's gloo group at {where} within "
+                f"init_info.timeout_s={info.timeout_s:g} s: {exc}"
+            ) from exc
+        return joining.result()
 
     async def start(self, is_checkpoint_format: bool) -> None:
         core = self.core
@@ -239,7 +261,9 @@ class NativeService:
             self._open, self._staged, self._names = False, {}, set()
             if self.delegated:
                 async with core.gate.write():
-                    await core.engine.finish_weight_update()  # type: ignore[attr-defined]
+                    finish = core.engine.finish_weight_update  # type: ignore[attr-defined]
+                    # vLLM's workers loaded as the bytes came: no copy to go back to
+                    await self.weights.load_probed(finish, names, rollback=False)
                     core.set_version(core.version + 1 if version is None else version, names)
                 return
             if staged:

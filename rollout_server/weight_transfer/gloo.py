@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import socket
+import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import torch
@@ -124,6 +126,43 @@ def trainer_send_weights(iterator: Iterable[tuple[str, torch.Tensor]], group: Gl
 def receiver_init(init_info: dict[str, Any], rank: int, timeout_s: float = 60.0) -> GlooGroup:
     """An inference worker's side: ``rank`` is ``rank_offset`` + the worker's own rank."""
     return _join(init_info, rank, timeout_s)
+
+
+def receiver_join(init_info: dict[str, Any], rank: int, timeout_s: float) -> Future[GlooGroup]:
+    """``receiver_init`` on a daemon thread of its own: the future resolves with the group, or
+    with the join's error. A caller that stops waiting (its deadline, a cancellation) abandons
+    it with ``abandon``: the thread is left to end on its own, and a group it forms afterwards
+    is closed at once.
+
+    Why a thread with a deadline: ``TCPStore``'s own timeout does not cover every wait of a
+    join (a peer that accepts the connection and never answers keeps it waiting for good, and a
+    closed port takes longer than the timeout given), so only the caller's clock bounds it."""
+    future: Future[GlooGroup] = Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            group = receiver_init(init_info, rank, timeout_s)
+        except BaseException as exc:  # handed to the waiter, or dropped if it gave up
+            with contextlib.suppress(InvalidStateError):
+                future.set_exception(exc)
+            return
+        try:
+            future.set_result(group)
+        except InvalidStateError:  # abandoned: nobody will use this group
+            group.close()
+
+    threading.Thread(target=run, name="weight-transfer-join", daemon=True).start()
+    return future
+
+
+def abandon(future: Future[GlooGroup], why: str) -> GlooGroup | None:
+    """Give up a ``receiver_join``; the group if it joined in the meantime (None otherwise)."""
+    try:
+        future.set_exception(TimeoutError(why))
+    except InvalidStateError:  # it ended just now
+        return future.result() if future.exception() is None else None
+    return None
 
 
 def receive_weights(
