@@ -39,6 +39,9 @@ class ServerCore:
         self.asleep: set[str] = set()  # "weights", "kv_cache"
         # tensors not loaded since sleep level 2 discarded the weights (generation waits for all)
         self.missing_weights: set[str] = set()
+        # why generation cannot succeed with the weights loaded (their probe failed and the
+        # engine had no copy to go back to); cleared by an update whose probe passes
+        self.unservable: str | None = None
         self._froze_heap = False
         metrics.waiting.set_function(lambda: self.gate.waiting)
         metrics.in_flight.set_function(lambda: self.gate.readers)
@@ -83,11 +86,16 @@ class ServerCore:
             raise Unavailable(f"the engine is not running ({self.load_error or self.state})")
 
     def require_ready(self) -> None:
-        """Loaded, awake, and holding real weights: what generation needs."""
+        """Loaded, awake, and holding real weights that generate: what generation needs."""
         self.require_loaded()
         if self.asleep or self.engine.is_sleeping():
             raise Unavailable(
                 f"the server is asleep (level {self.sleep_level}); POST /wake_up first",
+                retry_after_s=30,
+            )
+        if self.unservable is not None:
+            raise Unavailable(
+                f"the served weights cannot generate: {self.unservable}; load other weights",
                 retry_after_s=30,
             )
         if self.missing_weights:
@@ -101,6 +109,12 @@ class ServerCore:
                 "/weights/load_file or an NCCL update)",
                 retry_after_s=30,
             )
+
+    def servable_after(self, loaded: Iterable[str]) -> bool:
+        """Whether generation could run once ``loaded`` is in: awake, nothing else missing (a
+        version that passes is then probed before it is served)."""
+        awake = not self.asleep and not self.engine.is_sleeping()
+        return awake and not (self.missing_weights - set(loaded))
 
     def require_weights_awake(self) -> None:
         """What loading or reading the weights needs."""

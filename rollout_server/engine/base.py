@@ -223,6 +223,16 @@ class Engine(abc.ABC):
     async def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy already-validated tensors into the model. Called with generation paused."""
 
+    async def snapshot_weights(self, names: Iterable[str]) -> object | None:
+        """A copy of the named tensors as they are served, for ``restore_weights`` to put back
+        should the update that replaces them fail its probe; None: this engine keeps no copy
+        (the vLLM engine: the weights live in its workers' GPU memory)."""
+        return None
+
+    async def restore_weights(self, snapshot: object) -> None:
+        """Put back what ``snapshot_weights`` copied. Called with generation paused."""
+        raise UnsupportedError(f"the {self.name} engine cannot restore weights")
+
     async def load_adapter(
         self, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor], version: int
     ) -> None:

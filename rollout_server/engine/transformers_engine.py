@@ -274,16 +274,35 @@ class TransformersEngine(HFTokenizerMixin, Engine):
     async def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         await self._run(self._copy_weights, list(tensors))
 
+    def _target(self, name: str, adapter: ServedAdapter) -> torch.Tensor:
+        if name in self._param_names:
+            return self.model.get_parameter(adapter.param_path(name)).data
+        return self.model.get_buffer(name)
+
     def _copy_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         adapter = self._served_adapter()
         with torch.no_grad():
             for name, tensor in tensors:
-                if name in self._param_names:
-                    target = self.model.get_parameter(adapter.param_path(name)).data
-                else:
-                    target = self.model.get_buffer(name)
-                target.copy_(tensor)
+                self._target(name, adapter).copy_(tensor)
         adapter.drop()  # full weights: the policy they are is served alone
+
+    async def snapshot_weights(self, names: Iterable[str]) -> object | None:
+        """A copy of the named tensors (in the model's memory: a full update's doubles it
+        while it loads); None while an adapter is served (a full update drops it, and the copy
+        would bring back the base weights without it)."""
+        adapter = self._served_adapter()
+        if adapter.rank is not None:
+            return None
+
+        def copy() -> dict[str, torch.Tensor]:
+            with torch.no_grad():
+                return {name: self._target(name, adapter).clone() for name in set(names)}
+
+        return await self._run(copy)
+
+    async def restore_weights(self, snapshot: object) -> None:
+        assert isinstance(snapshot, dict)
+        await self._run(self._copy_weights, list(snapshot.items()))
 
     async def load_adapter(
         self, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor], version: int

@@ -2,8 +2,9 @@
 and the served weights' checksum.
 
 Every update is validated whole before the pause; it loads under the pause gate's write side
-(the generations in flight finish first, new ones wait); the version moves only once all of it
-loaded.
+(the generations in flight finish first, new ones wait), passes a short generation probe
+(``probe.py``) before anything generates with it, and the version moves only once all of it
+loaded and passed.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from rollout_server.errors import BadRequest, Conflict, NonFiniteWeights
+from rollout_server.errors import BadRequest, Conflict, NonFiniteWeights, ServiceError
 from rollout_server.protocol import (
     INT64_MAX,
     NcclCommitRequest,
@@ -25,6 +26,7 @@ from rollout_server.protocol import (
     WeightUpdateResponse,
 )
 from rollout_server.weights.prepared import PreparedUpdates
+from rollout_server.weights.probe import probe_generation
 from rollout_server.weights.staging import WeightStager
 from rollout_server.weights.validation import (
     validate_adapter,
@@ -49,6 +51,20 @@ log = logging.getLogger(__name__)
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
              "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}  # fmt: skip
+
+
+class WeightsRefusedByProbe(BadRequest):
+    """The update's weights fail the probe; the previous ones were restored (400)."""
+
+
+class UnservableWeights(ServiceError):
+    """The update's weights fail the probe and could not be undone (500): the server is not
+    ready until an update passes."""
+
+    status_code = 500
+
+
+T = TypeVar("T")
 
 
 class WeightsService:
@@ -108,6 +124,43 @@ class WeightsService:
             checksum=checksum,
         )
 
+    # --- the probe before a version is served ---------------------------------------------
+
+    async def load_probed(
+        self, load: Callable[[], Awaitable[T]], names: Collection[str], *, rollback: bool = True
+    ) -> T:
+        """``load()`` under the write gate (held by the caller), then the probe
+        (``rollout_server.weights.probe``) when the server would be ready to generate. A failed
+        probe restores the named tensors as they were (``rollback`` and an engine that kept a
+        copy: 400, the previous version serves on), or else leaves the server not ready (503
+        on /ready and generation) until an update passes (500). The version does not move."""
+        core = self.core
+        probe = core.servable_after(names)
+        snapshot = None
+        if probe and rollback and names:
+            snapshot = await core.engine.snapshot_weights(names)
+        result = await load()
+        if not probe:
+            return result
+        problem = await probe_generation(core.engine)
+        if problem is None:
+            core.unservable = None
+            return result
+        log.warning("a weight update failed its probe: %s", problem)
+        if snapshot is not None:
+            await core.engine.restore_weights(snapshot)
+            await core.engine.reset_prefix_cache()
+            raise WeightsRefusedByProbe(
+                f"weight update refused: {problem}; the previous weights (version "
+                f"{core.version}) were restored and serve on"
+            )
+        core.unservable = problem
+        raise UnservableWeights(
+            f"the weight update loaded but cannot generate: {problem}; the engine kept no copy "
+            f"of the previous weights, so /ready and generation answer 503 until an update "
+            f"whose probe passes loads (the version stays {core.version})"
+        )
+
     # --- tensors sent whole (HTTP, staged buckets, a file) ---------------------------------
 
     async def apply_weights(
@@ -133,8 +186,12 @@ class WeightsService:
             self.prepared.refuse("another weight update")
             new_version = self._next_version(version)
             start = time.perf_counter()
-            await core.engine.load_weights(tensors.items())
-            await core.engine.reset_prefix_cache()
+
+            async def load() -> None:
+                await core.engine.load_weights(tensors.items())
+                await core.engine.reset_prefix_cache()
+
+            await self.load_probed(load, tensors.keys())
             seconds = time.perf_counter() - start
             core.set_version(new_version, tensors)
         return self._record_update(transport, len(tensors), num_bytes, seconds, None)
@@ -160,8 +217,12 @@ class WeightsService:
             self.prepared.refuse("another weight update")
             new_version = self._next_version(version)
             start = time.perf_counter()
-            await core.engine.load_adapter(spec, tensors, new_version)
-            await core.engine.reset_prefix_cache()
+
+            async def load() -> None:
+                await core.engine.load_adapter(spec, tensors, new_version)
+                await core.engine.reset_prefix_cache()
+
+            await self.load_probed(load, (), rollback=False)
             seconds = time.perf_counter() - start
             core.set_version(new_version, ())  # the base weights are as they were
         return self._record_update(transport, len(tensors), num_bytes, seconds, None)
@@ -258,12 +319,18 @@ class WeightsService:
             core.require_weights_awake()
             new_version = self._next_version(request.version)
             start = time.perf_counter()
-            got = await receive(request)
-            if not got.prefix_cache_reset:
-                await core.engine.reset_prefix_cache()
-            seconds = time.perf_counter() - start
             # an adapter leaves the base weights as they were
-            changed = () if request.adapter is not None else (t.name for t in request.tensors)
+            changed = () if request.adapter is not None else [t.name for t in request.tensors]
+
+            async def load() -> ReceivedUpdate:
+                got = await receive(request)
+                if not got.prefix_cache_reset:
+                    await core.engine.reset_prefix_cache()
+                return got
+
+            # received straight into the served weights: the engine keeps no copy to restore
+            got = await self.load_probed(load, changed, rollback=False)
+            seconds = time.perf_counter() - start
             core.set_version(new_version, changed)
         response = self._record_update(
             transport, len(request.tensors), num_bytes, seconds, got.checksum
