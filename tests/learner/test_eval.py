@@ -140,6 +140,7 @@ def test_learner_eval_evaluates_a_saved_model_without_training(tmp_path):
     assert proc.stderr.splitlines()[-1].startswith(f"error: --model '{tmp_path / 'nope'}': no such")
 
 
+@pytest.mark.slow
 def test_eval_of_a_model_directory_writes_beside_it_not_into_the_configs_run_dir(tmp_path):
     import sys
 

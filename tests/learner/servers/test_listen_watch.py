@@ -55,6 +55,7 @@ async def test_the_watch_says_nothing_listens_again_while_it_lasts_and_when_it_e
             await task
 
 
+@pytest.mark.slow
 def test_the_learner_says_at_once_that_nothing_listens_and_ends_saying_it(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     sets = [f'rollout.servers=["{url}"]', "rollout.ready_timeout_s=10", "run.progress_bar=false"]
