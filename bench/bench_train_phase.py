@@ -44,19 +44,23 @@ DS_DEFAULT_BUCKETS = [
 VARIANTS: dict[str, tuple[str | None, list[str]]] = {
     "reference": (None, []),
     "zero3_today": ("zero3", ["deepspeed.zero_stage=launch", "model.gradient_checkpointing=true",
-                              *DS_DEFAULT_BUCKETS, "optim.fused=false"]),
+                              *DS_DEFAULT_BUCKETS, "optim.fused=false", "model.compile=false"]),
     "zero3_buckets_gc": ("zero3", ["deepspeed.zero_stage=launch",
                                    "model.gradient_checkpointing=true"]),
-    "zero3_buckets": ("zero3", ["deepspeed.zero_stage=launch",
-                                "model.gradient_checkpointing=false"]),
     "zero3_ds_buckets": ("zero3", ["deepspeed.zero_stage=launch",
                                    "model.gradient_checkpointing=false", *DS_DEFAULT_BUCKETS]),
-    "zero2": ("zero3", ["deepspeed.zero_stage=2", "model.gradient_checkpointing=false"]),
+    "zero3_buckets": ("zero3", ["deepspeed.zero_stage=launch",
+                                "model.gradient_checkpointing=false"]),
+    "zero2": ("zero3", ["deepspeed.zero_stage=2", "model.gradient_checkpointing=false",
+                        "model.compile=false"]),
     "zero2_fused": ("zero3", ["deepspeed.zero_stage=2", "model.gradient_checkpointing=false",
-                              "grpo.fused_loss=true"]),
+                              "grpo.fused_loss=true", "model.compile=false"]),
     "auto": ("zero3", []),  # what the learner chooses by itself
+    "auto_eager": ("zero3", ["model.compile=false"]),
     "auto_fused": ("zero3", ["grpo.fused_loss=true"]),
-    "auto_fused_foreach_adam": ("zero3", ["grpo.fused_loss=true", "optim.fused=false"]),
+    "auto_fused_eager": ("zero3", ["grpo.fused_loss=true", "model.compile=false"]),
+    "auto_fused_foreach_adam": ("zero3", ["grpo.fused_loss=true", "optim.fused=false",
+                                          "model.compile=false"]),
     "auto_fused_compiled": ("zero3", ["grpo.fused_loss=true", "model.compile=true"]),
 }  # fmt: skip
 
@@ -168,6 +172,7 @@ def run_learner(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any
             or getattr(inner, "is_gradient_checkpointing", False)
         ),
         "fused_loss": cfg.grpo.fused_loss,
+        "compiled": any(getattr(m, "_compiled_call_impl", None) for m in inner.modules()),
         "zero_buckets": (ds.deepspeed_config.get("zero_optimization") if ds else None),
     }
     return {"config": inner.config, "step": step, "layout": layout, "phases": phases, "acc": acc}

@@ -201,7 +201,7 @@ def build_training(
     (its ZeRO stage and gradient checkpointing as ``plan_layout`` chooses)."""
     plan = plan_layout(accelerator, cfg, model_path)
     policy, ref_policy = build_models(
-        cfg, model_path, gradient_checkpointing=plan.gradient_checkpointing
+        cfg, model_path, gradient_checkpointing=plan.gradient_checkpointing, compile=plan.compile
     )
     o = cfg.optim
     optimizer, scheduler = optimizer_and_schedule(

@@ -87,11 +87,12 @@ class ModelConfig(Section):
     attn_implementation: str | None = Field(
         None, description="e.g. 'flash_attention_2', 'sdpa'; None = transformers' default"
     )
-    compile: bool = Field(
-        False,
+    compile: bool | Literal["auto"] = Field(
+        "auto",
         description="torch.compile each decoder layer in place (one graph shared by all layers, "
         "dynamic shapes): fuses the norms, activations and rotary embeddings; the first step "
-        "pays the compilation; under DeepSpeed only with ZeRO-2 (or lower)",
+        "pays the compilation; under DeepSpeed only with ZeRO-2 (or lower). 'auto': on a GPU "
+        "where the training layout allows it (not ZeRO-3, not QLoRA)",
     )
 
 

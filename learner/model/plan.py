@@ -92,10 +92,12 @@ class Plan:
     peak_bytes: float  # the estimated peak of the chosen layout
     budget_bytes: float | None
     reasons: list[str] = field(default_factory=list)
+    compile: bool = False  # decoder layers compiled (``learner.model.layout.compile_layers``)
 
     def describe(self) -> str:
         stage = f"ZeRO-{self.zero_stage}" if self.zero_stage is not None else "no ZeRO"
         gc = "on" if self.gradient_checkpointing else "off"
+        gc += ", layers compiled" if self.compile else ""
         budget = f"{self.budget_bytes / GIB:.0f} GiB" if self.budget_bytes else "unknown"
         return (
             f"{stage}, gradient checkpointing {gc}: estimated peak "

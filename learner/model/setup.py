@@ -19,15 +19,21 @@ from learner.model.policy import PolicyLogprobs
 
 
 def build_models(
-    cfg: LearnerConfig, model_path: str, *, gradient_checkpointing: bool | None = None
+    cfg: LearnerConfig,
+    model_path: str,
+    *,
+    gradient_checkpointing: bool | None = None,
+    compile: bool | None = None,
 ) -> tuple[PolicyLogprobs, PolicyLogprobs | None]:
-    """The policy and its KL reference. ``gradient_checkpointing``: the planned choice
-    (``learner.model.plan``); None: the config's, where ``"auto"`` means on (no plan was made:
-    recompute is the choice that fits)."""
+    """The policy and its KL reference. ``gradient_checkpointing``, ``compile``: the planned
+    choices (``learner.model.layout``); None: the config's, where ``"auto"`` means recompute on
+    (no plan was made: the choice that fits) and no compilation."""
     from transformers import AutoModelForCausalLM
 
     if gradient_checkpointing is None:
         gradient_checkpointing = cfg.model.gradient_checkpointing is not False
+    if compile is None:
+        compile = cfg.model.compile is True
 
     kwargs: dict[str, Any] = {}
     if cfg.model.attn_implementation:
@@ -71,7 +77,7 @@ def build_models(
         )
         if gradient_checkpointing:
             model.enable_input_require_grads()
-    if cfg.model.compile:
+    if compile:
         compile_decoder_layers(model)
         if ref is not None:
             compile_decoder_layers(ref)

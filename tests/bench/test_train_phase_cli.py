@@ -35,6 +35,7 @@ def test_a_variant_s_worker_runs_the_learner_step(tmp_path, tiny_model_dir, vari
     # no DeepSpeed on the CPU: the plan keeps no ZeRO; recompute off with nothing to fit
     assert r["layout"]["zero_stage"] is None
     assert r["layout"]["gradient_checkpointing"] is False
+    assert r["layout"]["compiled"] is False  # "auto" compiles on a GPU only
     assert r["layout"]["fused_loss"] is (variant == "zero2_fused")
     assert set(r["phases"][0]) >= {"time/train/forward", "time/train/backward"}
     assert "Self CPU" in r["profile"]  # the profiler's table

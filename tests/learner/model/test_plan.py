@@ -118,3 +118,23 @@ def test_apply_zero_lowers_zero3_for_transformers_too() -> None:
         assert not is_deepspeed_zero3_enabled()  # from_pretrained builds the whole model
     finally:
         unset_hf_deepspeed_config()
+
+
+def test_compiled_layers_where_the_layout_allows_them() -> None:
+    from types import SimpleNamespace
+
+    from learner.model.layout import compile_layers
+    from learner.model.plan import Plan
+
+    gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+
+    def decide(acc: SimpleNamespace, stage: int | None, *sets: str) -> bool:
+        return compile_layers(acc, load_config(DEMO, list(sets)), Plan(stage, False, 0.0, None))
+
+    assert decide(gpu, 2) and decide(gpu, None)  # ZeRO-2, or no DeepSpeed
+    assert not decide(gpu, 3)  # ZeRO-3's gather hooks
+    assert not decide(cpu, None)  # the CPU: compilation costs more than it saves
+    assert not decide(gpu, 2, "model.lora.quantization=nf4")  # QLoRA's 4-bit base
+    assert not decide(gpu, 2, "model.compile=false")
+    assert decide(cpu, None, "model.compile=true")  # asked for: always
