@@ -6,7 +6,9 @@ its ``/openapi.json``: the examples, coverage and fuzzing phases (valid and inva
 and the stateful phase, which follows the OpenAPI links (begin -> bucket -> commit or abort,
 sleep -> wake_up). It fails on any 500 or undocumented 5xx (documented 501/503 pass), a status
 code or body the OpenAPI does not describe, a request slower than ``--max-response-time``, a
-server that died, and a server whose peak RSS passed ``--rss-cap-mb``.
+server that died, and a server whose peak RSS passed ``--rss-cap-mb``. Before those passes, a
+hostile pass (``hostile.py``) sends chat_template_kwargs, long text prompts and made-up HTTP
+methods drawn by Hypothesis, under the same limits.
 
     .venv/bin/python tests/fuzz/run_fuzz.py --max-examples 40 --seed 0
 """
@@ -28,6 +30,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+from hostile import hostile_pass  # tests/fuzz/hostile.py, beside this script
 
 from grpo_common.net import free_port
 
@@ -195,6 +198,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--max-examples", type=int, default=40, help="test cases per operation")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--hostile-examples",
+        type=int,
+        default=150,
+        help="requests of the hostile pass (tests/fuzz/hostile.py)",
+    )
     p.add_argument("--phases", default="examples,coverage,fuzzing,stateful")
     p.add_argument("--max-time", type=int, default=0, help="seconds for the whole run (0: none)")
     p.add_argument("--max-response-time", type=float, default=10.0, help="seconds per request")
@@ -229,6 +238,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             wait_ready(proc, url)
             st_codes = {}
+            hostile_problems, hostile_requests = hostile_pass(
+                url,
+                {"Authorization": f"Bearer {API_KEY}"},
+                args.hostile_examples,
+                args.seed,
+                args.max_response_time,
+            )
+            for route, counts in hostile_requests.items():
+                by_route[route].update(counts)
             for name, filters in PASSES.items():
                 har = args.report.with_name(f"{args.report.stem}.{name}.har").resolve()
                 st_codes[name] = run_schemathesis(url, args, har, tmp, filters)
@@ -238,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             alive = proc.poll() is None
             peak_mb = rss.stop()
             exit_code = stop_server(proc)
-    problems = []
+    problems = list(hostile_problems)
     for name, code in st_codes.items():
         if code != 0:
             problems.append(f"schemathesis found failures in the {name} pass (exit code {code})")
