@@ -90,7 +90,8 @@ class VllmServeClient(RolloutClient):
             weight_version=self.versions.get(server, 0), sleeping=bool(asleep),
             sleep_level=0, tensor_parallel_size=await self.world_size(server),
             limits=Limits(max_n=UNLIMITED, max_tokens=max_len, max_prompt_len=max_len,
-                          max_batch_size=UNLIMITED, max_body_mb=UNLIMITED),
+                          max_batch_size=UNLIMITED, max_body_mb=UNLIMITED,
+                          max_json_body_mb=UNLIMITED),
             weight_transports=["vllm"],
         )  # fmt: skip
 
