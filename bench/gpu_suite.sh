@@ -25,6 +25,10 @@
 #                  ours colocated (E2E_TRL=0: ours alone) (bench/bench_grpo_e2e.py)
 #   e2e_split      ours over 2 GPUs: split synchronous, then overlapped (max_staleness 1)
 #   memory         peak learner memory and step time per memory option (one GPU)
+#   train_phase    the learner's training phase alone on the model4 shape: ms per step, MFU
+#                  and peak memory per layout (ZeRO stage, recompute, compiled layers, fused
+#                  loss) against plain transformers (bench/bench_train_phase.py; TRAIN_PHASE_ARGS,
+#                  TRAIN_PHASE_RANKS processes a variant, default 1)
 #   overlap        split with max_staleness 0, then 1: is overlap faster (2 GPUs)
 #   trl4           TRL 1.16 GRPOTrainer on 4 GPUs (ZeRO-3, vLLM colocated on every rank), once
 #                  per suite run: the baseline of e2e4_colocated and e2e4_split
@@ -64,7 +68,8 @@
 #   steps.tsv      the steps ended so far and the one running (kept current)
 #   gpu_tests.xml  the junit report of the GPU tests
 #   bench_rollout_gpu.json, bench_memory_options.json, bench_overlap.json,
-#   bench_native_sync.json, bench_lora_sync.json    each benchmark's own result
+#   bench_native_sync.json, bench_lora_sync.json, bench_train_phase.json    each benchmark's own
+#                  result
 #   bench_e2e_<step>.json, bench_e2e4_<step>.json   both sides of each comparison: s/step and
 #                  phases, tokens/s, MFU, peak memory per GPU, weight sync against bytes /
 #                  bandwidth, served against learner weights, which process held which GPU
@@ -445,6 +450,19 @@ step_memory() {
   return $rc
 }
 
+step_train_phase() {
+  # The training phase per layout, each variant in processes of its own (accelerate launch),
+  # against plain transformers on the same per-GPU work; needs model4's model.
+  rm -f "$RUN_WORK/train_phase/bench_train_phase.json"
+  mkdir -p "$RUN_WORK/train_phase"
+  python3 bench/bench_train_phase.py --model "$E2E4_MODEL" \
+    --out "$RUN_WORK/train_phase/bench_train_phase.json" --ranks "${TRAIN_PHASE_RANKS:-1}" \
+    ${TRAIN_PHASE_ARGS:-}
+  local rc=$?
+  cp "$RUN_WORK/train_phase/bench_train_phase.json" "$OUT/" 2>/dev/null
+  return $rc
+}
+
 step_overlap() {
   # Overlap vs synchronous: bench_grpo_e2e.py in mode split (server GPU 1, ZeRO-3 learner
   # GPU 0, NCCL sync) with rollout.max_staleness 0, then 1, the same steps each; both medians
@@ -481,6 +499,7 @@ limit_for() {  # seconds allowed for a step: its own limit, capped by what is le
     e2e_colocated) own=${T_E2E_COLOCATED:-480} ;;
     e2e_split) own=${T_E2E_SPLIT:-480} ;;
     memory) own=${T_MEMORY:-200} ;;
+    train_phase) own=${T_TRAIN_PHASE:-560} ;;
     model4) own=${T_MODEL4:-240} ;;
     trl4) own=${T_TRL4:-300} ;;
     e2e4_colocated) own=${T_E2E4_COLOCATED:-540} ;;

@@ -61,6 +61,7 @@ def result_files(out: Path, work: Path) -> dict[str, Path]:
         "overlap": out / "bench_overlap.json",
         "native_sync": out / "bench_native_sync.json",
         "lora_sync": out / "bench_lora_sync.json",
+        "train_phase": out / "bench_train_phase.json",
     }
 
 
@@ -212,7 +213,14 @@ def problems_lora_sync(path: Path) -> list[str]:
     return out
 
 
+def problems_train_phase(path: Path) -> list[str]:
+    """Every variant ran, the baseline (plain transformers) and today's layout among them."""
+    verdict = _json(path).get("verdict") or {}
+    return [] if verdict.get("valid") else [str(verdict.get("why_not_valid") or "no verdict")]
+
+
 PROBLEMS: dict[str, Callable[[Path], list[str]]] = {
+    "train_phase": problems_train_phase,
     "lora_sync": problems_lora_sync,
     "native_sync": problems_native_sync,
     "tests": problems_tests,
@@ -239,8 +247,14 @@ def _memory_targets(data: dict[str, Any]) -> list[tuple[str, bool | None]]:
     return [(c["check"], c.get("ok")) for c in data.get("checks", [])]
 
 
+def _train_phase_targets(data: dict[str, Any]) -> list[tuple[str, bool | None]]:
+    v = data.get("verdict") or {}
+    return [(f"best training-phase MFU >= {v.get('target_mfu')}", v.get("target_met"))]
+
+
 # the target verdicts each step's result file holds: (what, passed; None where not judged)
 TARGETS: dict[str, Callable[[dict[str, Any]], list[tuple[str, bool | None]]]] = {
+    "train_phase": _train_phase_targets,
     "bench_rollout": _rollout_targets,
     **dict.fromkeys(E2E_STEPS, _verdict_targets),
     "overlap": _verdict_targets,

@@ -75,3 +75,23 @@ def test_the_verdict_separates_valid_from_target_met():
     # no baseline: not valid
     v = tp.verdict({"auto": _ok(0.5, 0.5)}, 0.35)
     assert not v["valid"] and not v["target_met"]
+
+
+def test_the_suite_judges_the_train_phase_step_by_its_verdict(tmp_path):
+    import suite_report
+
+    def judge(runs: dict) -> dict:
+        out = {"results": runs, "verdict": tp.verdict(runs, 0.35)}
+        (tmp_path / "bench_train_phase.json").write_text(json.dumps(out))
+        rc = 0 if out["verdict"]["valid"] else 1  # the script's own exit code
+        return suite_report.step_judgement("train_phase", rc, tmp_path, tmp_path)
+
+    base = {"reference": _ok(0.37, 0.6), "zero3_today": _ok(0.16, 1.4)}
+    met = judge({**base, "auto": _ok(0.41, 0.55)})
+    assert (met["status"], met["valid"], met["target_met"]) == ("ok", True, True)
+    missed = judge({**base, "auto": _ok(0.30, 0.75)})
+    assert (missed["status"], missed["valid"], missed["target_met"]) == (
+        "target_missed", True, False
+    )  # fmt: skip
+    broken = judge({**base, "auto": {"status": "error", "error": "exit 1"}})
+    assert broken["status"] == "failed" and not broken["valid"] and "auto" in broken["why"]
