@@ -5,20 +5,39 @@ Every update's values are scanned for NaN/inf before they load, but finite weigh
 overflow the forward pass (a norm weight of 3e38): such a version would answer every
 generation with an error. The probe runs right after the load, under the pause gate's write
 side (no generation sees the weights before it passed), on every transport and both engines
-(it is the engine's own ``generate``). What follows a failed probe is the caller's:
-``WeightsService`` restores the previous weights where the engine kept a copy, and otherwise
-marks the server not ready until an update passes.
+(it is the engine's own ``generate``). After a failed probe, ``load_probed`` restores the
+previous weights where the engine kept a copy, and otherwise marks the server not ready until
+an update passes.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Collection
+from typing import TYPE_CHECKING, TypeVar
 
+from rollout_server.errors import BadRequest, ServiceError
 from rollout_server.protocol import SamplingParams
 
 if TYPE_CHECKING:
+    from rollout_server.core import ServerCore
     from rollout_server.engine.base import Engine
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WeightsRefusedByProbe(BadRequest):
+    """The update's weights fail the probe; the previous ones were restored (400)."""
+
+
+class UnservableWeights(ServiceError):
+    """The update's weights fail the probe and could not be undone (500): the server is not
+    ready until an update passes."""
+
+    status_code = 500
+
 
 PROBE_PROMPT_LEN = 8
 PROBE_TOKENS = 4
@@ -46,3 +65,42 @@ async def probe_generation(engine: Engine) -> str | None:
             "inf, but values large enough to overflow the forward pass"
         )
     return None
+
+
+async def load_probed(
+    core: ServerCore,
+    load: Callable[[], Awaitable[T]],
+    names: Collection[str],
+    *,
+    rollback: bool = True,
+) -> T:
+    """``load()`` under the write gate (held by the caller), then ``probe_generation`` when
+    the server would be ready to generate. A failed
+    probe restores the named tensors as they were (``rollback`` and an engine that kept a
+    copy: 400, the previous version serves on), or else leaves the server not ready (503
+    on /ready and generation) until an update passes (500). The version does not move."""
+    probe = core.servable_after(names)
+    snapshot = None
+    if probe and rollback and names:
+        snapshot = await core.engine.snapshot_weights(names)
+    result = await load()
+    if not probe:
+        return result
+    problem = await probe_generation(core.engine)
+    if problem is None:
+        core.unservable = None
+        return result
+    log.warning("a weight update failed its probe: %s", problem)
+    if snapshot is not None:
+        await core.engine.restore_weights(snapshot)
+        await core.engine.reset_prefix_cache()
+        raise WeightsRefusedByProbe(
+            f"weight update refused: {problem}; the previous weights (version "
+            f"{core.version}) were restored and serve on"
+        )
+    core.unservable = problem
+    raise UnservableWeights(
+        f"the weight update loaded but cannot generate: {problem}; the engine kept no copy "
+        f"of the previous weights, so /ready and generation answer 503 until an update "
+        f"whose probe passes loads (the version stays {core.version})"
+    )

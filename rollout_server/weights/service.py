@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from rollout_server.errors import BadRequest, Conflict, NonFiniteWeights, ServiceError
+from rollout_server.errors import BadRequest, Conflict, NonFiniteWeights
 from rollout_server.protocol import (
     INT64_MAX,
     NcclCommitRequest,
@@ -26,7 +26,7 @@ from rollout_server.protocol import (
     WeightUpdateResponse,
 )
 from rollout_server.weights.prepared import PreparedUpdates
-from rollout_server.weights.probe import probe_generation
+from rollout_server.weights.probe import load_probed
 from rollout_server.weights.staging import WeightStager
 from rollout_server.weights.validation import (
     validate_adapter,
@@ -51,17 +51,6 @@ log = logging.getLogger(__name__)
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4,
              "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}  # fmt: skip
-
-
-class WeightsRefusedByProbe(BadRequest):
-    """The update's weights fail the probe; the previous ones were restored (400)."""
-
-
-class UnservableWeights(ServiceError):
-    """The update's weights fail the probe and could not be undone (500): the server is not
-    ready until an update passes."""
-
-    status_code = 500
 
 
 T = TypeVar("T")
@@ -129,37 +118,9 @@ class WeightsService:
     async def load_probed(
         self, load: Callable[[], Awaitable[T]], names: Collection[str], *, rollback: bool = True
     ) -> T:
-        """``load()`` under the write gate (held by the caller), then the probe
-        (``rollout_server.weights.probe``) when the server would be ready to generate. A failed
-        probe restores the named tensors as they were (``rollback`` and an engine that kept a
-        copy: 400, the previous version serves on), or else leaves the server not ready (503
-        on /ready and generation) until an update passes (500). The version does not move."""
-        core = self.core
-        probe = core.servable_after(names)
-        snapshot = None
-        if probe and rollback and names:
-            snapshot = await core.engine.snapshot_weights(names)
-        result = await load()
-        if not probe:
-            return result
-        problem = await probe_generation(core.engine)
-        if problem is None:
-            core.unservable = None
-            return result
-        log.warning("a weight update failed its probe: %s", problem)
-        if snapshot is not None:
-            await core.engine.restore_weights(snapshot)
-            await core.engine.reset_prefix_cache()
-            raise WeightsRefusedByProbe(
-                f"weight update refused: {problem}; the previous weights (version "
-                f"{core.version}) were restored and serve on"
-            )
-        core.unservable = problem
-        raise UnservableWeights(
-            f"the weight update loaded but cannot generate: {problem}; the engine kept no copy "
-            f"of the previous weights, so /ready and generation answer 503 until an update "
-            f"whose probe passes loads (the version stays {core.version})"
-        )
+        """``load()`` (under the write gate the caller holds), then the probe:
+        ``rollout_server.weights.probe.load_probed``."""
+        return await load_probed(self.core, load, names, rollback=rollback)
 
     # --- tensors sent whole (HTTP, staged buckets, a file) ---------------------------------
 
