@@ -92,6 +92,19 @@ def plan_layout(acc: Accelerator, cfg: LearnerConfig, model_path: str) -> Plan:
         apply_zero(ds, plan.zero_stage, cfg.deepspeed)
     if acc.is_main_process:
         log.info("training layout: %s", plan.describe())
+        if plan.zero_stage == 3:
+            log.info(
+                "ZeRO-3 gathers every layer once per micro-batch (and again for checkpointed "
+                "recompute): take the largest grpo.micro_batch_size that fits"
+            )
+        if plan.zero_stage == 3 and acc.num_processes == 1:
+            log.warning(
+                "DeepSpeed ZeRO-3 with one process partitions nothing but still gathers every "
+                "layer: measured 10 %% slower than ZeRO-2 for the Qwen3-4B shape on an H200 "
+                "(docs/benchmarks.md). With one learner GPU, launch with "
+                "deploy/accelerate/single_gpu.yaml (or plain python -m learner) unless the "
+                "model needs ZeRO-3's CPU offload"
+            )
     return plan
 
 

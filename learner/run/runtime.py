@@ -46,19 +46,6 @@ def make_accelerator() -> Accelerator:
     if ds is not None:
         ds.deepspeed_config["train_micro_batch_size_per_gpu"] = 1
         ds.deepspeed_config["gradient_accumulation_steps"] = 1
-        if ds.zero_stage == 3:
-            log.info(
-                "ZeRO-3 gathers every layer once per micro-batch (and again for checkpointed "
-                "recompute): take the largest grpo.micro_batch_size that fits"
-            )
-            if acc.num_processes == 1:
-                log.warning(
-                    "DeepSpeed ZeRO-3 with one process partitions nothing but still gathers "
-                    "every layer: measured +0.5 s per step for a 0.6B model on an H200 "
-                    "(docs/benchmarks.md). With one learner GPU, launch with "
-                    "deploy/accelerate/single_gpu.yaml (or plain python -m learner) unless the "
-                    "model needs ZeRO-3's CPU offload."
-                )
     return acc
 
 
