@@ -7,6 +7,9 @@ Everything is saved with ``save_pretrained``, so any engine loads it like a hub 
 
     python -m rollout_server.tiny /tmp/tiny                     # hidden 64, 2 layers
     python -m rollout_server.tiny /tmp/q06 --qwen3-0.6b-shape   # random weights, real shape
+    python -m rollout_server.tiny /tmp/moe --moe qwen3_moe      # 8 experts, 2 per token
+
+``--moe`` builds a mixture-of-experts model instead (``rollout_server.tiny_moe``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from rollout_server.tiny_moe import MOE_FAMILIES, moe_model_class, tiny_moe_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast, Qwen3Config
@@ -164,13 +169,19 @@ def tiny_qwen3_config(
 
 
 def save_tiny_model(
-    path: str | Path, *, seed: int = 0, dtype: str = "float32", **config_overrides: Any
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    moe: str | None = None,
+    **config_overrides: Any,
 ) -> Path:
     """Write a random-weight Qwen3 model (config, safetensors, tokenizer) to ``path``.
 
     ``config_overrides`` take ``tiny_qwen3_config``'s argument names (``hidden``, ``layers``...)
     or any ``Qwen3Config`` field. The model's vocab may exceed the tokenizer's (as in real Qwen3)
-    but never be smaller."""
+    but never be smaller. ``moe``: a mixture-of-experts family of ``tiny_moe.MOE_FAMILIES``
+    instead (overrides: ``tiny_moe_config``'s names, e.g. ``experts``, or its config's fields)."""
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
@@ -184,11 +195,15 @@ def save_tiny_model(
         )
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = tiny_qwen3_config(
-        vocab_size, eos_token_id=eos, pad_token_id=pad, bos_token_id=None, **config_overrides
-    )
+    special = {"eos_token_id": eos, "pad_token_id": pad, "bos_token_id": None}
+    if moe is not None:
+        config = tiny_moe_config(moe, vocab_size, **special, **config_overrides)
+        model_class = moe_model_class(moe)
+    else:
+        config = tiny_qwen3_config(vocab_size, **special, **config_overrides)
+        model_class = Qwen3ForCausalLM
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+    model = model_class(config).to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -228,6 +243,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     parser.add_argument(
+        "--moe", choices=MOE_FAMILIES, default=None, help="a mixture-of-experts model instead"
+    )
+    parser.add_argument("--experts", type=int, default=8, help="--moe: experts a layer")
+    parser.add_argument("--experts-per-token", type=int, default=2, help="--moe: routed top-k")
+    parser.add_argument(
+        "--expert-intermediate", type=int, default=32, help="--moe: each expert's MLP width"
+    )
+    parser.add_argument(
         "--qwen3-0.6b-shape",
         dest="qwen3_shape",
         action="store_true",
@@ -253,8 +276,16 @@ def main(argv: list[str] | None = None) -> None:
             "intermediate": args.intermediate,
             "vocab_size": args.vocab_size,
         }
+        if args.moe is not None:
+            overrides |= {
+                "experts": args.experts,
+                "experts_per_token": args.experts_per_token,
+                "expert_intermediate": args.expert_intermediate,
+            }
         dtype = args.dtype or "float32"
-    out = save_tiny_model(args.path, seed=args.seed, dtype=dtype, **overrides)
+    if args.moe is not None and (args.qwen3_shape or args.qwen3_4b_shape):
+        parser.error("--moe builds a tiny shape: leave out --qwen3-0.6b-shape/--qwen3-4b-shape")
+    out = save_tiny_model(args.path, seed=args.seed, dtype=dtype, moe=args.moe, **overrides)
     print(out)
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from learner.model.moe_size import moe_layers, num_experts
+
 GIB = 1024**3
 
 
@@ -47,6 +49,9 @@ class ModelSize:
         # attention and MLP projections, the two layer norms and (Qwen3) the q/k norms
         per_layer = 2 * h * q + 2 * h * kv + 3 * h * inter + 2 * h + 2 * hd
         embeddings = vocab * h * (1 if get("tie_word_embeddings", False) else 2)
+        if num_experts(get):  # mixture of experts: every expert held, top-k run a token
+            moe = moe_layers(get, h, q, kv, hd)
+            return cls(moe.params + embeddings + h, layers, h, moe.active_intermediate, q, kv)
         return cls(layers * per_layer + embeddings + h, layers, h, inter, q, kv)
 
     def activation_bytes_per_token(self, recompute: bool) -> float:
