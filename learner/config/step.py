@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from learner.config.base import FieldError, Section
+from learner.loss.settings import Correction, correction_problem, policy_problem
 
 
 class GRPOConfig(Section):
@@ -33,8 +34,60 @@ class GRPOConfig(Section):
     beta: float = Field(0.0, ge=0, description="KL coefficient (k3) to a frozen reference")
     tis_cap: float | None = Field(
         2.0,
-        description="truncated IS cap; none disables it, and then the rollout server is not "
-        "asked for log-probs",
+        description="the upper bound of the importance weight between the learner's and the "
+        "rollout servers' log-probs of each sampled token: the cap of truncated IS (TIS), or "
+        "with correction_mode = mask the bound above which weights are masked; none: no "
+        "weight, and without a rejection band or correction_low the rollout server is not asked "
+        "for log-probs",
+    )
+    correction_level: Literal["token", "sequence", "geo_sequence"] = Field(
+        "token",
+        description="the importance weight per token, or per completion on each of its tokens: "
+        "the arithmetic (sequence) or geometric (geo_sequence) mean of its tokens' ratios. "
+        "Sequence levels not with fused_loss",
+    )
+    correction_mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="truncate: the weight is capped at tis_cap (TIS); mask: a weight above "
+        "tis_cap or below correction_low becomes 0 (MIS; at the token level with both bounds, "
+        "ICEPOP's band)",
+    )
+    correction_low: float | None = Field(
+        None,
+        description='with correction_mode = "mask": weights below it are masked (in (0, 1]; '
+        "ICEPOP: 0.5)",
+    )
+    reject_low: float | None = Field(
+        None,
+        description="sequence rejection: a completion whose geometric-mean ratio of learner to "
+        "server probabilities is below it gets no policy gradient (in (0, 1]). Not with "
+        "fused_loss",
+    )
+    reject_high: float | None = Field(
+        None,
+        description="sequence rejection: ... or above it (>= 1). Not with fused_loss",
+    )
+    policy_loss: Literal["ppo", "cispo", "sapo", "gmpo"] = Field(
+        "ppo",
+        description="the policy-gradient term: ppo (the clipped surrogate of GRPO and DAPO); "
+        "cispo (MiniMax-M1: the clipped ratio, stop-gradient, weighs -A·logp; its cap is 1 + "
+        "eps_high, e.g. eps_high = 4); sapo (a sigmoid gate of the ratio instead of the clip, "
+        "sapo_tau_pos / sapo_tau_neg); gmpo (the geometric mean of the token ratios, each "
+        "clipped in log space to [-eps_low, eps_high], e.g. 0.4 each; not with fused_loss)",
+    )
+    cispo_eps_low: float | None = Field(
+        None,
+        description="cispo: the weight's floor is 1 - cispo_eps_low; none (MiniMax-M1's "
+        "choice): no floor",
+    )
+    sapo_tau_pos: float = Field(
+        1.0, gt=0, description="sapo: the gate's temperature for positive advantages"
+    )
+    sapo_tau_neg: float = Field(
+        1.05,
+        gt=0,
+        description="sapo: the gate's temperature for other advantages (larger: the gate "
+        "fades faster off-policy)",
     )
     entropy_coef: float = Field(
         0.0, description="entropy bonus: this times the token entropy is subtracted from the loss"
@@ -92,6 +145,23 @@ class GRPOConfig(Section):
         description="truncate_left: keep the prompt's end; mask: also exclude from the loss",
     )
 
+    @property
+    def correction(self) -> Correction:
+        """The off-policy correction these fields set (`learner.loss.off_policy`)."""
+        return Correction(
+            self.correction_level,
+            self.correction_mode,
+            self.correction_low,
+            self.tis_cap,
+            self.reject_low,
+            self.reject_high,
+        )
+
+    @property
+    def needs_sampling_logprobs(self) -> bool:
+        """Whether the loss reads the rollout servers' log-probs of the sampled tokens."""
+        return self.correction.active
+
     @model_validator(mode="after")
     def _sequence_ratio_is_not_separable(self) -> GRPOConfig:
         if self.importance_sampling_level == "sequence" and self.fused_loss:
@@ -101,6 +171,35 @@ class GRPOConfig(Section):
                 "loss computes each token's gradient on its own: set fused_loss = false, or "
                 'importance_sampling_level = "token"',
             )
+        if self.policy_loss == "gmpo" and self.fused_loss:
+            raise FieldError(
+                "policy_loss",
+                '"gmpo" ties every token\'s gradient to its whole completion (a geometric mean), '
+                "and the fused loss computes each token's gradient on its own: set fused_loss = "
+                "false, or another policy_loss",
+            )
+        if self.correction_level != "token" and self.fused_loss and self.correction.weighs:
+            raise FieldError(
+                "correction_level",
+                f'"{self.correction_level}" weighs each token by its whole completion\'s ratio, '
+                "which the fused loss does not have chunk by chunk: set fused_loss = false, or "
+                'correction_level = "token"',
+            )
+        if self.correction.rejects and self.fused_loss:
+            field = "reject_low" if self.reject_low is not None else "reject_high"
+            raise FieldError(
+                field,
+                "sequence rejection needs each completion's whole ratio, which the fused loss "
+                "does not have chunk by chunk: set fused_loss = false, or unset reject_low and "
+                "reject_high",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _correction_and_policy_loss_agree(self) -> GRPOConfig:
+        for problem in (correction_problem(self.correction), policy_problem(self)):
+            if problem is not None:
+                raise FieldError(*problem)
         return self
 
     @model_validator(mode="after")

@@ -7,6 +7,10 @@ Per token (ratio r = exp(logp - logp_old), advantage A of the token's completion
     loss  = pg + beta·KL_k3(ref ‖ θ) - entropy_coef·entropy
     KL_k3 = exp(ref - logp) - (ref - logp) - 1                     (Schulman's k3 estimator)
 
+`policy_loss` picks pg's form (ppo above, cispo, sapo, gmpo: `learner.loss.policy`), and the
+importance weight between the learner and the rollout servers may be truncated or masked, per
+token or per sequence, with a sequence rejection band (`learner.loss.off_policy`).
+
 With ``importance_sampling_level = "sequence"`` (GSPO, Zheng et al. 2025) r is one ratio per
 completion, the geometric mean of its tokens' ratios, exp(mean_t (logp - logp_old)), clipped as
 a whole (GSPO's clip ranges are ~1e-3, not 0.2): a long completion's ratio no longer rests on
@@ -49,13 +53,21 @@ zero gradient (zero advantage without KL or entropy bonus) left out, with the sa
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from learner.config.step import GRPOConfig
+from learner.loss.off_policy import correction_metrics, correction_weights
+from learner.loss.policy import policy_term
+from learner.loss.settings import (
+    Correction,
+    CorrectionLevel,
+    CorrectionMode,
+    PolicyLoss,
+    correction_problem,
+    policy_problem,
+)
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
@@ -78,6 +90,43 @@ class LossConfig:
     max_completion_length: int | None = None  # dr_grpo's constant normaliser
     entropy_coef: float = 0.0  # entropy bonus (subtracted from the loss)
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+    policy_loss: PolicyLoss = "ppo"  # the policy-gradient term's form (learner.loss.policy)
+    cispo_eps_low: float | None = None  # CISPO's floor on its weight, 1 - this; None: none
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature for A > 0
+    sapo_tau_neg: float = 1.05  # ... for A <= 0
+    # The importance weight between the learner and the servers (learner.loss.off_policy);
+    # tis_cap is its upper bound
+    correction_level: CorrectionLevel = "token"
+    correction_mode: CorrectionMode = "truncate"
+    correction_low: float | None = None  # mask: weights below it are masked
+    reject_low: float | None = None  # sequence rejection band on the geometric-mean ratio
+    reject_high: float | None = None
+
+    @property
+    def correction(self) -> Correction:
+        return Correction(
+            self.correction_level,
+            self.correction_mode,
+            self.correction_low,
+            self.tis_cap,
+            self.reject_low,
+            self.reject_high,
+        )
+
+    @property
+    def uses_sampling_logprobs(self) -> bool:
+        """Whether the loss reads the servers' sampling log-probs (a correction is on)."""
+        return self.correction.active
+
+    @property
+    def separable(self) -> bool:
+        """Whether each token's gradient depends on that token's values alone (what the
+        fused loss needs)."""
+        return (
+            self.importance_sampling_level == "token"
+            and self.policy_loss != "gmpo"
+            and self.correction.separable
+        )
 
     def __post_init__(self) -> None:
         if self.eps_low >= 1:
@@ -87,6 +136,9 @@ class LossConfig:
             )
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be > 0 or None (disabled), got {self.tis_cap}")
+        for problem in (correction_problem(self.correction), policy_problem(self)):
+            if problem is not None:
+                raise ValueError(f"{problem[0]}: {problem[1]}")
         if self.loss_type == "dr_grpo" and not self.max_completion_length:
             raise ValueError(
                 "loss_type='dr_grpo' normalises by B * max_completion_length: set "
@@ -94,8 +146,10 @@ class LossConfig:
             )
 
     @classmethod
-    def of(cls, grpo: GRPOConfig, max_completion_length: int) -> LossConfig:
-        """The loss of a validated `[grpo]` section, its fields read by name;
+    def of(cls, grpo: Any, max_completion_length: int) -> LossConfig:
+        """The loss of a validated `[grpo]` section (`learner.config.step.GRPOConfig`, which
+        this package does not import: the config imports `learner.loss.settings`), its fields
+        read by name;
         `max_completion_length` is the sampling `max_tokens` (dr_grpo's normaliser)."""
         own = {
             f.name: getattr(grpo, f.name) for f in fields(cls) if f.name != "max_completion_length"
@@ -156,21 +210,21 @@ def grpo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Te
     adv = inputs.advantages.detach().to(dtype)[:, None]  # [B, 1]
     old = inputs.old_logprobs.detach().to(dtype)  # [B, T]
 
-    log_ratio = logp - old  # [B, T]
-    if cfg.importance_sampling_level == "sequence":  # GSPO: each completion's mean log-ratio
-        mean = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-        log_ratio = mean.expand_as(logp)
-    ratio = torch.exp(log_ratio)  # [B, T]
-    clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)  # [B, T]
+    term = policy_term(logp, old, adv, mask, cfg)
+    per_token = term.per_token  # [B, T]
 
     metrics: dict[str, Tensor] = {}
     count = mask.sum().clamp(min=1.0)
-    if inputs.sampling_logprobs is not None and cfg.tis_cap is not None:
-        is_w = torch.exp(old - inputs.sampling_logprobs.detach().to(dtype))  # [B, T]
-        is_w = torch.clamp(is_w, max=cfg.tis_cap)
-        per_token = per_token * is_w
-        metrics["is_weight"] = _masked_mean(is_w, mask, count)
+    correction = cfg.correction
+    if inputs.sampling_logprobs is not None and correction.active:
+        sampling = inputs.sampling_logprobs.detach().to(dtype)  # [B, T]
+        w = correction_weights(old, sampling, mask, correction)
+        per_token = per_token * w.weight
+        metrics.update(correction_metrics(old, sampling, mask, w, correction))
+        # the drift watch's gauge (learner.run.drift): the token ratio, capped at tis_cap
+        ratio = torch.exp(old - sampling)
+        capped = ratio if cfg.tis_cap is None else ratio.clamp(max=cfg.tis_cap)
+        metrics["is_weight"] = _masked_mean(capped, mask, count)
     if inputs.ref_logprobs is not None:
         d = inputs.ref_logprobs.detach().to(dtype) - logp  # [B, T]
         kl = torch.exp(d) - d - 1.0
@@ -186,14 +240,14 @@ def grpo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Te
     loss = _reduce(per_token, mask, inputs, cfg)
 
     with torch.no_grad():
-        r = ratio.detach()
-        low = ((r < 1.0 - cfg.eps_low) & (adv < 0)).to(dtype)
-        high = ((r > 1.0 + cfg.eps_high) & (adv > 0)).to(dtype)
+        r = term.ratio
+        low, high = term.clip_low.to(dtype), term.clip_high.to(dtype)
         metrics["clip_low"] = _masked_mean(low, mask, count)
         metrics["clip_high"] = _masked_mean(high, mask, count)
         metrics["clip_region"] = _masked_mean(torch.maximum(low, high), mask, count)
         metrics["ratio_mean"] = _masked_mean(r, mask, count)
         metrics["num_tokens"] = mask.sum()
+        metrics["num_seqs"] = (mask.sum(-1) > 0).sum().to(dtype)
     return loss, metrics
 
 

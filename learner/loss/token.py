@@ -18,6 +18,8 @@ from torch import Tensor
 
 from learner.loss.grpo import LossConfig, LossInputs, global_factor, grpo_loss, row_weights
 from learner.loss.numerics import triton_importable
+from learner.loss.off_policy import correction_weights
+from learner.loss.policy import token_grad
 
 TokenLoss = Callable[[Tensor, Tensor], Tensor]  # (logp [N], entropy [N]) -> scalar loss
 
@@ -71,6 +73,13 @@ class GRPOTokenLoss:
                 "the unfused loss (grpo.fused_loss = false) with importance_sampling_level "
                 f"{cfg.importance_sampling_level!r}"
             )
+        if not cfg.separable:
+            raise ValueError(
+                "a token loss must be separable, and this one ties each token's gradient to its "
+                f"completion (policy_loss {cfg.policy_loss!r}, correction_level "
+                f"{cfg.correction_level!r}, rejection band {(cfg.reject_low, cfg.reject_high)}): "
+                "use the unfused loss (grpo.fused_loss = false)"
+            )
         if seq.dim() != 1 or seq.dtype not in (torch.int64, torch.int32):
             raise ValueError(
                 f"seq must be an integer [N] tensor, got {tuple(seq.shape)} {seq.dtype}"
@@ -118,7 +127,7 @@ class GRPOTokenLoss:
         # Gradients independent of the values (see the module docstring): the fused loss
         # differentiates once for all chunks. With μ > 1 (ratio != 1), the KL term or the IS
         # weight (exp(old - sampling) with old = logp) they depend on logp.
-        no_is = sampling_logprobs is None or cfg.tis_cap is None
+        no_is = sampling_logprobs is None or not cfg.correction.active
         self.constant_grads = old_logprobs is None and cfg.beta == 0.0 and no_is
         # Whether the loss differentiates the entropy (else it is a metric): without it the
         # Triton engine stores the logits tiles so that no second pass over them is needed.
@@ -138,7 +147,8 @@ class GRPOTokenLoss:
         num_micro_batches: int,
     ) -> GRPOTokenLoss:
         """The token loss of one micro-batch, from what `learner.step.update.train_on` holds."""
-        sampling = batch.sampling_logprobs[batch.loss_mask.bool()] if cfg.tis_cap else None
+        mask = batch.loss_mask.bool()
+        sampling = batch.sampling_logprobs[mask] if cfg.uses_sampling_logprobs else None
         return cls(
             cfg,
             seq,
@@ -266,20 +276,29 @@ class GRPOTokenLoss:
         lp = logp[s:e].to(dtype)
         cfg = self.cfg
         lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
-        if lp.is_cuda and dtype == torch.float32 and lp.is_contiguous() and triton_importable():
+        plain = cfg.policy_loss == "ppo" and (
+            samp is None or (cfg.correction_mode == "truncate" and cfg.correction_level == "token")
+        )  # what the Triton kernel computes: the clipped surrogate, TIS at most
+        if (
+            plain
+            and lp.is_cuda
+            and dtype == torch.float32
+            and lp.is_contiguous()
+            and triton_importable()
+        ):
             from learner.loss.kernels.triton_fused import grpo_token_grads
 
             g = grpo_token_grads(lp, adv, w, old, ref, samp, (lo, hi), cfg.beta, cfg.tis_cap)
             return g, g_ent
         old = lp if old is None else old  # μ = 1: logp.detach(), as `__call__` passes
-        ratio = torch.exp(lp - old)
-        u = ratio * adv  # the unclipped surrogate; the clipped one is clamp(ratio) * adv
-        v = torch.clamp(ratio, lo, hi) * adv
-        g_clip = torch.where((ratio >= lo) & (ratio <= hi), 1.0, 0.0)  # clamp's gradient
-        g_min = torch.where(u < v, 1.0, torch.where(u == v, 0.5 * (1.0 + g_clip), g_clip))
-        g = -(u * g_min)  # ∂(-min(u, v))/∂logp = -(∂min/∂u + ∂min/∂v · clamp') · ratio · adv
-        if samp is not None:  # the truncated IS weight multiplies the policy-gradient term
-            g = g * torch.clamp(torch.exp(old - samp), max=cfg.tis_cap)
+        g = token_grad(lp, old, adv, cfg)  # the policy term's, `learner.loss.policy`
+        if samp is not None:  # the correction weight multiplies the policy-gradient term
+            # a token-level weight of this token's own old and sampling log-probs
+            mask = torch.ones_like(lp)[:, None]
+            g = (
+                g
+                * correction_weights(old[:, None], samp[:, None], mask, cfg.correction).weight[:, 0]
+            )
         if ref is not None:  # β·(exp(ref - logp) - (ref - logp) - 1)
             g = g + cfg.beta * (1.0 - torch.exp(ref - lp))
         return g * w, g_ent
@@ -297,7 +316,8 @@ class GRPOTokenLoss:
             )
         scale = global_factor(self.cfg, self.num_items_in_batch, self.dp_world_size)
         w = rows.to(dtype)[seq] * scale  # [N] ∂loss/∂per_token
-        samp = self._flat("sampling_logprobs", dtype) if self.cfg.tis_cap is not None else None
+        active = self.cfg.correction.active
+        samp = self._flat("sampling_logprobs", dtype) if active else None
         ref = self._flat("ref_logprobs", dtype) if self.cfg.beta != 0.0 else None
         coef = self.cfg.entropy_coef
         g_ent = -coef * w if coef != 0.0 else None

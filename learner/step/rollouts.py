@@ -105,12 +105,13 @@ def generate_request(
     cfg: LearnerConfig, prompts: list[Any], seed: int | None = None
 ) -> GenerateRequest:
     """The request for ``prompts``. It asks for the sampled tokens' log-probs only when the loss
-    uses them (truncated IS, ``grpo.tis_cap``): without them vLLM's generation is faster."""
+    uses them (an off-policy correction: ``grpo.tis_cap``, ``grpo.correction_low``, a rejection
+    band): without them vLLM's generation is faster."""
     s = cfg.sampling
     return GenerateRequest(
         prompts=prompts,
         seed=seed,
-        logprobs=cfg.grpo.tis_cap is not None,
+        logprobs=cfg.grpo.needs_sampling_logprobs,
         n=s.num_generations,
         max_tokens=s.max_tokens,
         temperature=s.temperature,

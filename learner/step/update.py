@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from learner.loss.grpo import LossConfig, LossInputs, grpo_loss, row_weights
+from learner.loss.off_policy import SEQUENCE_METRICS
 from learner.loss.token import GRPOTokenLoss
 from learner.model.offload import ActivationOffload
 from learner.step.batch import Rollout, TrainBatch, collate, micro_batches
@@ -318,7 +319,7 @@ def micro_batch_loss(
         advantages=b.advantages,
         mask=mask,
         sampling_logprobs=prep.group(i, b.sampling_logprobs[b.loss_mask.bool()])
-        if loss_cfg.tis_cap
+        if loss_cfg.uses_sampling_logprobs
         else None,
         ref_logprobs=prep.refs[i],
         entropy=prep.group(i, ent_flat) if ent_flat is not None else None,
@@ -331,37 +332,49 @@ def micro_batch_loss(
 
 
 class MetricSums:
-    """A step's loss and its metrics' token-weighted sums, kept on the device and read back
-    once at the end: a read per micro-batch would make the host wait for the GPU before it
-    may queue the next micro-batch's work."""
+    """A step's loss and its metrics' token-weighted sums (sequence-weighted for
+    ``SEQUENCE_METRICS``), kept on the device and read back once at the end: a read per
+    micro-batch would make the host wait for the GPU before it may queue the next
+    micro-batch's work."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.sums: dict[str, torch.Tensor | float] = {}
         self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.seqs: torch.Tensor | float = 0.0  # sequences with loss tokens, summed like them
 
     def add(self, loss: torch.Tensor, metrics: dict[str, Any], weight: float) -> None:
+        """``weight``: the micro-batch's loss tokens (0 for a filler)."""
         self.loss += loss.detach().double()
+        seqs = metrics.get("num_seqs", 0.0) if weight else 0.0
+        seqs = seqs.detach().double() if torch.is_tensor(seqs) else float(seqs)
+        self.seqs = self.seqs + seqs
         for k, v in metrics.items():
-            if k != "num_tokens":
-                add = v.detach().double() * weight if torch.is_tensor(v) else float(v) * weight
-                self.sums[k] = self.sums.get(k, 0.0) + add
+            if k in ("num_tokens", "num_seqs"):
+                continue
+            w = seqs if k in SEQUENCE_METRICS else weight
+            add = v.detach().double() * w if torch.is_tensor(v) else float(v) * w
+            self.sums[k] = self.sums.get(k, 0.0) + add
 
     def means(self, accelerator: Accelerator, tokens: int, passes: int) -> dict[str, float]:
         """Token means over every rank's trained tokens (``tokens``: this rank's; a rank may
-        train few or none of its own), and the loss, averaged over the ``passes``. A step that
-        trained no token (every group's advantage zero, say) has no token means: they are left
-        out, not reported as 0 (an ``is_weight`` of 0 would read as servers off the policy)."""
+        train few or none of its own), sequence means of ``SEQUENCE_METRICS`` over every rank's
+        trained sequences, and the loss, averaged over the ``passes``. A step that trained no
+        token (every group's advantage zero, say) has no token means: they are left out, not
+        reported as 0 (an ``is_weight`` of 0 would read as servers off the policy)."""
         keys = sorted(self.sums)
         totals = torch.tensor(
-            [float(self.sums[k]) for k in keys] + [float(tokens)],
+            [float(self.sums[k]) for k in keys] + [float(tokens), float(self.seqs)],
             dtype=torch.float64,
             device=accelerator.device,
         )
         if accelerator.num_processes > 1:
             totals = accelerator.reduce(totals, reduction="sum")
-        *values, total_tokens = totals.tolist()
-        means = zip(keys, (v / (total_tokens * passes) for v in values), strict=True)
-        out = dict(means) if total_tokens > 0 else {}
+        *values, total_tokens, total_seqs = totals.tolist()
+        out: dict[str, float] = {}
+        if total_tokens > 0:
+            for k, v in zip(keys, values, strict=True):
+                count = total_seqs if k in SEQUENCE_METRICS else total_tokens
+                out[k] = v / (count * passes)
         out["loss"] = float(self.loss) / passes
         return out
 
