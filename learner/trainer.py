@@ -52,6 +52,7 @@ from learner.step.update import (
     max_over_ranks,
     reduce_metrics,
     train_on,
+    version_lag_metrics,
 )
 from learner.sync import make_transport
 from learner.trainer_setup import Run, setup
@@ -146,6 +147,9 @@ def train_on_rollouts(
     """The step's micro-batches and the optimizer step on them (under the profiler for
     ``run.profile_steps``); the schedule moves on."""
     cfg, acc, step = run.cfg, run.accelerator, run.state.step + 1
+    lags = version_lag_metrics(  # the learner's version before this step's update
+        acc, step_rollouts.rollouts, run.state.weight_version, cfg.rollout.max_staleness
+    )
     micro = build_micro_batches(step_rollouts.rollouts, run.opts, run.loss_cfg, run.pad_id)
     profile = acc.is_main_process and step in cfg.run.profile_steps
     with profiled(
@@ -156,7 +160,7 @@ def train_on_rollouts(
         )
     run.guard.check(step, train_metrics)
     run.scheduler.step()
-    return micro, train_metrics
+    return micro, {**train_metrics, **lags}
 
 
 @dataclass

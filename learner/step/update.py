@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from learner.loss.grpo import LossConfig, LossInputs, grpo_loss, row_weights
-from learner.loss.off_policy import SEQUENCE_METRICS
+from learner.loss.off_policy import SEQUENCE_METRICS, tokens_per_version_lag
 from learner.loss.token import GRPOTokenLoss
 from learner.model.offload import ActivationOffload
 from learner.step.batch import Rollout, TrainBatch, collate, micro_batches
@@ -414,6 +414,37 @@ def train_on(
     out["tokens/padded"] = float(sum(b.input_ids.numel() for b in prep.batches))
     for phase, secs in clock.seconds().items():  # where the train phase went
         out[f"time/train/{phase}"] = secs
+    return out
+
+
+def version_lag_metrics(
+    accelerator: Accelerator, rollouts: list[Rollout], learner_version: int, max_lag: int
+) -> dict[str, float]:
+    """The step's loss tokens by version lag, summed over the ranks (a collective: every rank
+    must call it): ``off_policy/tokens_lag_{k}`` for k = 0 .. ``max_lag`` (the staleness
+    bound; 0 where none), ``off_policy/tokens_lag_beyond`` when tokens are older still (or
+    newer than the learner's weights), and ``off_policy/version_lag_mean``, the token mean of
+    the lag. The lag of a rollout is ``learner_version - weight_version``: how many weight
+    updates the learner made since the weights that sampled it."""
+    lags = tokens_per_version_lag(
+        [r.weight_version for r in rollouts],
+        [sum(r.completion_mask) for r in rollouts],
+        learner_version,
+    )
+    counts = [0.0] * (max_lag + 2)  # lags 0 .. max_lag, then the rest
+    lag_sum = 0.0
+    for lag, n in lags.items():
+        counts[lag if 0 <= lag <= max_lag else max_lag + 1] += n
+        lag_sum += lag * n
+    totals = torch.tensor([*counts, lag_sum], dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        totals = accelerator.reduce(totals, reduction="sum")
+    *counts, lag_sum = totals.tolist()
+    out = {f"off_policy/tokens_lag_{k}": counts[k] for k in range(max_lag + 1)}
+    if counts[-1]:
+        out["off_policy/tokens_lag_beyond"] = counts[-1]
+    if sum(counts):
+        out["off_policy/version_lag_mean"] = lag_sum / sum(counts)
     return out
 
 
