@@ -185,8 +185,10 @@ def grpo_loss(inputs: LossInputs, cfg: LossConfig) -> tuple[Tensor, dict[str, Te
     """Scalar loss of one micro-batch and detached metrics (token means over the mask).
 
     Metrics: clip_low / clip_high / clip_region (fraction of tokens whose ratio is clipped on
-    the side that stops the gradient), ratio_mean, and when the inputs exist kl, entropy,
-    is_weight; num_tokens is the mask sum.
+    the side that stops the gradient; for cispo the tokens whose weight is clipped), ratio_mean,
+    and when the inputs exist kl, entropy, is_weight and the correction's ``off_policy/*``
+    (`learner.loss.off_policy.correction_metrics`); num_tokens is the mask sum, num_seqs the
+    rows with loss tokens.
     """
     logp = inputs.logprobs  # [B, T]
     if logp.dim() != 2:
