@@ -24,6 +24,7 @@ from torch import nn
 from learner.loss.fused import fused_grpo_loss
 from learner.loss.logprobs import token_logprobs
 from learner.loss.token import TokenLoss
+from learner.model.routing import replay_routes
 
 
 def _is_zero3(param: torch.Tensor) -> bool:
@@ -65,18 +66,21 @@ class PolicyLogprobs(nn.Module):
         with_entropy: bool = False,
         reference: bool = False,
         token_loss: TokenLoss | None = None,
+        routes: torch.Tensor | None = None,  # [B, T, layers, k] experts to replay, -1: own
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropies) of the targets at ``loss_mask``, flat ``[N]`` fp32 in
         row-major order of the mask. With ``token_loss`` (``grpo.fused_loss``): the fused head
-        and loss instead, ``(loss, logp, entropy)`` (``learner.loss.fused``)."""
+        and loss instead, ``(loss, logp, entropy)`` (``learner.loss.fused``). With ``routes``
+        a mixture-of-experts decoder routes as they say (``learner.model.routing``)."""
         if reference and not is_peft(self.model):
             raise ValueError("reference=True needs a PEFT model (adapters disabled = reference)")
         ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
         with ctx:
             decoder = self.model.get_decoder()
-            hidden = decoder(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-            ).last_hidden_state
+            with replay_routes(decoder, routes):
+                hidden = decoder(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+                ).last_hidden_state
             hidden = hidden[:, :-1]  # [B, T-1, H]: position t predicts token t+1
             sel = loss_mask.bool()
             weight = self.model.get_output_embeddings().weight  # [V, H]

@@ -34,6 +34,15 @@ def build_models(
         gradient_checkpointing = cfg.model.gradient_checkpointing is not False
     if compile is None:
         compile = cfg.model.compile is True
+    if cfg.model.routing_replay != "off":
+        if gradient_checkpointing:
+            raise ValueError(
+                "model.routing_replay: the planned layout recomputes activations, and the "
+                "backward's recompute would route the tokens anew; set "
+                "model.gradient_checkpointing = false (with memory for it: a smaller "
+                'grpo.micro_batch_size or more GPUs) or model.routing_replay = "off"'
+            )
+        compile = False  # the replay swaps the routers' forwards, which compiled layers fix
 
     kwargs: dict[str, Any] = {}
     if cfg.model.attn_implementation:

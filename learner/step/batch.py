@@ -11,8 +11,11 @@ token ``t + 1`` of the padded ``[B, T]`` input.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from learner.model.routing import route_rows
 
 
 @dataclass
@@ -23,6 +26,8 @@ class Rollout:
     completion_mask: list[int]  # 1 = sampled by the policy, 0 = tool/template token
     advantage: float = 0.0
     weight_version: int = 0
+    # the server's routed experts, [prompt + completion - 1, layers, k] (routing replay)
+    routes: Any = None
 
 
 @dataclass
@@ -35,6 +40,8 @@ class TrainBatch:
     # [B] float64: each row's weight in the step's loss (`loss.LossInputs.seq_weights`), set by
     # `train_step.build_micro_batches`; None: the loss normalises by this micro-batch alone
     seq_weights: torch.Tensor | None = None
+    # [B, T, layers, k] int16 experts to replay (-1: the model's own routing); None: none
+    routes: torch.Tensor | None = None
 
     @property
     def num_loss_tokens(self) -> int:
@@ -46,6 +53,7 @@ class TrainBatch:
             self.sampling_logprobs.to(device),
             self.advantages.to(device),
             self.seq_weights.to(device) if self.seq_weights is not None else None,
+            routes=self.routes.to(device) if self.routes is not None else None,
         )
 
 
@@ -73,7 +81,8 @@ def collate(rollouts: list[Rollout], pad_id: int, pad_to_multiple_of: int = 1) -
         loss_mask[i, p - 1 : p - 1 + c] = torch.tensor(r.completion_mask, dtype=torch.float32)
         sampling[i, p - 1 : p - 1 + c] = torch.tensor(r.sampling_logprobs, dtype=torch.float32)
     advantages = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)
-    return TrainBatch(input_ids, attention_mask, loss_mask, sampling, advantages)
+    routes = route_rows([(r.routes, n) for r, n in zip(rollouts, lengths, strict=True)], seq_len)
+    return TrainBatch(input_ids, attention_mask, loss_mask, sampling, advantages, routes=routes)
 
 
 def micro_batches(rollouts: list[Rollout], size: int) -> list[list[Rollout]]:

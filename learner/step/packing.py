@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from learner.model.routing import route_rows
 from learner.step.batch import Rollout, TrainBatch
 
 
@@ -50,6 +51,7 @@ class PackedBatch(TrainBatch):
             base.sampling_logprobs,
             base.advantages,
             base.seq_weights,
+            base.routes,
             self.position_ids.to(device) if self.position_ids is not None else None,
             self.seq_ids.to(device) if self.seq_ids is not None else None,
             (self.seq_advantage_index.to(device) if self.seq_advantage_index is not None else None),
@@ -81,12 +83,16 @@ def pack(rollouts: list[Rollout]) -> PackedBatch:
         samp += [0.0] * (p - 1) + list(r.sampling_logprobs) + [0.0]
     t = len(ids)
     seq_t = torch.tensor(seq, dtype=torch.long)
+    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
+    offsets = [sum(lengths[:k]) for k in range(len(rollouts))]
+    routes = route_rows([(r.routes, n) for r, n in zip(rollouts, lengths, strict=True)], t, offsets)
     return PackedBatch(
         input_ids=torch.tensor([ids], dtype=torch.long),
         attention_mask=torch.ones((1, t), dtype=torch.long),
         loss_mask=torch.tensor([loss[: t - 1]], dtype=torch.float32),
         sampling_logprobs=torch.tensor([samp[: t - 1]], dtype=torch.float32),
         advantages=torch.tensor([r.advantage for r in rollouts], dtype=torch.float32),
+        routes=routes,
         position_ids=torch.tensor([pos], dtype=torch.long),
         seq_ids=seq_t,
         seq_advantage_index=seq_t[:-1].clone(),

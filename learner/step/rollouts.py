@@ -122,6 +122,7 @@ def generate_request(
         stop=s.stop,
         ignore_eos=s.ignore_eos,
         chat_template_kwargs=s.chat_template_kwargs,
+        return_routed_experts=cfg.model.routing_replay != "off",
     )
 
 
@@ -234,6 +235,7 @@ async def collect(
                     sampling_logprobs=_sampling_logprobs(req, s),
                     completion_mask=[0 if excluded else 1] * len(s.token_ids),
                     weight_version=s.weight_version,
+                    routes=s.routed_experts.decode() if s.routed_experts is not None else None,
                 )
             )
             prompts.append(row[prompt_col])

@@ -211,7 +211,10 @@ def regroup(flat: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Tenso
 
 def policy_forward(policy, b: TrainBatch, **kw):  # type: ignore[no-untyped-def]
     """The policy (``PolicyLogprobs``) on a padded or a packed micro-batch: flat per-token
-    log-probs at its loss positions (and what ``kw`` asks for: entropies, a fused loss)."""
+    log-probs at its loss positions (and what ``kw`` asks for: entropies, a fused loss), the
+    batch's recorded experts replayed where it has them (``learner.model.routing``)."""
+    if b.routes is not None:
+        kw["routes"] = b.routes
     if isinstance(b, PackedBatch):
         # flash-attention reads sequence starts from position_ids; SDPA/eager need the mask
         return policy(b.input_ids, b.block_causal_mask(), b.loss_mask, b.position_ids, **kw)

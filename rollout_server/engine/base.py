@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         LoraAdapterSpec,
         NcclInitRequest,
         NcclUpdateRequest,
+        RoutedExperts,
         SamplingParams,
     )
 
@@ -80,6 +81,8 @@ class SampleOutput:
     logprobs: list[float]  # of each sampled token, under the sampling distribution
     text: str
     finish_reason: FinishReason
+    # the experts of its prompt and completion tokens but the last (``return_routed_experts``)
+    routed_experts: RoutedExperts | None = None
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,14 @@ class Engine(abc.ABC):
     """A generation backend. Subclasses set ``name`` and implement the abstract methods."""
 
     name: str = "base"
+
+    def routed_experts_refusal(self) -> str | None:
+        """Why ``return_routed_experts`` cannot be served (None: it can)."""
+        return (
+            f"routing replay needs the transformers engine here (this server runs the "
+            f"{self.name} engine): serve the model with --engine transformers, or set the "
+            'learner\'s model.routing_replay = "off"'
+        )
 
     @abc.abstractmethod
     async def start(self) -> None:

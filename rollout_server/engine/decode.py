@@ -11,6 +11,7 @@ Runs in a worker thread (it blocks on torch); nothing here touches the event loo
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from rollout_server.engine.base import SampleOutput
+from rollout_server.engine.routes import RouteLog, route_log
 from rollout_server.engine.sampling import (
     apply_repetition_penalty,
     find_stop,
@@ -105,16 +107,22 @@ def decode_rows(
     ids, mask = _left_pad([list(p) for p in unique], pad_id, device)  # [P, T]
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [P, T]
     cache = DynamicCache()
-    with torch.inference_mode():
+    routes = route_log(model, [r.params.return_routed_experts for r in rows])
+    hooked = routes.hooked() if routes is not None else contextlib.nullcontext()
+    with torch.inference_mode(), hooked:
         logits = _forward(model, ids, mask, positions, cache)  # [P, V]
+        if routes is not None:
+            routes.prefill(row_prompt, [len(p) for p in unique], ids.shape[1])
         expand = torch.tensor(row_prompt, device=device)  # [B]
         cache.reorder_cache(expand)
         logits, mask = logits[expand], mask[expand]  # [B, V], [B, T]
         next_pos = positions[expand, -1] + 1  # [B]
-        return _sample_loop(model, rows, logits, mask, next_pos, cache, detokenize)
+        return _sample_loop(model, rows, logits, mask, next_pos, cache, detokenize, routes)
 
 
-def _sample_loop(model, rows, logits, mask, next_pos, cache, detokenize) -> list[SampleOutput]:
+def _sample_loop(
+    model, rows, logits, mask, next_pos, cache, detokenize, routes: RouteLog | None = None
+) -> list[SampleOutput]:
     device = logits.device
     vocab = logits.shape[-1]
     params = _param_tensors(rows, device)
@@ -153,6 +161,8 @@ def _sample_loop(model, rows, logits, mask, next_pos, cache, detokenize) -> list
             active = [active[j] for j in keep]
         mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=-1)  # [A, T+1]
         logits = _forward(model, tokens[:, None], mask, next_pos[:, None], cache)  # [A, V]
+        if routes is not None:
+            routes.step(active)
         next_pos = next_pos + 1
     return [
         SampleOutput(
@@ -160,8 +170,9 @@ def _sample_loop(model, rows, logits, mask, next_pos, cache, detokenize) -> list
             logprobs=s.logprobs,
             text=s.text if s.text is not None else detokenize(s.tokens),
             finish_reason=s.finish or "length",
+            routed_experts=routes.of(i) if routes is not None else None,
         )
-        for s in states
+        for i, s in enumerate(states)
     ]
 
 

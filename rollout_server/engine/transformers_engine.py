@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from grpo_common.moe import find_routers
 from rollout_server.engine.base import (
     Engine,
     EngineError,
@@ -185,6 +186,11 @@ class TransformersEngine(HFTokenizerMixin, Engine):
             max_num_seqs=self.max_num_seqs,
             max_batch_tokens=self.max_batch_tokens,
         )
+
+    def routed_experts_refusal(self) -> str | None:
+        if not find_routers(self.model):
+            return "the served model has no mixture-of-experts routers (a dense model)"
+        return None
 
     # --- tokens ----------------------------------------------------------------------------
 

@@ -172,6 +172,8 @@ class GenerationService:
         core.require_loaded()
         self.check_limits(req)
         self.check_tools(req)
+        if req.return_routed_experts and (why := core.engine.routed_experts_refusal()):
+            raise BadRequest(f"return_routed_experts: {why}")
         prompt_ids = await self.tokenize(req)
         params = req.sampling()
         async with core.gate.read(abortable=True):
@@ -201,6 +203,7 @@ class GenerationService:
                         text=o.text,
                         finish_reason=o.finish_reason,
                         weight_version=version,
+                        routed_experts=o.routed_experts,
                     )
                     for o in outs
                 ],

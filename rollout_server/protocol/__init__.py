@@ -34,6 +34,7 @@ from rollout_server.protocol.native import (
     WeightTransferUpdateInfo,
     WorldSize,
 )
+from rollout_server.protocol.routes import RoutedExperts
 from rollout_server.protocol.sleep import SleepRequest, SleepStatus, WakeUpRequest
 from rollout_server.protocol.status import HealthResponse, InfoResponse, Limits
 from rollout_server.protocol.weights import (
@@ -76,6 +77,7 @@ __all__ = [
     "PauseStatus",
     "PromptInput",
     "PromptResult",
+    "RoutedExperts",
     "Sample",
     "SamplingParams",
     "SleepRequest",

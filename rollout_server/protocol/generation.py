@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout_server.protocol.base import WireModel, refuse_lone_surrogates
+from rollout_server.protocol.routes import RoutedExperts
 from rollout_server.protocol.template_kwargs import check_template_kwargs
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -71,6 +72,12 @@ class SamplingParams(WireModel):
         True,
         description="return each sampled token's log-prob; false spares vLLM the work and "
         "returns empty logprobs lists",
+    )
+    return_routed_experts: bool = Field(
+        False,
+        description="return each sample's routed experts (a mixture-of-experts model on the "
+        "transformers engine): the expert indices every MoE layer chose for each token the "
+        "server ran, for the learner's routing replay",
     )
 
     @model_validator(mode="before")
@@ -140,6 +147,11 @@ class Sample(WireModel):
     text: str
     finish_reason: FinishReason
     weight_version: int
+    routed_experts: RoutedExperts | None = Field(
+        None,
+        description="with return_routed_experts: [prompt + completion - 1 tokens, layers, k] "
+        "expert indices (rollout_server.protocol.routes)",
+    )
 
 
 class PromptResult(WireModel):
