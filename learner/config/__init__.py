@@ -81,12 +81,14 @@ class ModelConfig(Section):
         False, description="park saved activations in pinned CPU memory (side-stream copies)"
     )
     lora: LoraConfig | None = Field(None, description="train PEFT LoRA adapters only")
-    routing_replay: Literal["off", "r3"] = Field(
+    routing_replay: Literal["off", "r2", "r3"] = Field(
         "off",
         description="mixture-of-experts models: 'r3' routes each sampled sequence through the "
         "experts the rollout server chose for it (the server returns them), with the gate "
         "weights from the learner's router, so routing noise leaves the importance ratio; "
-        "needs the transformers engine, single-turn rollouts, no recompute (docs/options.md)",
+        "needs the transformers engine, single-turn rollouts, no recompute. 'r2': the "
+        "learner's later passes (grpo.num_iterations > 1) route as its old-policy pass did "
+        "(docs/options.md)",
     )
     trust_remote_code: bool = Field(
         False, description="let transformers run the model repository's own Python code"
@@ -471,12 +473,15 @@ class LearnerConfig(Section):
         one generation per sequence, and replay in the forward, not in a recompute."""
         if self.model.routing_replay == "off":
             return
-        r = self.rollout
+        r, r3 = self.rollout, self.model.routing_replay == "r3"
         why = None
-        if self.environment is not None:
+        if r3 and self.environment is not None:
             why = "[environment] episodes span several generations, each routed apart"
-        elif r.server_api == "vllm" or (not r.external and r.embedded.engine == "vllm"):
+        elif r3 and (r.server_api == "vllm" or (not r.external and r.embedded.engine == "vllm")):
             why = "routing replay needs the transformers engine here (its server records routes)"
+        elif not r3 and self.grpo.num_iterations == 1:
+            why = "r2 replays the old-policy pass's routes in later passes: it needs "
+            why += "grpo.num_iterations > 1 (with one pass there is no later one)"
         elif self.model.gradient_checkpointing is True:
             why = "gradient checkpointing recomputes the forward in the backward, unreplayed"
         elif self.model.compile is True:

@@ -13,6 +13,10 @@ normalises its top-k), so the router keeps its gradient.
 Positions whose routes are ``-1`` (padding, the last token of a sequence, rows that came without
 routes) route as the model would.
 
+The routes come from the rollout server (``"r3"``: rollout routing replay, the experts that
+sampled each token) or from the learner's own old-policy pass (``"r2"``: ``record_routes`` in
+``learner.step.update.prepare_step``, replayed in the step's later passes).
+
 The routers' load-balancing loss is not added (the learner never adds it: ``router_aux_loss_coef``
 is unused in RL fine-tuning here); under replay it could not describe the routing anyway, as the
 experts a token runs are the server's choice, not the learner's top-k.
@@ -114,3 +118,37 @@ def route_rows(
         row, start = (i, 0) if offsets is None else (0, offsets[i])
         out[row, start : start + r.shape[0]] = torch.from_numpy(r.astype(np.int16))
     return out
+
+
+class RecordedRoutes:
+    """The experts each router chose in the forwards run under ``record_routes``."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, torch.Tensor] = {}
+
+    def routes(self, shape: torch.Size) -> torch.Tensor:
+        """``[B, T, layers, k]`` int16 for a forward over ``input_ids`` of ``shape`` ``[B, T]``."""
+        if not self.layers:
+            raise ValueError("routing replay: no MoE router ran in the recorded forward")
+        stacked = torch.stack([self.layers[i] for i in sorted(self.layers)], dim=1)
+        return stacked.to(torch.int16).reshape(*shape, len(self.layers), -1)
+
+
+@contextlib.contextmanager
+def record_routes(model: torch.nn.Module) -> Iterator[RecordedRoutes]:
+    """Within the block, keep the top-k experts every MoE router of ``model`` chooses (the
+    last forward's, per layer)."""
+    recorded = RecordedRoutes()
+
+    def keep(layer: int):
+        def hook(module: Any, args: Any, output: Any) -> None:
+            recorded.layers[layer] = output[2].detach()
+
+        return hook
+
+    handles = [r.register_forward_hook(keep(i)) for i, r in enumerate(find_routers(model))]
+    try:
+        yield recorded
+    finally:
+        for h in handles:
+            h.remove()

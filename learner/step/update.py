@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from learner.loss.grpo import LossConfig, LossInputs, grpo_loss, row_weights
 from learner.loss.off_policy import SEQUENCE_METRICS, tokens_per_version_lag
 from learner.loss.token import GRPOTokenLoss
 from learner.model.offload import ActivationOffload
+from learner.model.routing import record_routes
 from learner.step.batch import Rollout, TrainBatch, collate, micro_batches
 from learner.step.optimizer import accumulating, backward, deepspeed_engine, optimizer_step
 from learner.step.packing import PackedBatch, pack, packed_micro_batches
@@ -44,6 +46,7 @@ class StepOptions:
     reference_is_adapterless: bool = False  # LoRA: reference = adapters disabled
     skip_zero_advantage: bool = True  # grpo.skip_zero_advantage: see `rollouts_to_train`
     count_zero_advantage: bool = True  # grpo.count_zero_advantage: see `build_micro_batches`
+    routing_replay: str = "off"  # model.routing_replay ("r2": the old forward's routes replayed)
 
     @classmethod
     def of(cls, cfg: LearnerConfig) -> StepOptions:
@@ -62,6 +65,7 @@ class StepOptions:
             reference_is_adapterless=cfg.model.lora is not None,
             skip_zero_advantage=g.skip_zero_advantage,
             count_zero_advantage=g.count_zero_advantage,
+            routing_replay=cfg.model.routing_replay,
         )
 
 
@@ -277,7 +281,10 @@ def prepare_step(
     with torch.no_grad():
         for i, b in enumerate(batches):
             if opts.num_iterations > 1:
-                prep.olds[i] = prep.group(i, policy_forward(policy, b)[0])
+                with record_routes(policy) if opts.routing_replay == "r2" else nullcontext() as rec:
+                    prep.olds[i] = prep.group(i, policy_forward(policy, b)[0])
+                if rec is not None:  # every later forward of this batch routes as the old one
+                    b = batches[i] = dataclasses.replace(b, routes=rec.routes(b.input_ids.shape))
             if opts.need_reference:
                 if opts.reference_is_adapterless:
                     lp = policy_forward(accelerator.unwrap_model(policy), b, reference=True)[0]

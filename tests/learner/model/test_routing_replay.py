@@ -4,6 +4,7 @@ sampled tokens with and without the server's recorded experts."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -207,3 +208,35 @@ def test_the_request_asks_for_routes_only_with_replay() -> None:
         load_config(DEMO, ["model.routing_replay=r3"]), ["a"]
     ).return_routed_experts
     assert not generate_request(load_config(DEMO), ["a"]).return_routed_experts
+
+
+def test_r2_later_passes_route_as_the_old_policy_pass(moe_dir: Path, served: list[Rollout]) -> None:
+    """r2 with two passes: the old-policy pass records the learner's own routes into the
+    batches; after the update (here: a router flipped by a hair) the second pass's log-probs
+    stay the old pass's, as its tokens keep their experts."""
+    from accelerate import Accelerator
+
+    from learner.loss.grpo import LossConfig
+    from learner.step.update import StepOptions, build_micro_batches, policy_forward, prepare_step
+
+    cfg = load_config(DEMO, ["model.routing_replay=r2", "grpo.num_iterations=2"])
+    own = [dataclasses.replace(r, routes=None, advantage=1.0) for r in served]
+    model = AutoModelForCausalLM.from_pretrained(moe_dir).eval()
+    policy = PolicyLogprobs(model)
+    opts = StepOptions.of(cfg)
+    step = build_micro_batches(own, opts, LossConfig.of(cfg.grpo, 12), pad_id=0)
+    prep = prepare_step(Accelerator(cpu=True), policy, None, step, opts)
+    (batch,) = prep.batches
+    assert batch.routes is not None and batch.routes.shape[2:] == (2, 2)
+    (old,) = prep.olds
+    _flip_the_nearest_tie(model, served)
+    with torch.no_grad():
+        replayed = prep.group(0, policy_forward(policy, batch)[0])
+        plain = prep.group(0, policy_forward(policy, dataclasses.replace(batch, routes=None))[0])
+    torch.testing.assert_close(replayed, old, atol=1e-4, rtol=0)
+    assert (plain - old).abs().max() > 1e-2
+
+
+def test_r2_needs_a_second_pass() -> None:
+    with pytest.raises(ConfigError, match="r2 replays the old-policy pass's routes"):
+        load_config(DEMO, ["model.routing_replay=r2"])
