@@ -29,12 +29,13 @@ DEMO = Path(__file__).parents[3] / "learner/configs/demo.toml"
 PROMPTS = ["the vowel song: ", "aeiou", "sing it again, and then", "x"]
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["qwen3_moe", "olmoe"])
+def moe_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """Weights 5x the default's spread (an expert's output moves the log-probs visibly), but
-    routers 20x narrower: nearly uniform routing, where near-ties abound."""
+    routers 20x narrower: nearly uniform routing, where near-ties abound. Qwen3-MoE
+    renormalises its top-k gate weights, OLMoE does not."""
     path = save_tiny_model(
-        tmp_path_factory.mktemp("tiny-moe"), moe="qwen3_moe", seed=3, initializer_range=0.1
+        tmp_path_factory.mktemp(request.param), moe=request.param, seed=3, initializer_range=0.1
     )
     weights = load_file(path / "model.safetensors")
     for name in weights:
