@@ -167,6 +167,7 @@ def test_a_server_killed_while_a_sync_waits_in_it_is_synced_again(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a learner killed, then resumed: 178 s on two cores busy with other jobs
 def test_a_learner_killed_while_its_sync_waits_leaves_the_server_whole_and_resumes(
     tmp_path, tiny_model_dir
 ):
@@ -290,6 +291,7 @@ def _env_server(port: int, marker: Path) -> subprocess.Popen:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a run stopped, then resumed: 178 s on two cores busy with other jobs
 def test_an_environment_server_killed_mid_episode_stops_the_run_and_resume_goes_on(tmp_path):
     """The Open Reward Standard server dies while it grades step 2's episodes: they all fail, so
     the run stops naming the environment and the first error (training on their zeros would

@@ -227,6 +227,7 @@ def test_a_file_sync_cut_off_by_a_kill_leaves_no_copy_of_the_weights_behind(tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # three learner starts: 184 s on two cores busy with other jobs
 def test_sigterm_stops_after_the_step_with_a_checkpoint_and_resume_continues(tmp_path, proc_scan):
     """A preemption (or ``docker stop``) sends SIGTERM: the step in progress ends, is saved,
     the run exits 143, and ``--resume`` goes on from that very step, not from the last periodic
