@@ -314,7 +314,9 @@ def test_cpu_run_of_both_modes_reports_medians_and_leaves_nothing_behind(
         w = r["weights"]
         assert w["match"] is True and "problem" not in w, w
         (served,) = w["served"]
-        assert served["weight_version"] >= 3 and served["url"] == r["config"]["rollout"]["servers"][0]
+        assert (
+            served["weight_version"] >= 3 and served["url"] == r["config"]["rollout"]["servers"][0]
+        )
         assert served["checksum"] == pytest.approx(w["learner"]["checksum"], rel=1e-9)
         assert w["learner"]["dtypes"] == ["float32"] and w["learner"]["tensors"] > 0
         # no nvidia-smi here: the holders are unknown, which a CPU run does not hold against it
