@@ -113,6 +113,7 @@ class Evaluator:
             "temperature": e.temperature,
             "logprobs": False,
             "ignore_eos": False,
+            "return_routed_experts": False,  # nothing trains on eval samples
         }
         if not sampled:
             update.update(top_p=1.0, top_k=-1, min_p=0.0)
