@@ -39,18 +39,23 @@ def mark(env: dict[str, str], tag: str) -> dict[str, str]:
     return {**env, MARK_ENV: f"{parent}/{tag}" if parent else tag}
 
 
-def marker_of(pid: int, proc: Path = PROC) -> str | None:
-    """The run marker in ``pid``'s environment (as it was at exec), None without one or when
+def env_value(pid: int, name: str, proc: Path = PROC) -> str | None:
+    """Variable ``name`` of ``pid``'s environment (as it was at exec), None without it or when
     it cannot be read (gone, a zombie, another user's)."""
     try:
         environ = (proc / str(pid) / "environ").read_bytes()
     except OSError:
         return None
-    prefix = MARK_ENV.encode() + b"="
+    prefix = name.encode() + b"="
     for entry in environ.split(b"\0"):
         if entry.startswith(prefix):
             return entry[len(prefix) :].decode(errors="replace")
     return None
+
+
+def marker_of(pid: int, proc: Path = PROC) -> str | None:
+    """The run marker in ``pid``'s environment, None without one or when it cannot be read."""
+    return env_value(pid, MARK_ENV, proc)
 
 
 def _stat(pid: int, proc: Path = PROC) -> tuple[str, int] | None:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proc_tree import PROC, descendants, run_pids
+from proc_tree import PROC, descendants, env_value, run_pids
 
 REL_TOL = 1e-9
 API_KEY_ENV = "ROLLOUT_API_KEY"  # rollout_server.settings.API_KEY_ENV
@@ -68,18 +68,6 @@ def _argv(pid: int, proc: Path = PROC) -> list[str]:
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
 
 
-def _env_value(pid: int, name: str, proc: Path = PROC) -> str | None:
-    try:
-        environ = (proc / str(pid) / "environ").read_bytes()
-    except OSError:
-        return None
-    prefix = name.encode() + b"="
-    for entry in environ.split(b"\0"):
-        if entry.startswith(prefix):
-            return entry[len(prefix) :].decode(errors="replace")
-    return None
-
-
 def embedded_servers(tag: str, proc: Path = PROC) -> list[tuple[str, str | None]]:
     """``(url, api key)`` of every rollout server among run ``tag``'s processes: its process
     whose command line names the ``rollout_server`` module and a ``--port`` (the leader, not
@@ -93,7 +81,7 @@ def embedded_servers(tag: str, proc: Path = PROC) -> list[tuple[str, str | None]
         if i + 1 >= len(argv) or not argv[i + 1].isdigit():
             continue
         port = int(argv[i + 1])
-        found[port] = (f"http://127.0.0.1:{port}", _env_value(pid, API_KEY_ENV, proc))
+        found[port] = (f"http://127.0.0.1:{port}", env_value(pid, API_KEY_ENV, proc))
     return [found[p] for p in sorted(found)]
 
 
