@@ -201,6 +201,10 @@ class ServerConnection:
     def after_training(self, prepared: concurrent.futures.Future[Any] | None) -> None:
         """Wake the servers and push the new weights (``state.weight_version`` moves on)."""
         sleep_level = self.rollout.sleep_while_training
+        if sleep_level and torch.cuda.is_available():
+            # the step's activations stay cached in torch's allocator (up to the plan's peak,
+            # learner.model.plan): hand them back, or the servers sharing this GPU cannot wake
+            torch.cuda.empty_cache()
         if sleep_level and self.speaks:
             # weights first, KV cache after the load
             self.loop.run(self.client.wake_up(["weights"]))
