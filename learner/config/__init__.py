@@ -22,6 +22,7 @@ from pydantic import (
 from learner.config.base import FieldError, Section
 from learner.config.deepspeed import DeepSpeedConfig
 from learner.config.hints import DOCS, unknown_field_hint, unparsed_list
+from learner.config.moe import ROUTING_REPLAY, routing_replay_refusal
 from learner.config.rollout import RolloutConfig
 from learner.config.step import GRPOConfig, OptimConfig
 from rollout_server.protocol.generation import (
@@ -81,15 +82,7 @@ class ModelConfig(Section):
         False, description="park saved activations in pinned CPU memory (side-stream copies)"
     )
     lora: LoraConfig | None = Field(None, description="train PEFT LoRA adapters only")
-    routing_replay: Literal["off", "r2", "r3"] = Field(
-        "off",
-        description="mixture-of-experts models: 'r3' routes each sampled sequence through the "
-        "experts the rollout server chose for it (the server returns them), with the gate "
-        "weights from the learner's router, so routing noise leaves the importance ratio; "
-        "needs the transformers engine, single-turn rollouts, no recompute. 'r2': the "
-        "learner's later passes (grpo.num_iterations > 1) route as its old-policy pass did "
-        "(docs/options.md)",
-    )
+    routing_replay: Literal["off", "r2", "r3"] = Field("off", description=ROUTING_REPLAY)
     trust_remote_code: bool = Field(
         False, description="let transformers run the model repository's own Python code"
     )
@@ -468,30 +461,6 @@ class LearnerConfig(Section):
                 "or the embedded server (it starts from the SFT model)"
             )
 
-    def _check_routing_replay(self) -> None:
-        """model.routing_replay: the routes come from the transformers engine's server, for
-        one generation per sequence, and replay in the forward, not in a recompute."""
-        if self.model.routing_replay == "off":
-            return
-        r, r3 = self.rollout, self.model.routing_replay == "r3"
-        why = None
-        if r3 and self.environment is not None:
-            why = "[environment] episodes span several generations, each routed apart"
-        elif r3 and (r.server_api == "vllm" or (not r.external and r.embedded.engine == "vllm")):
-            why = "routing replay needs the transformers engine here (its server records routes)"
-        elif not r3 and self.grpo.num_iterations == 1:
-            why = "r2 replays the old-policy pass's routes in later passes: it needs "
-            why += "grpo.num_iterations > 1 (with one pass there is no later one)"
-        elif self.model.gradient_checkpointing is True:
-            why = "gradient checkpointing recomputes the forward in the backward, unreplayed"
-        elif self.model.compile is True:
-            why = "compiled decoder layers would not see the replayed routers"
-        if why:
-            raise ValueError(
-                f"model.routing_replay = {self.model.routing_replay!r}: {why}; set "
-                'model.routing_replay = "off" or change that setting'
-            )
-
     @model_validator(mode="after")
     def _one_source_of_rewards(self) -> LearnerConfig:
         if self.sft is not None and not self.has_grpo and not self.rewards:
@@ -511,7 +480,8 @@ class LearnerConfig(Section):
                 "[environment], and `split` (the environment's held-out tasks) with one"
             )
         self._check_lora_sync()
-        self._check_routing_replay()
+        if why := routing_replay_refusal(self):
+            raise ValueError(why)
         keys = [r.label or r.name for r in self.rewards]
         if twice := sorted({k for k in keys if keys.count(k) > 1}):
             raise ValueError(
