@@ -58,12 +58,14 @@ def _version(url: str) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # four servers and a learner: 233 s on two cores busy with other jobs
 def test_a_killed_server_leaves_and_a_listed_one_joins_at_the_current_version(
     tmp_path, tiny_model_dir
 ):
     """Three servers; one killed while the learner generates step 3 (its share goes to the
     others, the step is not lost); two steps later a fourth is added to the servers file and
-    joins once it got the learner's weights under the learner's version."""
+    joins once it got the learner's weights under the learner's version (the rule alone, in a
+    second: ``tests/learner/servers/test_fleet_join.py``)."""
     procs = [_serve(tiny_model_dir) for _ in range(3)]
     new, new_url = _serve(tiny_model_dir)  # ready before it is listed: its join is not raced
     try:  # by the end of a run that outpaces its start on a loaded machine
