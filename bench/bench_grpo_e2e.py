@@ -111,7 +111,7 @@ from e2e_procs import (
 from gpu_common import API_KEY, ROOT, GpuMemoryPeak, ServerProcess, gpu_env
 from host_probe import host_facts
 from proc_tree import MARK_ENV, mark
-from weights_check import embedded_servers, learner_final_check, learner_paused, read_served
+from weights_check import learner_final_check, read_served, served_by_ranks
 
 from grpo_common.net import free_port
 
@@ -368,9 +368,9 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dic
             # the last step's weights are on the servers now: read them before they stop
             if servers:
                 served = read_served([(s.url, API_KEY) for s in servers])
-            else:  # colocated4: each rank's own server, which the rank stops once it ends
-                with learner_paused(tag):
-                    served = read_served(embedded_servers(tag))
+            else:  # colocated4: each rank records its own server's right before it stops it
+                ranks = result["layout"]["learner_processes"]
+                served = served_by_ranks(run_dir, ranks, learner, args.finish_timeout)
         result["wall_s"] = time.monotonic() - t_start
         records = read_metrics(run_dir)
         result["step_seconds"] = [r.get("time/step") for r in records]
@@ -404,6 +404,7 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, logs: Path) -> dic
         )
         keep = ["metrics.jsonl", "config.json", "rank_checksums.json"]
         keep += [f.name for f in run_dir.glob("rollout_server.rank*.log")]  # colocated4
+        keep += [f.name for f in run_dir.glob("served_checksum.rank*.json")]
         for name in keep:
             with contextlib.suppress(OSError):
                 shutil.copy(run_dir / name, mode_logs / name)

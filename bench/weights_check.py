@@ -8,12 +8,11 @@ space): the servers' ``GET /weights/checksum``, read while they still run, and t
 the saved ``final`` model's tensors, computed in a process of its own. They must agree to a
 relative 1e-9 (float64 sums taken on different devices).
 
-The servers a learner rank embeds (``rollout.embedded.per_rank``) are not known to the bench
-by URL: they are found among the run's processes (``proc_tree``), by their command line
-(``rollout_server ... --port N``); their key reaches them through their environment, where the
-bench, which started the whole tree, reads it for this one read-only request. Such a rank
-stops its server soon after its last step, so the ranks are held (SIGSTOP, then SIGCONT)
-while the servers are read (``learner_paused``).
+The servers a learner rank embeds (``rollout.embedded.per_rank``) are stopped by their rank
+soon after its last step, and the bench knows neither their URLs nor their keys: each rank
+itself reads its server's checksum right before it stops it and writes it to
+``RUN_DIR/served_checksum.rank{k}.json`` (``learner.servers.embedded.record_served``), which
+the bench reads (``served_by_ranks``).
 
     python3 bench/weights_check.py digest MODEL_DIR [--device cuda]   # prints DIGEST {...}
 """
@@ -23,20 +22,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proc_tree import PROC, descendants, env_value, run_pids
-
 REL_TOL = 1e-9
-API_KEY_ENV = "ROLLOUT_API_KEY"  # rollout_server.settings.API_KEY_ENV
 
 
 def read_served(servers: list[tuple[str, str | None]], timeout_s: float = 120.0) -> list[dict]:
@@ -60,57 +52,29 @@ def read_served(servers: list[tuple[str, str | None]], timeout_s: float = 120.0)
     return out
 
 
-def _argv(pid: int, proc: Path = PROC) -> list[str]:
-    try:
-        raw = (proc / str(pid) / "cmdline").read_bytes()
-    except OSError:
-        return []
-    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-
-
-def embedded_servers(tag: str, proc: Path = PROC) -> list[tuple[str, str | None]]:
-    """``(url, api key)`` of every rollout server among run ``tag``'s processes: its process
-    whose command line names the ``rollout_server`` module and a ``--port`` (the leader, not
-    vLLM's engine and workers, which carry no such argv)."""
-    found: dict[int, tuple[str, str | None]] = {}
-    for pid in run_pids(tag, proc=proc):
-        argv = _argv(pid, proc)
-        if "rollout_server" not in argv or "--port" not in argv:
+def served_by_ranks(
+    run_dir: Path, ranks: int, learner: subprocess.Popen | None, timeout_s: float
+) -> list[dict]:
+    """What each of ``ranks`` learner ranks recorded of its own server as the run ended
+    (``RUN_DIR/served_checksum.rank{k}.json``), in ``read_served``'s form; waits up to
+    ``timeout_s`` for them (each is written right after the rank's last step), or until the
+    learner exits. A rank that wrote none: ``{url: "rank k", error}``."""
+    paths = [run_dir / f"served_checksum.rank{k}.json" for k in range(ranks)]
+    deadline = time.monotonic() + timeout_s
+    while not all(p.exists() for p in paths) and time.monotonic() < deadline:
+        if learner is not None and learner.poll() is not None:
+            break
+        time.sleep(0.1)
+    out: list[dict[str, Any]] = []
+    for k, path in enumerate(paths):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            out.append({"url": f"rank {k}", "error": f"no record of its server: {e}"})
             continue
-        i = argv.index("--port")
-        if i + 1 >= len(argv) or not argv[i + 1].isdigit():
-            continue
-        port = int(argv[i + 1])
-        found[port] = (f"http://127.0.0.1:{port}", env_value(pid, API_KEY_ENV, proc))
-    return [found[p] for p in sorted(found)]
-
-
-def server_trees(tag: str, proc: Path = PROC) -> set[int]:
-    """Run ``tag``'s rollout servers (``embedded_servers``' processes) and all they started
-    (vLLM's engine and workers)."""
-    leaders = []
-    for pid in run_pids(tag, proc=proc):
-        argv = _argv(pid, proc)
-        if "rollout_server" in argv and "--port" in argv:
-            leaders.append(pid)
-    return descendants(leaders, proc)
-
-
-@contextlib.contextmanager
-def learner_paused(tag: str) -> Iterator[list[int]]:
-    """Every process of run ``tag`` but its rollout servers' stopped (SIGSTOP) for the block,
-    then continued: a learner rank that starts its own server stops it right after its last
-    step and checkpoint, so the served weights are read with the ranks held still."""
-    paused = sorted(run_pids(tag) - server_trees(tag))
-    for pid in paused:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGSTOP)
-    try:
-        yield paused
-    finally:
-        for pid in paused:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGCONT)
+        keep = ("url", "error") if "error" in record else ("url", "weight_version", "checksum")
+        out.append({key: record[key] for key in keep})
+    return out
 
 
 def final_digest(model_dir: Path, env: dict[str, str], device: str, timeout_s: float) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import runpy
@@ -49,6 +50,7 @@ class EmbeddedServerError(RuntimeError):
 logger = logging.getLogger(__name__)
 
 ORPHAN_GRACE_S = 5.0  # after SIGTERM, for a clean shutdown (vLLM's engine processes)
+SERVED_TIMEOUT_S = 120.0  # the served weights' checksum, read as the run ends
 WAIT_NOTE_S = 30.0  # while a server starts: how often the learner says it still waits, and on what
 _PR_SET_PDEATHSIG = 1
 # The child's command: import this module, watch the learner, then run the rollout server. Not a
@@ -247,6 +249,29 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def record_served(url: str, api_key: str | None, path: Path, rank: int) -> None:
+    """Write what the embedded server at ``url`` serves as the run ends, right before it is
+    stopped, to ``path`` (JSON): its ``GET /weights/checksum`` as ``{"rank", "url",
+    "weight_version", "checksum"}``, or ``{"rank", "url", "error"}`` when it does not answer
+    (the run is not failed for it). A check after the run (the e2e bench) compares it with the
+    saved final model, when the server is gone. Written whole or not at all (a rename)."""
+    from rollout_server.protocol import WeightChecksum
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    record: dict[str, Any] = {"rank": rank, "url": url}
+    try:
+        r = httpx.get(f"{url}/weights/checksum", headers=headers, timeout=SERVED_TIMEOUT_S)
+        r.raise_for_status()
+        served = WeightChecksum.model_validate_json(r.content)
+        record |= {"weight_version": served.weight_version, "checksum": served.checksum}
+    except (httpx.HTTPError, ValueError) as e:
+        logger.warning("could not read the embedded server's served weights: %s", e)
+        record["error"] = f"{type(e).__name__}: {e}"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
 
 
 def embedded_key() -> str:

@@ -24,7 +24,7 @@ from learner.config import LearnerConfig, SamplingConfig
 from learner.config.rollout import RolloutConfig
 from learner.run.checkpoint import TrainerState
 from learner.run.runtime import SetupError
-from learner.servers.embedded import embedded_for, embedded_key, free_ports
+from learner.servers.embedded import embedded_for, embedded_key, free_ports, record_served
 from learner.servers.listening import ListenWatch
 from learner.sync.base import WeightTransport
 from rollout_server.client import (
@@ -100,6 +100,8 @@ def servers(
         broadcast_object_list(url_key, from_process=0)
         yield [url_key[0]], url_key[1]
         acc.wait_for_everyone()  # nobody may still be generating when the server stops
+        if acc.is_main_process:
+            record_served(url_key[0], url_key[1], served_record(run_dir, 0), 0)
 
 
 @contextlib.contextmanager
@@ -108,7 +110,8 @@ def own_server(
 ) -> Iterator[tuple[list[str], str]]:
     """This rank's embedded server (``rollout.embedded.per_rank``): on this rank's device, on
     a port the main process picked distinct from the other ranks', logging to
-    ``rollout_server.rank{k}.log``; its URL alone and its own key."""
+    ``rollout_server.rank{k}.log``; its URL alone and its own key. A run that ends without an
+    error records what the server serves before it is stopped (``served_record``)."""
     ports: list[Any] = [free_ports(acc.num_processes) if acc.is_main_process else None]
     broadcast_object_list(ports, from_process=0)
     key, rank = embedded_key(), acc.process_index
@@ -116,6 +119,13 @@ def own_server(
     port = ports[0][rank]
     with embedded_for(cfg, model, log_path, api_key=key, port=port, device=acc.device) as url:
         yield [url], key
+        record_served(url, key, served_record(run_dir, rank), rank)
+
+
+def served_record(run_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` writes what its embedded server served as the run ended
+    (``learner.servers.embedded.record_served``)."""
+    return run_dir / f"served_checksum.rank{rank}.json"
 
 
 async def servers_ready(client: RolloutClient, rollout: RolloutConfig) -> None:

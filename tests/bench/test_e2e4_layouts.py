@@ -347,6 +347,11 @@ def test_cpu_colocated4_runs_a_server_per_rank(tiny_model_dir, tmp_path, proc_sc
     for k in range(2):  # each rank's own server, every sync pushed to it
         log = (tmp_path / "logs" / "colocated4" / f"rollout_server.rank{k}.log").read_text()
         assert "weights v3 loaded over http" in log
+        # what the rank read of its server right before stopping it: what the bench compared
+        record = tmp_path / "logs" / "colocated4" / f"served_checksum.rank{k}.json"
+        kept = json.loads(record.read_text())
+        served = r["weights"]["served"][k]
+        assert kept == {"rank": k, **served}, (kept, served)
     assert proc_scan(str(tmp_path)) == []
 
 

@@ -159,6 +159,27 @@ def test_weights_compare_by_hand() -> None:
     ]
 
 
+def test_the_ranks_records_of_their_servers_are_read_as_served(tmp_path: Path) -> None:
+    """colocated4: what each rank recorded of its own server (learner.servers.embedded.
+    record_served), in read_served's form; a rank that recorded an error, or nothing, is an
+    error of that rank, and the learner's exit ends the wait for the missing one."""
+    (tmp_path / "served_checksum.rank0.json").write_text(
+        json.dumps({"rank": 0, "url": "http://127.0.0.1:9", "weight_version": 3, "checksum": 1.5})
+    )
+    (tmp_path / "served_checksum.rank1.json").write_text(json.dumps(
+        {"rank": 1, "url": "http://127.0.0.1:10", "error": "ConnectError: refused"}))  # fmt: skip
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    got = weights_check.served_by_ranks(tmp_path, 3, ended, timeout_s=600)
+    assert got[:2] == [
+        {"url": "http://127.0.0.1:9", "weight_version": 3, "checksum": 1.5},
+        {"url": "http://127.0.0.1:10", "error": "ConnectError: refused"},
+    ]
+    assert got[2]["url"] == "rank 2" and "no record of its server" in got[2]["error"]
+    assert "rank 2: no record" in weights_check.compare(got, {"checksum": 1.5})["problem"]
+    assert weights_check.served_by_ranks(tmp_path, 1, None, timeout_s=0)[0]["checksum"] == 1.5
+
+
 def test_the_digest_of_a_saved_model_is_the_servers(tiny_model_dir: Path) -> None:
     """weights_check's digest of a model directory, in its own process, against the digest a
     server computes over the same weights loaded as a model (rollout_server.weight_digest)."""
