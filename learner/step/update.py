@@ -12,8 +12,8 @@ import dataclasses
 import itertools
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import Field, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from accelerate import Accelerator
@@ -31,41 +31,60 @@ from learner.step.packing import PackedBatch, pack, packed_micro_batches
 if TYPE_CHECKING:
     from learner.config import LearnerConfig
 
+C = TypeVar("C")
+
+
+def _config(section: str) -> Any:
+    """A step option that is the config's ``[section]`` field of the same name: `StepOptions.of`
+    reads it by name (as `LossConfig.of` reads the loss's), and `_config_defaults` gives it that
+    field's default, so no default is written twice and a StepOptions built by hand (tests,
+    benches) is a default config's."""
+    return field(metadata={"section": section})
+
+
+def _config_defaults(cls: type[C]) -> type[C]:
+    """Give each ``_config`` option of a class about to be a dataclass its config field's
+    default (applied before ``@dataclass`` reads the class)."""
+    from learner.config import LearnerConfig
+
+    for name in cls.__annotations__:
+        option = cls.__dict__.get(name)
+        if isinstance(option, Field) and "section" in option.metadata:
+            section: Any = LearnerConfig.model_fields[option.metadata["section"]].annotation
+            option.default = section.model_fields[name].default
+    return cls
+
 
 @dataclass
+@_config_defaults
 class StepOptions:
-    micro_batch_size: int
-    num_iterations: int = 1
-    max_grad_norm: float = 1.0
-    packing: bool = False
-    fused_loss: bool = False  # grpo.fused_loss
-    max_tokens_per_micro_batch: int = 4096
-    pad_to_multiple_of: int = 1
-    activation_offloading: bool = False
-    need_reference: bool = False  # beta > 0
+    micro_batch_size: int = _config("grpo")
+    num_iterations: int = _config("grpo")
+    max_grad_norm: float = _config("optim")
+    packing: bool = _config("grpo")
+    fused_loss: bool = _config("grpo")
+    max_tokens_per_micro_batch: int = _config("grpo")
+    pad_to_multiple_of: int = _config("grpo")
+    activation_offloading: bool = _config("model")
+    need_reference: bool = False  # grpo.beta > 0
     reference_is_adapterless: bool = False  # LoRA: reference = adapters disabled
-    skip_zero_advantage: bool = True  # grpo.skip_zero_advantage: see `rollouts_to_train`
-    count_zero_advantage: bool = True  # grpo.count_zero_advantage: see `build_micro_batches`
-    routing_replay: str = "off"  # model.routing_replay ("r2": the old forward's routes replayed)
+    skip_zero_advantage: bool = _config("grpo")  # see `rollouts_to_train`
+    count_zero_advantage: bool = _config("grpo")  # see `build_micro_batches`
+    routing_replay: str = _config("model")  # "r2": the old forward's routes replayed
 
     @classmethod
     def of(cls, cfg: LearnerConfig) -> StepOptions:
-        """The step's options as the validated config sets them ([grpo], [optim], [model])."""
-        g = cfg.grpo
+        """The step's options as the validated config sets them ([grpo], [optim], [model]):
+        each ``_config`` option read by name from its section, and the two derived ones."""
+        own = {
+            f.name: getattr(getattr(cfg, f.metadata["section"]), f.name)
+            for f in fields(cls)
+            if "section" in f.metadata
+        }
         return cls(
-            micro_batch_size=g.micro_batch_size,
-            num_iterations=g.num_iterations,
-            max_grad_norm=cfg.optim.max_grad_norm,
-            packing=g.packing,
-            fused_loss=g.fused_loss,
-            max_tokens_per_micro_batch=g.max_tokens_per_micro_batch,
-            pad_to_multiple_of=g.pad_to_multiple_of,
-            activation_offloading=cfg.model.activation_offloading,
-            need_reference=g.beta > 0,
+            **own,
+            need_reference=cfg.grpo.beta > 0,
             reference_is_adapterless=cfg.model.lora is not None,
-            skip_zero_advantage=g.skip_zero_advantage,
-            count_zero_advantage=g.count_zero_advantage,
-            routing_replay=cfg.model.routing_replay,
         )
 
 
