@@ -333,6 +333,9 @@ def test_colocated_mode_sleeps_the_server_while_training(tmp_path, level):
     assert [r["weight_version/min"] for r in records] == [0.0, 1.0, 2.0]
     log = (run_dir / "rollout_server.log").read_text()
     assert log.count("POST /sleep") == 3 and log.count("POST /wake_up") == 6
+    # what the server served as the run ended, read awake, right before it was stopped
+    served = json.loads((run_dir / "served_checksum.rank0.json").read_text())
+    assert served["weight_version"] == 3 and "error" not in served, served
 
 
 def test_overlap_never_exceeds_the_staleness_bound(tmp_path):
