@@ -82,7 +82,8 @@ def servers(
     """The rollout servers' URLs and the API key they take: ``rollout.servers`` (or
     ``servers_file``'s) and the configured key, or an embedded server's, with a fresh random
     key (every rank's clients get both). With ``rollout.embedded.per_rank`` every rank starts
-    its own on its own device, and gets its URL alone."""
+    its own on its own device, and gets its URL alone. A run that ends without an error
+    records what an embedded server serves before the server stops (``served_record``)."""
     if cfg.rollout.external:
         yield cfg.rollout.listed(), cfg.rollout.key()
         return
