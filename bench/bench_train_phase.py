@@ -32,9 +32,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "learner/configs/demo.toml"
 
-# name -> (accelerate config, learner overrides). "zero3_today" is the layout the learner took
-# before it planned one: ZeRO-3 as launched, DeepSpeed's own bucket sizes, recompute on, the
-# unfused loss, AdamW in torch's multi-tensor path.
+# name -> (accelerate config, learner overrides). "zero3_today" is the second baseline: every
+# choice the plan makes set back by hand (ZeRO-3 as launched, DeepSpeed's own bucket sizes,
+# recompute on, eager layers, the unfused loss, AdamW in torch's multi-tensor path).
 DS_DEFAULT_BUCKETS = [
     "deepspeed.prefetch_bucket_size=none",
     "deepspeed.max_live_parameters=none",
