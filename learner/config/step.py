@@ -148,14 +148,7 @@ class GRPOConfig(Section):
     @property
     def correction(self) -> Correction:
         """The off-policy correction these fields set (`learner.loss.off_policy`)."""
-        return Correction(
-            self.correction_level,
-            self.correction_mode,
-            self.correction_low,
-            self.tis_cap,
-            self.reject_low,
-            self.reject_high,
-        )
+        return Correction.of(self)
 
     @property
     def needs_sampling_logprobs(self) -> bool:

@@ -104,14 +104,7 @@ class LossConfig:
 
     @property
     def correction(self) -> Correction:
-        return Correction(
-            self.correction_level,
-            self.correction_mode,
-            self.correction_low,
-            self.tis_cap,
-            self.reject_low,
-            self.reject_high,
-        )
+        return Correction.of(self)
 
     @property
     def uses_sampling_logprobs(self) -> bool:

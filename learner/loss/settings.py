@@ -5,7 +5,7 @@ its `LossConfig`. What they mean is in `learner.loss.policy` and `learner.loss.o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 PolicyLoss = Literal["ppo", "cispo", "sapo", "gmpo"]
 CorrectionLevel = Literal["token", "sequence", "geo_sequence"]
@@ -35,6 +35,18 @@ class Correction:
     high: float | None = 2.0  # truncate: the cap; mask: weights above it are masked
     reject_low: float | None = None  # sequences whose geometric-mean ratio is below it: dropped
     reject_high: float | None = None  # ... or above it
+
+    @classmethod
+    def of(cls, fields: Any) -> Correction:
+        """From the `[grpo]` fields of the same names (a `GRPOConfig` or a `LossConfig`)."""
+        return cls(
+            fields.correction_level,
+            fields.correction_mode,
+            fields.correction_low,
+            fields.tis_cap,
+            fields.reject_low,
+            fields.reject_high,
+        )
 
     @property
     def weighs(self) -> bool:
