@@ -16,6 +16,13 @@ PATIENCE = 2  # consecutive such steps before the first warning
 EVERY = 10  # while it lasts, the warning again every this many steps
 
 
+def warning_due(streak: int, patience: int, every: int) -> bool:
+    """Whether a condition that has held ``streak`` steps in a row is warned about now: first
+    after ``patience`` steps, then every ``every`` steps while it lasts."""
+    due = streak - patience
+    return due >= 0 and due % every == 0
+
+
 class DriftWatch:
     """Feed it each step's metrics (reduced over the ranks); it returns a warning to log, or
     None. Without ``is_weight`` (``grpo.tis_cap = "none"``) it never warns."""
@@ -32,8 +39,7 @@ class DriftWatch:
             self.off_steps = 0
             return None
         self.off_steps += 1
-        due = self.off_steps - self.patience
-        if due < 0 or due % self.every:
+        if not warning_due(self.off_steps, self.patience, self.every):
             return None
         return (
             f"step {step}: the rollout servers sample from another policy than the learner's "

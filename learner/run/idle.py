@@ -10,6 +10,8 @@ cause, once it holds for a few steps in a row.
 
 from __future__ import annotations
 
+from learner.run.drift import warning_due
+
 PATIENCE = 3  # consecutive steps that trained nothing before the first warning
 EVERY = 10  # while it lasts, the warning again every this many steps
 
@@ -28,8 +30,7 @@ class IdleWatch:
             self.idle_steps = 0
             return None
         self.idle_steps += 1
-        due = self.idle_steps - self.patience
-        if due < 0 or due % self.every:
+        if not warning_due(self.idle_steps, self.patience, self.every):
             return None
         return (
             f"step {step}: nothing was trained for {self.idle_steps} steps in a row "
